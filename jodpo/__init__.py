@@ -1,0 +1,9 @@
+"""jodpo: Online DPO for language models in JAX/Flax.
+
+The public functional API (outside code imports exactly these names from ``jodpo``)."""
+from jodpo.models import (CheckpointError, Model, init_cache, init_params, load_model, load_tokenizer, logits,
+                          param_axes, reward_scores)
+
+__version__ = "0.1.0"
+__all__ = ["CheckpointError", "Model", "init_cache", "init_params", "load_model", "load_tokenizer", "logits",
+           "param_axes", "reward_scores"]

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Run a command inside jodpo's virtual environment, creating and installing it first when needed.
+#   bash scripts/env.sh python -m jodpo.train --config tiny.py
+# JODPO_EXTRAS=test also installs the test references (pytest, torch CPU, trl).
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+venv="${JODPO_VENV:-$root/.venv}"
+extras="${JODPO_EXTRAS:-}"
+py="${PYTHON:-python3}"
+"$py" -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { echo "jodpo needs Python >= 3.11 (set PYTHON=...)" >&2; exit 1; }
+[ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
+stamp="$venv/.jodpo-installed${extras:+-$extras}"
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  echo "[jodpo] installing into $venv (once)" >&2
+  "$venv/bin/python" -m pip install -q --upgrade pip
+  if [ "$extras" = test ]; then
+    # The CPU build of torch, before anything that depends on torch can pull the multi-GB CUDA wheels.
+    "$venv/bin/python" -m pip install -q "torch==2.13.0"
+  fi
+  "$venv/bin/python" -m pip install -q -e ".${extras:+[$extras]}"
+  touch "$stamp"
+fi
+export PATH="$venv/bin:$PATH" VIRTUAL_ENV="$venv"
+exec "$@"

@@ -1,0 +1,19 @@
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+
+from tests import hf_fixtures
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory):
+    """{family variant: {"causal_lm": dir, "reward": dir}}, built once per test session."""
+    return hf_fixtures.build_checkpoints(tmp_path_factory.mktemp("hf"))
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(checkpoints):
+    return next(iter(checkpoints.values()))["causal_lm"]

@@ -1,0 +1,96 @@
+"""Tiny Hugging Face checkpoints and a tokenizer, built locally (nothing is downloaded).
+
+Each family variant exercises a different switch of jodpo's decoder: Pythia's parallel residual and
+partial rotary, Llama-3 RoPE scaling with grouped-query attention, tied embeddings, Mistral's sliding
+window, Qwen2's q/k/v biases.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+VOCAB = 320  # the model's embedding rows; the tokenizer has fewer, as Pythia's 50304 vs 50277
+CORPUS = [
+    "the quick brown fox jumps over the lazy dog", "TL;DR: a short summary of the post",
+    "SUBREDDIT: r/relationships TITLE: advice needed POST: my friend and I", "hello world, hello jax",
+    "online dpo samples two completions per prompt and prefers the higher reward",
+] * 20
+
+
+def build_tokenizer(out: Path):
+    """A byte-level BPE tokenizer trained on a few sentences, saved for ``AutoTokenizer``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|pad|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>",
+                                   pad_token="<|pad|>", padding_side="left")
+    fast.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|endoftext|>{% endfor %}"
+                          "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    fast.save_pretrained(out)
+    return fast
+
+
+def family_configs(pad_id: int, eos_id: int) -> dict:
+    """transformers configs of the tiny variants, keyed by fixture name."""
+    from transformers import GPTNeoXConfig, LlamaConfig, MistralConfig, Qwen2Config
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  intermediate_size=128, max_position_embeddings=128, pad_token_id=pad_id, eos_token_id=eos_id,
+                  bos_token_id=eos_id)
+    return {
+        "neox": GPTNeoXConfig(rotary_pct=0.25, use_parallel_residual=True, **common),
+        "neox_seq": GPTNeoXConfig(rotary_pct=0.5, use_parallel_residual=False, attention_bias=False, **common),
+        "llama": LlamaConfig(num_key_value_heads=2, tie_word_embeddings=False,
+                             rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                           "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+                             **common),
+        "llama_tied": LlamaConfig(num_key_value_heads=1, tie_word_embeddings=True, head_dim=32, **common),
+        "mistral": MistralConfig(num_key_value_heads=2, sliding_window=6, **common),
+        "qwen2": Qwen2Config(num_key_value_heads=2, tie_word_embeddings=True, **common),
+    }
+
+
+def build_checkpoints(root: Path) -> dict[str, dict[str, Path]]:
+    """{name: {"causal_lm": dir, "reward": dir}} of tiny random checkpoints sharing one tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    tok = build_tokenizer(root / "tokenizer")
+    out = {}
+    for i, (name, cfg) in enumerate(family_configs(tok.pad_token_id, tok.eos_token_id).items()):
+        torch.manual_seed(i)
+        dirs = {}
+        for task, cls in (("causal_lm", AutoModelForCausalLM), ("reward", AutoModelForSequenceClassification)):
+            cfg.num_labels = 1
+            model = cls.from_config(cfg, dtype=torch.float32)
+            with torch.no_grad():  # larger random weights than HF's init, so that differences show up
+                for p in model.parameters():
+                    if p.ndim >= 2:
+                        p.normal_(0.0, 0.08)
+                    elif p.ndim == 1:
+                        p.add_(torch.randn_like(p) * 0.05)
+            d = root / f"{name}-{task}"
+            model.save_pretrained(d)
+            tok.save_pretrained(d)
+            dirs[task] = d
+        out[name] = dirs
+    return out
+
+
+def padded_batch(rng: np.random.Generator, lengths, pad_id: int, side: str, low: int = 3, high: int = 290):
+    """Random token rows of the given lengths, padded left or right to the longest."""
+    L = max(lengths)
+    ids = np.full((len(lengths), L), pad_id, np.int32)
+    mask = np.zeros((len(lengths), L), np.int32)
+    for b, n in enumerate(lengths):
+        row = rng.integers(low, high, n)
+        sl = slice(L - n, L) if side == "left" else slice(0, n)
+        ids[b, sl], mask[b, sl] = row, 1
+    return ids, mask

@@ -1,0 +1,115 @@
+"""jodpo's decoders against transformers (fp32, eager attention) for every family variant."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+import jodpo
+from jodpo.models import core
+from tests import hf_fixtures
+
+FAMILIES = ["neox", "neox_seq", "llama", "llama_tied", "mistral", "qwen2"]
+LENGTHS = [12, 5, 9, 1]
+
+
+def _hf(cls, path):
+    return cls.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def _positions(mask):
+    return np.maximum(np.cumsum(mask, -1) - 1, 0)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_match_transformers(checkpoints, family, side):
+    path = checkpoints[family]["causal_lm"]
+    model, params = jodpo.load_model(str(path))
+    ids, mask = hf_fixtures.padded_batch(np.random.default_rng(0), LENGTHS, model.pad_token_id, side)
+    ours = np.asarray(jax.jit(jodpo.logits, static_argnums=0)(model, params, ids, mask))
+    with torch.no_grad():
+        ref = _hf(AutoModelForCausalLM, path)(
+            input_ids=torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask),
+            position_ids=torch.tensor(_positions(mask), dtype=torch.long)).logits.numpy()
+    real = mask.astype(bool)  # padded positions' logits are unspecified in both
+    np.testing.assert_allclose(ours[real], ref[real], rtol=1e-4, atol=1e-4 * np.abs(ref[real]).max())
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_reward_scores_match_transformers(checkpoints, family, side):
+    path = checkpoints[family]["reward"]
+    model, params = jodpo.load_model(str(path), task="reward")
+    ids, mask = hf_fixtures.padded_batch(np.random.default_rng(1), LENGTHS, model.pad_token_id, side)
+    ours = np.asarray(jax.jit(jodpo.reward_scores, static_argnums=0)(model, params, ids, mask))
+    with torch.no_grad():
+        ref = _hf(AutoModelForSequenceClassification, path)(
+            input_ids=torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask),
+            position_ids=torch.tensor(_positions(mask), dtype=torch.long)).logits[:, 0].numpy()
+    assert ours.shape == (len(LENGTHS),)
+    np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_reward_reads_last_non_pad_token_like_transformers():
+    # pad == EOS (Pythia's tokenizer): transformers reads the last token that is not pad, so a trailing
+    # EOS is skipped; with no pad id jodpo falls back to the attention mask.
+    model = core.Model(family="llama", task="reward", vocab_size=8, hidden_size=4, num_layers=1, num_heads=1,
+                       num_kv_heads=1, head_dim=4, mlp_dim=4, norm="rmsnorm", norm_eps=1e-6, activation="silu",
+                       gated_mlp=True, mlp_bias=False, qkv_bias=False, out_bias=False, parallel_residual=False,
+                       rotary_dim=4, inv_freq=(1.0, 0.01), tie_embeddings=False, pad_token_id=0)
+    ids = jnp.array([[0, 0, 5, 6], [5, 6, 0, 0], [5, 6, 7, 0]])
+    mask = jnp.array([[0, 0, 1, 1], [1, 1, 1, 1], [1, 1, 1, 1]])
+    assert core.last_token_index(model, ids, mask).tolist() == [3, 1, 2]
+    assert core.last_token_index(model.replace(pad_token_id=None), ids, mask).tolist() == [3, 3, 3]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_kv_cache_decoding_equals_full_forward(checkpoints, family):
+    model, params = jodpo.load_model(str(checkpoints[family]["causal_lm"]))
+    rng = np.random.default_rng(2)
+    prompt, pmask = hf_fixtures.padded_batch(rng, [7, 3, 5], model.pad_token_id, "left")
+    steps = 6
+    new = rng.integers(3, 290, (3, steps)).astype(np.int32)
+    full_ids = np.concatenate([prompt, new], 1)
+    full_mask = np.concatenate([pmask, np.ones_like(new)], 1)
+    full = np.asarray(jodpo.logits(model, params, full_ids, full_mask))
+
+    step = jax.jit(core.hidden_states, static_argnums=0)
+    cache = core.init_cache(model, 3, prompt.shape[1] + steps)
+    h, cache = step(model, params, prompt, pmask, cache)
+    got = [core.lm_head(model, params, h)[:, -1]]
+    for t in range(steps - 1):
+        h, cache = step(model, params, new[:, t:t + 1], np.ones((3, 1), np.int32), cache)
+        got.append(core.lm_head(model, params, h)[:, -1])
+    got = np.stack(got, 1)
+    want = full[:, prompt.shape[1] - 1: prompt.shape[1] - 1 + steps]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    assert int(cache["index"]) == full_ids.shape[1] - 1
+
+
+def test_second_call_with_same_shapes_does_not_recompile(checkpoints):
+    model, params = jodpo.load_model(str(checkpoints["llama"]["causal_lm"]))
+    traces = []
+
+    @jax.jit
+    def f(params, ids, mask):
+        traces.append(1)
+        return jodpo.logits(model, params, ids, mask)
+
+    ids, mask = hf_fixtures.padded_batch(np.random.default_rng(3), [4, 6], model.pad_token_id, "left")
+    f(params, ids, mask).block_until_ready()
+    ids2, mask2 = hf_fixtures.padded_batch(np.random.default_rng(4), [6, 2], model.pad_token_id, "left")
+    f(params, ids2, mask2).block_until_ready()
+    assert len(traces) == 1
+
+
+def test_model_is_hashable_and_static(checkpoints):
+    model, params = jodpo.load_model(str(checkpoints["neox"]["causal_lm"]))
+    model2, _ = jodpo.load_model(str(checkpoints["neox"]["causal_lm"]))
+    assert hash(model) == hash(model2) and model == model2
+    axes = jodpo.param_axes(model)
+    assert jax.tree.structure(axes, is_leaf=lambda x: isinstance(x, tuple)) == jax.tree.structure(params)
+    for ax, p in zip(jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple)), jax.tree.leaves(params)):
+        assert len(ax) == p.ndim
