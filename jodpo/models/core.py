@@ -10,7 +10,7 @@ The families differ only in switches on ``Model``:
   Qwen2     Llama with q/k/v biases.
 
 The KV cache is a dict pytree passed in and returned (never a mutable collection):
-  k, v   [layers, B, S, kv_heads, head_dim]   keys/values by slot
+  k, v   [layers, B, kv_heads, S, head_dim]   keys/values by slot (head-major, as attention reads them)
   mask   bool[B, S]                           which slots hold a real (non-pad) token
   index  i32[]                                the next slot to write
 Positions always come from the masks (count of real tokens before), so left padding shifts nothing.
@@ -107,7 +107,7 @@ def param_specs(model: Model) -> dict:
         "final_norm": final,
     }
     if model.task == "causal_lm" and not model.tie_embeddings:
-        specs["lm_head"] = ((D, V), ("embed", "vocab"))
+        specs["lm_head"] = ((V, D), ("vocab", "embed"))  # HF's layout; also the faster one for decode dots
     if model.task == "reward":
         specs["score"] = ((D, 1), ("embed", None))
     return specs
@@ -208,36 +208,35 @@ def _mlp(model: Model, p: Params, x_BLD: jax.Array) -> jax.Array:
     return out
 
 
-def _attention(model: Model, p: Params, x_BLD, cos, sin, k_BSKD, v_BSKD, start, attend_BLS):
-    """Self-attention over a cache of S slots; the new keys/values are written at ``start``.
-
-    Returns the output and the updated k/v slabs. Without a cache, S == L and ``start`` == 0.
-    """
+def _qkv(model: Model, p: Params, x_BLD, cos, sin):
+    """Rotated queries [B, L, H, Dh] and keys, values [B, L, K, Dh] of the new tokens."""
     dt = x_BLD.dtype
-    B, L, _ = x_BLD.shape
-    K, Dh = model.num_kv_heads, model.head_dim
-    G = model.num_heads // K
     q = jnp.einsum("bld,dhk->blhk", x_BLD, p["q"].astype(dt))
     k = jnp.einsum("bld,dhk->blhk", x_BLD, p["k"].astype(dt))
     v = jnp.einsum("bld,dhk->blhk", x_BLD, p["v"].astype(dt))
     if model.qkv_bias:
         q, k, v = q + p["q_bias"].astype(dt), k + p["k_bias"].astype(dt), v + p["v_bias"].astype(dt)
-    q, k = _rope(model, q, cos, sin), _rope(model, k, cos, sin)
-    if k_BSKD is None:
-        k_BSKD, v_BSKD = k, v
-    else:
-        k_BSKD = jax.lax.dynamic_update_slice(k_BSKD, k.astype(k_BSKD.dtype), (0, start, 0, 0))
-        v_BSKD = jax.lax.dynamic_update_slice(v_BSKD, v.astype(v_BSKD.dtype), (0, start, 0, 0))
-    q_BLKGD = q.reshape(B, L, K, G, Dh)  # head h reads kv head h // G, as transformers' repeat_kv
-    scores = jnp.einsum("blkgd,bskd->bkgls", q_BLKGD, k_BSKD.astype(dt), preferred_element_type=jnp.float32)
+    return _rope(model, q, cos, sin), _rope(model, k, cos, sin), v
+
+
+def _attend(model: Model, p: Params, q_BLHD, k_BKSD, v_BKSD, attend_BLS):
+    """Softmax attention of L queries over S key slots (float32 scores), then the output projection.
+
+    Keys and values are head-major ``[B, K, S, Dh]`` (the cache's layout), so the batched dots read them
+    in place rather than transposing a whole cache slab every decode step."""
+    dt = q_BLHD.dtype
+    B, L, H, Dh = q_BLHD.shape
+    K = model.num_kv_heads
+    q_BLKGD = q_BLHD.reshape(B, L, K, H // K, Dh)  # head h reads kv head h // G, as transformers' repeat_kv
+    scores = jnp.einsum("blkgd,bksd->bkgls", q_BLKGD, k_BKSD.astype(dt), preferred_element_type=jnp.float32)
     scores = scores * (Dh ** -0.5)
     scores = jnp.where(attend_BLS[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-    out = jnp.einsum("bkgls,bskd->blkgd", probs, v_BSKD.astype(dt)).reshape(B, L, K * G, Dh)
+    out = jnp.einsum("bkgls,bksd->blkgd", probs, v_BKSD.astype(dt)).reshape(B, L, H, Dh)
     out = jnp.einsum("blhk,hkd->bld", out, p["o"].astype(dt))
     if model.out_bias:
         out = out + p["o_bias"].astype(dt)
-    return out, k_BSKD, v_BSKD
+    return out
 
 
 _REMAT_POLICIES = {
@@ -252,13 +251,18 @@ REMAT_POLICIES = ("none",) + tuple(_REMAT_POLICIES)
 # --------------------------------------------------------------------------------------------------
 
 
-def init_cache(model: Model, batch: int, length: int, dtype=None) -> Cache:
-    """An empty KV cache of ``length`` slots for ``batch`` rows."""
+def init_cache(model: Model, batch: int, length: int, dtype=None, per_layer: bool = False) -> Cache:
+    """An empty KV cache of ``length`` slots for ``batch`` rows (``per_layer``: a tuple of per-layer
+    slabs, to go with ``split_layers`` params)."""
     dtype = jnp.dtype(dtype or model.dtype)
-    shape = (model.num_layers, batch, length, model.num_kv_heads, model.head_dim)
+    shape = (model.num_layers, batch, model.num_kv_heads, length, model.head_dim)
+    if per_layer:
+        k = v = tuple(jnp.zeros(shape[1:], dtype) for _ in range(model.num_layers))
+    else:
+        k = v = jnp.zeros(shape, dtype)
     return {
-        "k": jnp.zeros(shape, dtype),
-        "v": jnp.zeros(shape, dtype),
+        "k": k,
+        "v": v,
         "mask": jnp.zeros((batch, length), bool),
         "index": jnp.zeros((), jnp.int32),
     }
@@ -294,35 +298,81 @@ def hidden_states(model: Model, params: Params, tokens_BL: jax.Array, mask_BL: j
     windows = np.asarray(model.sliding_windows or (0,) * model.num_layers, np.int32)
     windows = np.where(windows > 0, windows, np.iinfo(np.int32).max)
 
-    def layer(x, xs):
-        p, window, k_cache, v_cache = xs
+    def block(x, p, window, write):
+        """One decoder layer; ``write(k, v)`` puts the new keys/values in the cache and returns the
+        slabs to attend over (the new ones themselves when there is no cache)."""
         attend = attend_BLS & (dist_LS < window)[None]
         h = _norm(model, p["ln1"], x)
-        attn, k_cache, v_cache = _attention(model, p["attn"], h, cos, sin, k_cache, v_cache, start, attend)
+        q, k, v = _qkv(model, p["attn"], h, cos, sin)
+        k_all, v_all = write(k, v)
+        attn = _attend(model, p["attn"], q, k_all, v_all, attend)
         if model.parallel_residual:
             x = x + attn + _mlp(model, p["mlp"], _norm(model, p["ln2"], x))
         else:
             x = x + attn
             x = x + _mlp(model, p["mlp"], _norm(model, p["ln2"], x))
-        # Without a cache nothing is stacked per layer (the training forward keeps no k/v around).
-        return x, (None, None) if cache is None else (k_cache, v_cache)
+        return x
 
-    if model.remat != "none":
-        layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[model.remat], prevent_cse=False)
-    kv = (None, None) if cache is None else (cache["k"], cache["v"])
-    x, (k_new, v_new) = jax.lax.scan(layer, x, (params["layers"], jnp.asarray(windows)) + kv)
-    x = _norm(model, params["final_norm"], x)
+    xs = (params["layers"], jnp.asarray(windows), jnp.arange(model.num_layers, dtype=jnp.int32))
     if cache is None:
-        return x, None
+        def layer(x, xs):
+            return block(x, xs[0], xs[1], lambda k, v: (k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))), None
+
+        if model.remat != "none":  # training passes only: sampling with a cache needs no gradients
+            layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[model.remat], prevent_cse=False)
+        x, _ = jax.lax.scan(layer, x, xs)
+        return _norm(model, params["final_norm"], x), None
+
+    # The cache rides in the scan carry and is updated in place: only the new tokens' slots are written,
+    # instead of every layer's whole slab being copied through the scan's inputs and outputs.
+    def cached_layer(carry, xs):
+        x, k_cache, v_cache = carry
+        p, window, i = xs
+
+        def write(k, v):
+            nonlocal k_cache, v_cache
+            k = k.transpose(0, 2, 1, 3)[None].astype(k_cache.dtype)
+            v = v.transpose(0, 2, 1, 3)[None].astype(v_cache.dtype)
+            k_cache = jax.lax.dynamic_update_slice(k_cache, k, (i, 0, 0, start, 0))
+            v_cache = jax.lax.dynamic_update_slice(v_cache, v, (i, 0, 0, start, 0))
+            return k_cache[i], v_cache[i]
+
+        x = block(x, p, window, write)
+        return (x, k_cache, v_cache), None
+
+    if isinstance(cache["k"], (tuple, list)):
+        # Unrolled (see split_layers): per-layer weights and cache buffers, so a decode step slices
+        # nothing; each layer's cache is updated in place where it lives.
+        k_new, v_new = list(cache["k"]), list(cache["v"])
+        for i, p in enumerate(params["layers"]):
+            def write(k, v, i=i):
+                k_new[i] = jax.lax.dynamic_update_slice(k_new[i], k.transpose(0, 2, 1, 3).astype(k_new[i].dtype),
+                                                        (0, 0, start, 0))
+                v_new[i] = jax.lax.dynamic_update_slice(v_new[i], v.transpose(0, 2, 1, 3).astype(v_new[i].dtype),
+                                                        (0, 0, start, 0))
+                return k_new[i], v_new[i]
+
+            x = block(x, p, int(windows[i]), write)
+        k_new, v_new = tuple(k_new), tuple(v_new)
+    else:
+        (x, k_new, v_new), _ = jax.lax.scan(cached_layer, (x, cache["k"], cache["v"]), xs)
+    x = _norm(model, params["final_norm"], x)
     return x, {"k": k_new, "v": v_new, "mask": kv_mask_BS, "index": start + L}
+
+
+def split_layers(params: Params) -> Params:
+    """``params`` with the stacked layers split into a tuple of per-layer dicts, for unrolled decoding
+    with a per-layer cache (``init_cache(..., per_layer=True)``): a decode step then slices no weights
+    and no cache slabs. Costs one copy of the layer weights; do it once per sampling call."""
+    layers = params["layers"]
+    n = jax.tree.leaves(layers)[0].shape[0]
+    return {**params, "layers": tuple(jax.tree.map(lambda a: a[i], layers) for i in range(n))}
 
 
 def lm_head(model: Model, params: Params, h_BXD: jax.Array) -> jax.Array:
     """Float32 logits of hidden states of any leading shape ``[..., D] -> [..., V]``."""
-    dt = h_BXD.dtype
-    if model.tie_embeddings:
-        return jnp.einsum("...d,vd->...v", h_BXD, params["embed"].astype(dt), preferred_element_type=jnp.float32)
-    return jnp.einsum("...d,dv->...v", h_BXD, params["lm_head"].astype(dt), preferred_element_type=jnp.float32)
+    w_VD = params["embed"] if model.tie_embeddings else params["lm_head"]
+    return jnp.einsum("...d,vd->...v", h_BXD, w_VD.astype(h_BXD.dtype), preferred_element_type=jnp.float32)
 
 
 def logits(model: Model, params: Params, input_ids: jax.Array, attention_mask: jax.Array) -> jax.Array:

@@ -180,7 +180,7 @@ def _neox_rules(model: Model) -> list[Rule]:
     rules += _norm_rules(model, ("final_norm",), "gpt_neox.final_layer_norm", per_layer=False)
     rules.append(_same(("embed",), "gpt_neox.embed_in.weight", per_layer=False))
     if model.task == "causal_lm":
-        rules.append(Rule(("embed_out.weight",), (("lm_head",),), lambda w: (w.T,), lambda w: (w.T,), False))
+        rules.append(_same(("lm_head",), "embed_out.weight", per_layer=False))
     return rules
 
 
@@ -207,7 +207,7 @@ def _llama_rules(model: Model) -> list[Rule]:
     rules += _norm_rules(model, ("final_norm",), "model.norm", per_layer=False)
     rules.append(_same(("embed",), "model.embed_tokens.weight", per_layer=False))
     if model.task == "causal_lm" and not model.tie_embeddings:
-        rules.append(Rule(("lm_head.weight",), (("lm_head",),), lambda w: (w.T,), lambda w: (w.T,), False))
+        rules.append(_same(("lm_head",), "lm_head.weight", per_layer=False))
     return rules
 
 

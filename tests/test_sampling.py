@@ -1,0 +1,151 @@
+"""The sampler against transformers' generate, a Python loop, and the exact filtered distribution."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import jodpo
+from jodpo import sampling
+from jodpo.models import core
+from tests import hf_fixtures
+from tests.test_models import FAMILIES
+
+_sample = jax.jit(sampling.sample, static_argnums=(0, 5))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_equals_transformers_generate(checkpoints, family):
+    path = checkpoints[family]["causal_lm"]
+    model, params = jodpo.load_model(str(path))
+    ids, mask = hf_fixtures.padded_batch(np.random.default_rng(5), [9, 4, 7], model.pad_token_id, "left")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    T = 10
+
+    def generate(eos):
+        with torch.no_grad():
+            out = hf.generate(input_ids=torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask),
+                              do_sample=False, max_new_tokens=T, eos_token_id=eos, pad_token_id=model.pad_token_id)
+        return out[:, ids.shape[1]:].numpy()
+
+    free = generate(eos=[])  # no EOS: choose a token row 0 emits mid-way, so that row ends there
+    eos = int(free[0, 4])
+    want = generate(eos=[eos])
+    cfg = jodpo.SamplingConfig(max_new_tokens=T, temperature=0.0, eos_token_ids=(eos,),
+                               pad_token_id=model.pad_token_id, chunk=3)
+    got = _sample(model, params, ids, mask, jax.random.key(0), cfg)
+    tokens = np.asarray(got.tokens)
+    want = np.pad(want, ((0, 0), (0, T - want.shape[1])), constant_values=model.pad_token_id)
+    np.testing.assert_array_equal(tokens, want)
+    first_eos = list(tokens[0]).index(eos)
+    assert np.asarray(got.mask)[0].tolist() == [1] * (first_eos + 1) + [0] * (T - first_eos - 1)
+
+
+@pytest.mark.parametrize("cfg", [
+    dict(temperature=0.9),
+    dict(temperature=0.7, top_k=20, top_p=0.9, repetition_penalty=1.3),
+    dict(temperature=1.0, min_p=0.05),
+])
+def test_scan_sampler_equals_python_loop(checkpoints, cfg):
+    model, params = jodpo.load_model(str(checkpoints["neox"]["causal_lm"]))
+    ids, mask = hf_fixtures.padded_batch(np.random.default_rng(6), [6, 3, 8, 2], model.pad_token_id, "left")
+    config = jodpo.SamplingConfig(max_new_tokens=12, eos_token_ids=(5, 9, 17), pad_token_id=model.pad_token_id,
+                                  chunk=5, **cfg)
+    rng = jax.random.key(42)
+    got = _sample(model, params, ids, mask, rng, config)
+    ref = sampling.sample_reference(model, params, ids, mask, rng, config)
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(ref.tokens))
+    np.testing.assert_array_equal(np.asarray(got.mask), np.asarray(ref.mask))
+    np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(ref.logprobs), rtol=1e-5, atol=1e-6)
+
+
+def test_logprobs_are_raw_model_logprobs(checkpoints):
+    model, params = jodpo.load_model(str(checkpoints["llama"]["causal_lm"]))
+    ids, mask = hf_fixtures.padded_batch(np.random.default_rng(7), [5, 3], model.pad_token_id, "left")
+    cfg = jodpo.SamplingConfig(max_new_tokens=6, temperature=0.5, top_k=10, pad_token_id=model.pad_token_id)
+    out = _sample(model, params, ids, mask, jax.random.key(1), cfg)
+    full_ids = np.concatenate([ids, np.asarray(out.tokens)], 1)
+    full_mask = np.concatenate([mask, np.asarray(out.mask)], 1)
+    logp = jax.nn.log_softmax(jodpo.logits(model, params, full_ids, full_mask), -1)
+    P = ids.shape[1]
+    want = np.take_along_axis(np.asarray(logp[:, P - 1:-1]), np.asarray(out.tokens)[..., None], -1)[..., 0]
+    np.testing.assert_allclose(np.asarray(out.logprobs), want * np.asarray(out.mask), rtol=1e-4, atol=1e-5)
+
+
+def _filtered_distribution(logits, temperature, top_k=0, top_p=1.0, min_p=0.0):
+    """transformers' warpers written out in numpy, for one row."""
+    x = logits / temperature
+    if top_k:
+        x = np.where(x < np.sort(x)[-top_k], -np.inf, x)
+    if top_p < 1:
+        order = np.argsort(x)
+        p = np.exp(x[order] - x.max()); p /= p.sum()
+        remove = np.cumsum(p) <= 1 - top_p
+        remove[-1] = False
+        x = x.copy(); x[order[remove]] = -np.inf
+    if min_p:
+        p = np.exp(x - x.max()); p /= p.sum()
+        x = np.where(p < min_p * p.max(), -np.inf, x)
+    p = np.exp(x - x.max())
+    return p / p.sum()
+
+
+@pytest.mark.parametrize("filters", [dict(temperature=0.6), dict(temperature=1.3, top_k=5),
+                                     dict(temperature=0.8, top_p=0.7), dict(temperature=1.0, min_p=0.15)])
+def test_empirical_frequencies_match_filtered_distribution(filters):
+    model = core.Model(family="llama", task="causal_lm", vocab_size=12, hidden_size=8, num_layers=1, num_heads=2,
+                       num_kv_heads=1, head_dim=4, mlp_dim=8, norm="rmsnorm", norm_eps=1e-6, activation="silu",
+                       gated_mlp=True, mlp_bias=False, qkv_bias=False, out_bias=False, parallel_residual=False,
+                       rotary_dim=4, inv_freq=(1.0, 0.01), tie_embeddings=False)
+    params = core.init_params(model, jax.random.key(0), std=1.0)
+    N = 40000
+    ids, mask = np.full((N, 2), 3, np.int32), np.ones((N, 2), np.int32)
+    cfg = jodpo.SamplingConfig(max_new_tokens=1, **filters)
+    tokens = np.asarray(_sample(model, params, ids, mask, jax.random.key(3), cfg).tokens[:, 0])
+    freq = np.bincount(tokens, minlength=model.vocab_size) / N
+    logits = np.asarray(jodpo.logits(model, params, ids[:1], mask[:1])[0, -1], np.float64)
+    want = _filtered_distribution(logits, **filters)
+    tv = 0.5 * np.abs(freq - want).sum()
+    assert tv < 0.015, (tv, freq, want)
+    assert np.all(freq[want == 0] == 0)  # filtered tokens never appear
+    plain = _filtered_distribution(logits, 1.0)
+    assert 0.5 * np.abs(plain - want).sum() > 0.05  # the check can tell the filters apart
+
+
+def test_stops_early_and_pads_after_eos(checkpoints):
+    model, params = jodpo.load_model(str(checkpoints["qwen2"]["causal_lm"]))
+    ids, mask = hf_fixtures.padded_batch(np.random.default_rng(8), [4, 4], model.pad_token_id, "left")
+    every_token = tuple(range(model.vocab_size))  # every token is an EOS: each row ends at step 0
+    cfg = jodpo.SamplingConfig(max_new_tokens=40, temperature=1.0, eos_token_ids=every_token,
+                               pad_token_id=model.pad_token_id, chunk=4)
+    out = _sample(model, params, ids, mask, jax.random.key(0), cfg)
+    assert np.asarray(out.mask).sum(1).tolist() == [1, 1]
+    assert np.all(np.asarray(out.tokens)[:, 1:] == model.pad_token_id)
+    assert np.all(np.asarray(out.logprobs)[:, 1:] == 0)
+
+
+def test_same_bucket_does_not_recompile(checkpoints):
+    model, params = jodpo.load_model(str(checkpoints["neox"]["causal_lm"]))
+    traces = []
+
+    @jax.jit
+    def f(params, ids, mask, rng):
+        traces.append(1)
+        return sampling.sample(model, params, ids, mask, rng, jodpo.SamplingConfig(max_new_tokens=4))
+
+    rng = np.random.default_rng(9)
+    for lengths in ([3, 7], [10, 2], [5, 5]):
+        ids, mask = hf_fixtures.padded_batch(rng, lengths, model.pad_token_id, "left")
+        ids, mask = sampling.pad_to_bucket(ids, mask, (8, 16), model.pad_token_id)
+        assert ids.shape == (2, 8 if max(lengths) <= 8 else 16)
+        f(params, ids, mask, jax.random.key(0)).tokens.block_until_ready()
+    assert len(traces) == 2  # one trace per bucket (8 and 16), none for the repeated bucket
+
+
+def test_bucket_errors_and_config_validation():
+    with pytest.raises(ValueError, match="longer than the largest bucket"):
+        sampling.bucket_length(40, (16, 32))
+    with pytest.raises(ValueError, match="top_p"):
+        jodpo.SamplingConfig(top_p=0.0)
+    assert hash(jodpo.SamplingConfig(eos_token_ids=[1, 2])) == hash(jodpo.SamplingConfig(eos_token_ids=(1, 2)))
