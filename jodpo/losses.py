@@ -1,0 +1,207 @@
+"""Per-token log-probs, the DPO-family losses, and the online DPO loss with TRL's metrics.
+
+Rows are in TRL's *block layout*: for B prompts, rows [0, B) hold completion 0 of every prompt and rows
+[B, 2B) completion 1. Every loss is its own pure function of a ``Pair`` of log-ratios, chosen from
+``LOSSES`` by name (formulas as in TRL's ``trl/trainer/dpo_trainer.py``).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from jodpo.models.core import Model, Params, hidden_states, lm_head
+from jodpo.rewards import apply_eos_penalty, contains_eos, pair_indices
+
+
+def completion_logprobs(model: Model, params: Params, prompt_ids: jax.Array, prompt_mask: jax.Array,
+                        completion_ids: jax.Array, completion_mask: jax.Array,
+                        max_length: int | None = None) -> jax.Array:
+    """f32[B, C]: log p(completion token | everything before it) under ``params``; 0 on padding.
+
+    The LM head runs only at the C positions that predict completion tokens (never over the prompt).
+    ``max_length`` left-truncates the prompt for this forward only, as TRL does (at least one prompt
+    token is kept).
+    """
+    P, C = prompt_ids.shape[1], completion_ids.shape[1]
+    if max_length is not None and P + C > max_length:
+        cut = min(P + C - max_length, P - 1)
+        prompt_ids, prompt_mask, P = prompt_ids[:, cut:], prompt_mask[:, cut:], P - cut
+    ids = jnp.concatenate([prompt_ids, completion_ids], 1)
+    mask = jnp.concatenate([prompt_mask, completion_mask], 1)
+    h, _ = hidden_states(model, params, ids, mask)
+    logits_BCV = lm_head(model, params, h[:, P - 1: P + C - 1])
+    picked = jnp.take_along_axis(logits_BCV, completion_ids[..., None].astype(jnp.int32), -1)[..., 0]
+    logp = picked - jax.nn.logsumexp(logits_BCV, axis=-1)
+    return jnp.where(completion_mask > 0, logp, 0.0)
+
+
+# --------------------------------------------------------------------------------------------------
+# The losses
+# --------------------------------------------------------------------------------------------------
+
+
+@flax.struct.dataclass
+class Pair:
+    """Summed log-ratios log pi - log pi_ref of the chosen and rejected completions, and their lengths."""
+
+    chosen: jax.Array  # f32[B]
+    rejected: jax.Array  # f32[B]
+    chosen_len: jax.Array  # f32[B], completion tokens (EOS included)
+    rejected_len: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class LossOptions:
+    label_smoothing: float = 0.0  # cDPO (sigmoid), robust, exo_pair: the assumed label-flip rate
+    discopop_tau: float = 0.05
+    ipo_length_normalized: bool = False  # TRL's online trainer sums; its offline DPO normalises
+
+
+def _delta(p: Pair):
+    return p.chosen - p.rejected
+
+
+def sigmoid_loss(p: Pair, beta, o: LossOptions):
+    """DPO; with label smoothing, cDPO."""
+    z = beta * _delta(p)
+    return -(1 - o.label_smoothing) * jax.nn.log_sigmoid(z) - o.label_smoothing * jax.nn.log_sigmoid(-z)
+
+
+def ipo_loss(p: Pair, beta, o: LossOptions):
+    if o.ipo_length_normalized:
+        d = p.chosen / jnp.maximum(p.chosen_len, 1.0) - p.rejected / jnp.maximum(p.rejected_len, 1.0)
+    else:
+        d = _delta(p)
+    return (d - 1 / (2 * beta)) ** 2
+
+
+def hinge_loss(p: Pair, beta, o: LossOptions):
+    return jax.nn.relu(1 - beta * _delta(p))
+
+
+def robust_loss(p: Pair, beta, o: LossOptions):
+    z, e = beta * _delta(p), o.label_smoothing
+    return (-(1 - e) * jax.nn.log_sigmoid(z) + e * jax.nn.log_sigmoid(-z)) / (1 - 2 * e)
+
+
+def exo_pair_loss(p: Pair, beta, o: LossOptions):
+    z, e = beta * _delta(p), o.label_smoothing
+    return (jax.nn.sigmoid(z) * (jax.nn.log_sigmoid(z) - jnp.log1p(-e))
+            + jax.nn.sigmoid(-z) * (jax.nn.log_sigmoid(-z) - jnp.log(e)))
+
+
+def nca_pair_loss(p: Pair, beta, o: LossOptions):
+    c, r = beta * p.chosen, beta * p.rejected
+    return -jax.nn.log_sigmoid(c) - 0.5 * jax.nn.log_sigmoid(-c) - 0.5 * jax.nn.log_sigmoid(-r)
+
+
+def sppo_hard_loss(p: Pair, beta, o: LossOptions):
+    return (p.chosen - 0.5 / beta) ** 2 + (p.rejected + 0.5 / beta) ** 2
+
+
+def apo_zero_loss(p: Pair, beta, o: LossOptions):
+    return 1 - jax.nn.sigmoid(beta * p.chosen) + jax.nn.sigmoid(beta * p.rejected)
+
+
+def apo_down_loss(p: Pair, beta, o: LossOptions):
+    return jax.nn.sigmoid(beta * p.chosen) + 1 - jax.nn.sigmoid(beta * _delta(p))
+
+
+def discopop_loss(p: Pair, beta, o: LossOptions):
+    z = beta * _delta(p)
+    w = jax.nn.sigmoid(z / o.discopop_tau)
+    return -jax.nn.log_sigmoid(z) * (1 - w) + jnp.exp(-z) * w
+
+
+LOSSES: dict[str, Callable[[Pair, jax.Array, LossOptions], jax.Array]] = {
+    "sigmoid": sigmoid_loss, "ipo": ipo_loss, "hinge": hinge_loss, "robust": robust_loss,
+    "exo_pair": exo_pair_loss, "nca_pair": nca_pair_loss, "sppo_hard": sppo_hard_loss,
+    "apo_zero": apo_zero_loss, "apo_down": apo_down_loss, "discopop": discopop_loss,
+}
+
+
+def get_loss(loss_type: str):
+    """The per-sequence loss function of ``loss_type``; unknown names get the list of known ones."""
+    try:
+        return LOSSES[loss_type]
+    except KeyError:
+        raise ValueError(f"unknown loss_type {loss_type!r}; choose one of {sorted(LOSSES)}") from None
+
+
+def check_loss_options(loss_type: str, o: LossOptions) -> None:
+    get_loss(loss_type)
+    if loss_type == "robust" and not 0 <= o.label_smoothing < 0.5:
+        raise ValueError("loss_type='robust' needs 0 <= label_smoothing < 0.5")
+    if loss_type == "exo_pair" and not 0 < o.label_smoothing < 1:
+        raise ValueError("loss_type='exo_pair' needs 0 < label_smoothing < 1 (TRL suggests 1e-3)")
+
+
+# --------------------------------------------------------------------------------------------------
+# Online DPO
+# --------------------------------------------------------------------------------------------------
+
+
+def online_dpo_loss(model: Model, params: Params, ref_params: Params, prompt_ids: jax.Array,
+                    prompt_mask: jax.Array, completion_ids: jax.Array, completion_mask: jax.Array,
+                    rewards: jax.Array, *, beta, loss_type: str = "sigmoid", missing_eos_penalty=None,
+                    eos_token_ids=(), penalty_reward_value=None, max_length: int | None = None,
+                    options: LossOptions = LossOptions(), ref_logprobs: jax.Array | None = None):
+    """The online DPO loss of one batch and TRL's metrics; differentiable in ``params``.
+
+    Args:
+      prompt_ids, prompt_mask: i32[2B, P] in block layout (or [B, P], used for both completions).
+      completion_ids, completion_mask: i32[2B, C], block layout, padding after the first EOS.
+      rewards: f32[2B], raw (before any EOS penalty).
+      beta: the KL strength (a scalar, may be traced).
+      missing_eos_penalty: subtracted from the reward of completions without EOS (TRL).
+      penalty_reward_value: if given, *replaces* the reward of completions without EOS (open-instruct's
+        ``non_eos_penalty``).
+      ref_logprobs: f32[2B, C] reference log-probs when already computed (else from ``ref_params``).
+    Returns:
+      ``(loss, metrics)`` with TRL's metric names; KL and entropy are masked to the completion.
+    """
+    prompt_ids, prompt_mask, completion_ids, completion_mask, rewards = (
+        jnp.asarray(x) for x in (prompt_ids, prompt_mask, completion_ids, completion_mask, rewards))
+    B = completion_ids.shape[0] // 2
+    if prompt_ids.shape[0] == B:
+        prompt_ids, prompt_mask = jnp.concatenate([prompt_ids] * 2), jnp.concatenate([prompt_mask] * 2)
+    logp = completion_logprobs(model, params, prompt_ids, prompt_mask, completion_ids, completion_mask, max_length)
+    if ref_logprobs is None:
+        ref_logprobs = completion_logprobs(model, jax.lax.stop_gradient(ref_params), prompt_ids, prompt_mask,
+                                           completion_ids, completion_mask, max_length)
+    ref_logprobs = jax.lax.stop_gradient(ref_logprobs)
+    has_eos = contains_eos(completion_ids, completion_mask, eos_token_ids)
+    scores = apply_eos_penalty(rewards.astype(jnp.float32), has_eos, missing_eos_penalty, penalty_reward_value)
+    chosen, rejected = pair_indices(scores)
+    S, S_ref = logp.sum(-1), ref_logprobs.sum(-1)
+    length = completion_mask.sum(-1).astype(jnp.float32)
+    pair = Pair(chosen=S[chosen] - S_ref[chosen], rejected=S[rejected] - S_ref[rejected],
+                chosen_len=length[chosen], rejected_len=length[rejected])
+    loss = get_loss(loss_type)(pair, beta, options).mean()
+
+    kl = S - S_ref  # per sequence, masked to the completion (TRL 1.16 also sums padding)
+    chosen_rewards, rejected_rewards = beta * pair.chosen, beta * pair.rejected
+    margins = chosen_rewards - rejected_rewards
+    sg = jax.lax.stop_gradient
+    metrics = {
+        "loss": loss,
+        "objective/kl": kl.mean(),
+        "objective/entropy": -S.mean(),
+        "objective/non_score_reward": (-beta * kl).mean(),
+        "objective/rlhf_reward": (scores - beta * kl).mean(),
+        "objective/scores": scores.mean(),
+        "objective/scores_margin": (scores[chosen] - scores[rejected]).mean(),
+        "rewards/chosen": chosen_rewards.mean(),
+        "rewards/rejected": rejected_rewards.mean(),
+        "rewards/margins": margins.mean(),
+        "rewards/accuracies": (margins > 0).astype(jnp.float32).mean(),
+        "logps/chosen": S[chosen].mean(),
+        "logps/rejected": S[rejected].mean(),
+        "val/contain_eos_token": has_eos.astype(jnp.float32).mean(),
+        "beta": jnp.asarray(beta, jnp.float32),
+    }
+    return loss, jax.tree.map(sg, metrics)

@@ -1,0 +1,115 @@
+"""Rewards: reward-model scoring, callable rewards, EOS penalties, and pairing.
+
+What a reward model reads follows TRL 1.16: the prompt and the completion *decoded with
+skip_special_tokens=True*, so the completion's EOS is not part of the scored text. With a reward model
+that shares the policy tokenizer, jodpo scores the token ids directly on the device (no decode/encode
+round trip): EOS and padding become pad slots, and the value is read at the last real token.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jodpo.models.core import Model, Params, reward_scores
+
+RewardFn = Callable[..., Sequence[float | None]]
+
+
+def contains_eos(completion_ids: jax.Array, completion_mask: jax.Array, eos_token_ids) -> jax.Array:
+    """bool[N]: the completion contains an EOS token (within its mask)."""
+    eos = jnp.asarray(tuple(eos_token_ids) or (-1,), jnp.int32)
+    return jnp.any(jnp.isin(completion_ids, eos) & (completion_mask > 0), axis=-1)
+
+
+def apply_eos_penalty(rewards: jax.Array, has_eos: jax.Array, missing_eos_penalty=None,
+                      penalty_reward_value=None) -> jax.Array:
+    """TRL's ``missing_eos_penalty`` is subtracted from completions without EOS; open-instruct's
+    ``penalty_reward_value`` (with ``non_eos_penalty``) replaces their reward instead."""
+    if penalty_reward_value is not None:
+        rewards = jnp.where(has_eos, rewards, jnp.float32(penalty_reward_value))
+    if missing_eos_penalty is not None:
+        rewards = jnp.where(has_eos, rewards, rewards - missing_eos_penalty)
+    return rewards
+
+
+def pair_indices(rewards_2B: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(chosen, rejected) row indices, i32[B] each, from block-layout rewards.
+
+    Completion 0 is chosen when ``r0 >= r1`` (ties go to completion 0), exactly TRL's rule, so a NaN
+    reward on either side makes completion 1 the chosen one."""
+    B = rewards_2B.shape[0] // 2
+    first_wins = rewards_2B[:B] >= rewards_2B[B:]
+    rows = jnp.arange(B, dtype=jnp.int32)
+    chosen = jnp.where(first_wins, rows, rows + B)
+    rejected = jnp.where(first_wins, rows + B, rows)
+    return chosen, rejected
+
+
+def reward_inputs_from_tokens(prompt_ids, prompt_mask, completion_ids, completion_mask, eos_token_ids,
+                              pad_token_id: int):
+    """The reward model's input when it shares the policy tokenizer: prompt + completion with the EOS and
+    padding turned into pad slots (TRL scores the completion decoded without special tokens)."""
+    eos = jnp.asarray(tuple(eos_token_ids) or (-1,), jnp.int32)
+    keep = (completion_mask > 0) & ~jnp.isin(completion_ids, eos)
+    ids = jnp.concatenate([prompt_ids, jnp.where(keep, completion_ids, pad_token_id)], 1)
+    mask = jnp.concatenate([prompt_mask, keep.astype(prompt_mask.dtype)], 1)
+    return ids, mask
+
+
+def score_tokens(rm: Model, rm_params: Params, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                 eos_token_ids) -> jax.Array:
+    """f32[N]: reward-model scores straight from the policy's token ids (shared tokenizer). Jittable."""
+    pad = rm.pad_token_id if rm.pad_token_id is not None else 0
+    ids, mask = reward_inputs_from_tokens(prompt_ids, prompt_mask, completion_ids, completion_mask, eos_token_ids,
+                                          pad)
+    return reward_scores(rm, rm_params, ids, mask)
+
+
+def check_shared_vocab(policy: Model, rm: Model) -> None:
+    if policy.vocab_size != rm.vocab_size:
+        raise ValueError(f"the reward model's vocabulary ({rm.vocab_size}) differs from the policy's "
+                         f"({policy.vocab_size}), so it cannot score the policy's token ids: give the reward model "
+                         "its own tokenizer (reward_tokenizer) so completions are re-tokenized.")
+
+
+def score_texts(rm: Model, rm_params: Params, rm_tokenizer, prompts: Sequence, completions: Sequence[str],
+                pad_to_multiple: int = 64) -> np.ndarray:
+    """Scores of decoded completions re-tokenized with the reward model's own tokenizer (its chat template
+    for chat prompts), right-padded as TRL does. Lengths are padded to a multiple of ``pad_to_multiple``
+    so that the jitted scorer sees few shapes."""
+    if prompts and isinstance(prompts[0], list):  # chat: messages + the assistant's reply
+        texts = [rm_tokenizer.apply_chat_template(p + [{"role": "assistant", "content": c}], tokenize=False)
+                 for p, c in zip(prompts, completions)]
+    else:
+        texts = [p + c for p, c in zip(prompts, completions)]
+    enc = rm_tokenizer(texts, padding=True, padding_side="right", add_special_tokens=False, return_tensors="np")
+    ids, mask = enc["input_ids"].astype(np.int32), enc["attention_mask"].astype(np.int32)
+    L = -(-ids.shape[1] // pad_to_multiple) * pad_to_multiple
+    pad = rm.pad_token_id if rm.pad_token_id is not None else rm_tokenizer.pad_token_id
+    ids = np.pad(ids, ((0, 0), (0, L - ids.shape[1])), constant_values=pad)
+    mask = np.pad(mask, ((0, 0), (0, L - mask.shape[1])))
+    return np.asarray(_jit_reward_scores(rm, rm_params, ids, mask))
+
+
+_jit_reward_scores = jax.jit(reward_scores, static_argnums=0)
+
+
+def call_reward_functions(fns: Sequence[RewardFn], prompts, completions, completion_ids, weights=None,
+                          **columns) -> np.ndarray:
+    """TRL's callable rewards: ``f(prompts=, completions=, completion_ids=, **columns)`` returning a float
+    or None per completion; combined as a weighted sum that ignores None and NaN (nansum)."""
+    per_fn = np.zeros((len(completions), len(fns)), np.float32)
+    for i, fn in enumerate(fns):
+        out = fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+        if len(out) != len(completions):
+            raise ValueError(f"reward function {getattr(fn, '__name__', fn)!r} returned {len(out)} values for "
+                             f"{len(completions)} completions")
+        per_fn[:, i] = [math.nan if r is None else float(r) for r in out]
+    w = np.ones(len(fns), np.float32) if weights is None else np.asarray(weights, np.float32)
+    if w.shape != (len(fns),):
+        raise ValueError(f"reward_weights has {w.size} entries for {len(fns)} reward functions")
+    return np.nansum(per_fn * w[None], axis=1)

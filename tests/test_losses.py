@@ -1,0 +1,124 @@
+"""Each loss against a hand-computed value; pairing, penalties, log-probs and reward plumbing."""
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jodpo
+from jodpo import losses, rewards
+from tests import hf_fixtures
+
+BETA, EPS = 0.5, 0.1
+CH, RJ = 0.8, -0.4  # log-ratios of the chosen and rejected completion
+D = CH - RJ
+ls = lambda x: math.log(1 / (1 + math.exp(-x)))  # log-sigmoid
+sg = lambda x: 1 / (1 + math.exp(-x))
+
+EXPECTED = {  # written out from the formulas of TRL's dpo_trainer.py
+    "sigmoid": -(1 - EPS) * ls(BETA * D) - EPS * ls(-BETA * D),
+    "ipo": (D - 1 / (2 * BETA)) ** 2,
+    "hinge": max(0.0, 1 - BETA * D),
+    "robust": (-(1 - EPS) * ls(BETA * D) + EPS * ls(-BETA * D)) / (1 - 2 * EPS),
+    "exo_pair": sg(BETA * D) * (ls(BETA * D) - math.log(1 - EPS)) + sg(-BETA * D) * (ls(-BETA * D) - math.log(EPS)),
+    "nca_pair": -ls(BETA * CH) - 0.5 * ls(-BETA * CH) - 0.5 * ls(-BETA * RJ),
+    "sppo_hard": (CH - 0.5 / BETA) ** 2 + (RJ + 0.5 / BETA) ** 2,
+    "apo_zero": 1 - sg(BETA * CH) + sg(BETA * RJ),
+    "apo_down": sg(BETA * CH) + 1 - sg(BETA * D),
+    "discopop": -ls(BETA * D) * (1 - sg(BETA * D / 0.05)) + math.exp(-BETA * D) * sg(BETA * D / 0.05),
+}
+
+
+@pytest.mark.parametrize("name", sorted(losses.LOSSES))
+def test_each_loss_against_hand_computed_value(name):
+    pair = losses.Pair(chosen=jnp.array([CH]), rejected=jnp.array([RJ]), chosen_len=jnp.array([4.0]),
+                       rejected_len=jnp.array([2.0]))
+    got = float(losses.get_loss(name)(pair, BETA, losses.LossOptions(label_smoothing=EPS))[0])
+    assert got == pytest.approx(EXPECTED[name], rel=1e-6)
+
+
+def test_ipo_length_normalised_and_unknown_loss():
+    pair = losses.Pair(jnp.array([CH]), jnp.array([RJ]), jnp.array([4.0]), jnp.array([2.0]))
+    got = losses.ipo_loss(pair, BETA, losses.LossOptions(ipo_length_normalized=True))[0]
+    assert float(got) == pytest.approx((CH / 4 - RJ / 2 - 1 / (2 * BETA)) ** 2, rel=1e-6)
+    with pytest.raises(ValueError, match="unknown loss_type 'dpo'.*'sigmoid'"):
+        losses.get_loss("dpo")
+    with pytest.raises(ValueError, match="robust"):
+        losses.check_loss_options("robust", losses.LossOptions(label_smoothing=0.5))
+
+
+def test_pairing_ties_and_nan_follow_trl():
+    r = jnp.array([1.0, 2.0, jnp.nan, 0.5, 1.0, 3.0, 0.0, jnp.nan])  # B=4: (1,1) (2,3) (nan,0) (0.5,nan)
+    chosen, rejected = rewards.pair_indices(r)
+    assert chosen.tolist() == [0, 5, 6, 7] and rejected.tolist() == [4, 1, 2, 3]
+
+
+def test_penalty_modes():
+    r = jnp.array([1.0, 2.0, 3.0])
+    has = jnp.array([True, False, False])
+    assert rewards.apply_eos_penalty(r, has, 1.0).tolist() == [1.0, 1.0, 2.0]  # TRL: subtract
+    assert rewards.apply_eos_penalty(r, has, None, -5.0).tolist() == [1.0, -5.0, -5.0]  # open-instruct: replace
+    assert rewards.apply_eos_penalty(r, has).tolist() == [1.0, 2.0, 3.0]
+    ids = jnp.array([[4, 7, 0], [4, 5, 6]])
+    assert rewards.contains_eos(ids, jnp.array([[1, 1, 0], [1, 1, 1]]), (7,)).tolist() == [True, False]
+    assert rewards.contains_eos(ids, jnp.array([[1, 0, 0], [1, 1, 1]]), (7,)).tolist() == [False, False]
+
+
+def test_reward_functions_weighted_nansum():
+    f = lambda prompts, completions, completion_ids, **kw: [1.0, None, float("nan")]
+    g = lambda prompts, completions, completion_ids, extra, **kw: [2.0, 3.0, None]
+    out = rewards.call_reward_functions([f, g], ["p"] * 3, ["a", "b", "c"], [[1]] * 3, weights=[0.5, 2.0],
+                                        extra=[0, 1, 2])
+    np.testing.assert_allclose(out, [4.5, 6.0, 0.0])
+    with pytest.raises(ValueError, match="reward_weights"):
+        rewards.call_reward_functions([f], ["p"] * 3, ["a"] * 3, None, weights=[1.0, 2.0])
+
+
+def test_completion_logprobs_equal_full_forward_and_truncate_like_trl(checkpoints):
+    model, params = jodpo.load_model(str(checkpoints["qwen2"]["causal_lm"]))
+    rng = np.random.default_rng(0)
+    P, pm = hf_fixtures.padded_batch(rng, [6, 3, 5], model.pad_token_id, "left")
+    C, cm = hf_fixtures.padded_batch(rng, [4, 2, 4], model.pad_token_id, "right")
+    lp = np.asarray(losses.completion_logprobs(model, params, P, pm, C, cm))
+    full = jax.nn.log_softmax(jodpo.logits(model, params, np.concatenate([P, C], 1), np.concatenate([pm, cm], 1)))
+    want = np.take_along_axis(np.asarray(full[:, P.shape[1] - 1:-1]), C[..., None], -1)[..., 0] * cm
+    np.testing.assert_allclose(lp, want, rtol=1e-5, atol=1e-6)
+    # max_length drops the leftmost prompt columns in this forward only (TRL's num_tokens_to_truncate).
+    cut = np.asarray(losses.completion_logprobs(model, params, P, pm, C, cm, max_length=7))
+    ref = np.asarray(losses.completion_logprobs(model, params, P[:, 3:], pm[:, 3:], C, cm))
+    np.testing.assert_allclose(cut, ref, rtol=1e-6)
+
+
+def test_on_device_scoring_equals_scoring_the_text_without_eos(checkpoints):
+    rm, rm_params = jodpo.load_model(str(checkpoints["llama"]["reward"]), task="reward")
+    policy, _ = jodpo.load_model(str(checkpoints["llama"]["causal_lm"]))
+    rewards.check_shared_vocab(policy, rm)
+    pad, eos = rm.pad_token_id, 7
+    P = np.array([[pad, 10, 11], [12, 13, 14]], np.int32)
+    pm = (P != pad).astype(np.int32)
+    C = np.array([[20, 21, eos, pad], [22, 23, 24, 25]], np.int32)
+    cm = np.array([[1, 1, 1, 0], [1, 1, 1, 1]], np.int32)
+    got = rewards.score_tokens(rm, rm_params, P, pm, C, cm, (eos,))
+    rows = [[10, 11, 20, 21], [12, 13, 14, 22, 23, 24, 25]]  # what TRL scores: the text, EOS skipped
+    ids, mask = hf_fixtures.padded_batch(np.random.default_rng(0), [4, 7], pad, "right")
+    ids[0, :4], ids[1, :7] = rows[0], rows[1]
+    np.testing.assert_allclose(np.asarray(got), np.asarray(jodpo.reward_scores(rm, rm_params, ids, mask)),
+                               rtol=1e-5)
+    with pytest.raises(ValueError, match="vocabulary"):
+        rewards.check_shared_vocab(policy.replace(vocab_size=999), rm)
+
+
+def test_online_dpo_loss_is_jittable_and_takes_one_prompt_row_per_pair(checkpoints):
+    model, params = jodpo.load_model(str(checkpoints["neox"]["causal_lm"]))
+    rng = np.random.default_rng(1)
+    P, pm = hf_fixtures.padded_batch(rng, [4, 3], model.pad_token_id, "left")
+    C, cm = hf_fixtures.padded_batch(rng, [3, 2, 3, 1], model.pad_token_id, "right")
+    r = jnp.array([0.1, 0.5, 0.3, 0.2])
+    f = jax.jit(lambda p, P, pm: losses.online_dpo_loss(model, p, params, P, pm, C, cm, r, beta=0.1,
+                                                        eos_token_ids=(5,)))
+    loss_b, m_b = f(params, P, pm)
+    loss_2b, m_2b = f(params, np.concatenate([P, P]), np.concatenate([pm, pm]))
+    assert float(loss_b) == pytest.approx(math.log(2), rel=1e-5)  # policy == reference: z = 0
+    assert float(loss_b) == pytest.approx(float(loss_2b), rel=1e-6)
+    assert float(m_b["objective/kl"]) == 0.0 and float(m_b["rewards/accuracies"]) == 0.0

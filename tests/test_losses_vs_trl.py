@@ -1,0 +1,119 @@
+"""A real TRL 1.16 OnlineDPOTrainer step, recorded, then replayed through jodpo with the same tokens.
+
+Deliberate differences, stated where checked: jodpo masks KL and entropy to the completion (TRL 1.16
+sums them over padding too)."""
+import jax
+import numpy as np
+import optax
+import pytest
+import torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+import jodpo
+from jodpo import losses, rewards
+
+PROMPTS = ["the quick brown fox", "hello world, hello", "TL;DR: a short", "online dpo samples two"]
+
+
+def _length_reward(prompts, completions, completion_ids, **kw):
+    # A callable reward with a None (ignored by the weighted nansum) in the mix.
+    return [None if i == 1 else float(len(c)) / 10 for i, c in enumerate(completions)]
+
+
+def _record_trl_step(checkpoints, family, loss_type, use_rm, tmp_path):
+    from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
+
+    paths = checkpoints[family]
+    tok = AutoTokenizer.from_pretrained(paths["causal_lm"])
+    torch.manual_seed(0)
+    policy = AutoModelForCausalLM.from_pretrained(paths["causal_lm"], dtype=torch.float32, attn_implementation="eager")
+    ref = AutoModelForCausalLM.from_pretrained(paths["causal_lm"], dtype=torch.float32, attn_implementation="eager")
+    # Extra EOS ids, so that some completions end early and some do not (both penalty branches run).
+    policy.generation_config.eos_token_id = [tok.eos_token_id] + list(range(100, 140))
+    if use_rm:
+        reward = AutoModelForSequenceClassification.from_pretrained(paths["reward"], dtype=torch.float32,
+                                                                    attn_implementation="eager")
+        extra = dict(reward_funcs=reward, reward_processing_classes=tok)
+    else:
+        extra = dict(reward_funcs=_length_reward)
+    args = OnlineDPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=1, max_new_tokens=8,
+                           beta=0.1, loss_type=loss_type, missing_eos_penalty=1.0, logging_steps=1, report_to=[],
+                           save_strategy="no", use_cpu=True, bf16=False, gradient_checkpointing=False, seed=0,
+                           learning_rate=1e-3)
+    trainer = OnlineDPOTrainer(model=policy, ref_model=ref, args=args, processing_class=tok,
+                               train_dataset=Dataset.from_dict({"prompt": PROMPTS}), **extra)
+    rec = {}
+    gen, fwd, rew, step = trainer._generate, trainer._forward, trainer._calculate_rewards_from_functions, trainer.training_step
+
+    def generate(*a, **k):
+        out = gen(*a, **k)
+        rec["prompt_ids"], rec["prompt_mask"], rec["completion_ids"], rec["completion_mask"] = (
+            x.numpy().copy() for x in out[:4])
+        return out
+
+    def forward(model, *a, **k):
+        out = fwd(model, *a, **k)
+        rec.setdefault("logprobs", []).append(out.detach().numpy().copy())
+        return out
+
+    def calc_rewards(prompts, completions, completion_ids_list, **k):
+        out = rew(prompts, completions, completion_ids_list, **k)
+        rec["rewards"], rec["texts"] = out.numpy().copy(), (list(prompts), list(completions))
+        return out
+
+    def training_step(*a, **k):
+        out = step(*a, **k)
+        rec["loss"] = float(out)
+        return out
+
+    trainer._generate, trainer._forward = generate, forward
+    trainer._calculate_rewards_from_functions, trainer.training_step = calc_rewards, training_step
+    trainer.train()
+    rec["log"] = trainer.state.log_history[0]
+    rec["eos_token_ids"] = trainer.eos_token_ids
+    return rec
+
+
+@pytest.mark.parametrize("family,loss_type,use_rm", [("neox", "sigmoid", True), ("llama", "ipo", True),
+                                                     ("neox", "ipo", False), ("llama", "sigmoid", False)])
+def test_one_step_equals_trl(checkpoints, tmp_path, family, loss_type, use_rm):
+    rec = _record_trl_step(checkpoints, family, loss_type, use_rm, tmp_path)
+    model, params = jodpo.load_model(str(checkpoints[family]["causal_lm"]))
+    P, C, cm = rec["prompt_ids"], rec["completion_ids"], rec["completion_mask"]
+    assert 0 < rewards.contains_eos(C, cm, rec["eos_token_ids"]).sum() < len(C), "want rows with and without EOS"
+
+    # Per-token log-probs (TRL's are unmasked; compare where the completion is real).
+    lp = np.asarray(losses.completion_logprobs(model, params, P, rec["prompt_mask"], C, cm))
+    trl_lp, trl_ref = rec["logprobs"]
+    np.testing.assert_allclose(lp[cm > 0], trl_lp[cm > 0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(trl_ref, trl_lp, rtol=1e-6)  # before the update, the reference is the policy
+
+    # Rewards: jodpo's own scoring of TRL's texts (re-tokenized with the reward tokenizer) matches.
+    if use_rm:
+        rm, rm_params = jodpo.load_model(str(checkpoints[family]["reward"]), task="reward")
+        tok = jodpo.load_tokenizer(str(checkpoints[family]["causal_lm"]))
+        ours = rewards.score_texts(rm, rm_params, tok, *rec["texts"])
+    else:
+        ours = rewards.call_reward_functions([_length_reward], *rec["texts"], completion_ids=None)
+    np.testing.assert_allclose(ours, rec["rewards"], rtol=1e-5, atol=1e-6)
+
+    def loss_fn(p):
+        return losses.online_dpo_loss(model, p, params, P, rec["prompt_mask"], C, cm, rec["rewards"], beta=0.1,
+                                      loss_type=loss_type, missing_eos_penalty=1.0,
+                                      eos_token_ids=rec["eos_token_ids"])
+
+    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    log = rec["log"]
+    np.testing.assert_allclose(float(loss), rec["loss"], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(float(optax.global_norm(grads)), log["grad_norm"], rtol=1e-5, atol=1e-7)
+    same = ["objective/scores", "objective/scores_margin", "rewards/chosen", "rewards/rejected", "rewards/margins",
+            "rewards/accuracies", "logps/chosen", "logps/rejected", "val/contain_eos_token", "beta"]
+    for k in same:
+        np.testing.assert_allclose(float(metrics[k]), log[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    # Deliberate difference: TRL 1.16 sums KL/entropy over padding; jodpo masks. Check both readings.
+    kl_trl = (trl_lp - trl_ref).sum(1).mean()
+    np.testing.assert_allclose(log["objective/kl"], kl_trl, atol=1e-6)
+    np.testing.assert_allclose(float(metrics["objective/kl"]), ((trl_lp - trl_ref) * cm).sum(1).mean(), atol=1e-5)
+    np.testing.assert_allclose(log["objective/entropy"], -trl_lp.sum(1).mean(), rtol=1e-5)
+    np.testing.assert_allclose(float(metrics["objective/entropy"]), -(trl_lp * cm).sum(1).mean(), rtol=1e-5)
