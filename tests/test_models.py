@@ -65,19 +65,22 @@ def test_reward_reads_last_non_pad_token_like_transformers():
     assert core.last_token_index(model.replace(pad_token_id=None), ids, mask).tolist() == [3, 3, 3]
 
 
+@pytest.mark.parametrize("per_layer", [False, True], ids=["stacked_cache", "per_layer_cache"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_kv_cache_decoding_equals_full_forward(checkpoints, family):
-    model, params = jodpo.load_model(str(checkpoints[family]["causal_lm"]))
+def test_kv_cache_decoding_equals_full_forward(checkpoints, family, per_layer):
+    model, stacked = jodpo.load_model(str(checkpoints[family]["causal_lm"]))
+    # per_layer is the sampler's layout: split weights, one cache buffer per layer, layers unrolled.
+    params = core.split_layers(stacked) if per_layer else stacked
     rng = np.random.default_rng(2)
     prompt, pmask = hf_fixtures.padded_batch(rng, [7, 3, 5], model.pad_token_id, "left")
     steps = 6
     new = rng.integers(3, 290, (3, steps)).astype(np.int32)
     full_ids = np.concatenate([prompt, new], 1)
     full_mask = np.concatenate([pmask, np.ones_like(new)], 1)
-    full = np.asarray(jodpo.logits(model, params, full_ids, full_mask))
+    full = np.asarray(jodpo.logits(model, stacked, full_ids, full_mask))
 
     step = jax.jit(core.hidden_states, static_argnums=0)
-    cache = core.init_cache(model, 3, prompt.shape[1] + steps)
+    cache = core.init_cache(model, 3, prompt.shape[1] + steps, per_layer=per_layer)
     h, cache = step(model, params, prompt, pmask, cache)
     got = [core.lm_head(model, params, h)[:, -1]]
     for t in range(steps - 1):

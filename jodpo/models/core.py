@@ -313,7 +313,11 @@ def hidden_states(model: Model, params: Params, tokens_BL: jax.Array, mask_BL: j
             x = x + _mlp(model, p["mlp"], _norm(model, p["ln2"], x))
         return x
 
-    xs = (params["layers"], jnp.asarray(windows), jnp.arange(model.num_layers, dtype=jnp.int32))
+    split = isinstance(params["layers"], (tuple, list))
+    if split != (cache is not None and isinstance(cache["k"], (tuple, list))):
+        raise ValueError("split_layers params go with a per-layer cache (init_cache(..., per_layer=True)) and "
+                         "stacked params with a stacked cache or none")
+    xs = None if split else (params["layers"], jnp.asarray(windows), jnp.arange(model.num_layers, dtype=jnp.int32))
     if cache is None:
         def layer(x, xs):
             return block(x, xs[0], xs[1], lambda k, v: (k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))), None
@@ -340,7 +344,7 @@ def hidden_states(model: Model, params: Params, tokens_BL: jax.Array, mask_BL: j
         x = block(x, p, window, write)
         return (x, k_cache, v_cache), None
 
-    if isinstance(cache["k"], (tuple, list)):
+    if split:
         # Unrolled (see split_layers): per-layer weights and cache buffers, so a decode step slices
         # nothing; each layer's cache is updated in place where it lives.
         k_new, v_new = list(cache["k"]), list(cache["v"])
