@@ -195,37 +195,6 @@ def sample(model: Model, params: Params, prompt_ids: jax.Array, prompt_mask: jax
     return Samples(tokens=jnp.where(state.mask > 0, state.tokens, pad), mask=state.mask, logprobs=state.logprobs)
 
 
-def sample_reference(model: Model, params: Params, prompt_ids, prompt_mask, rng, config: SamplingConfig) -> Samples:
-    """The same sampler as a plain Python loop, one jitted step at a time (the reference in tests)."""
-    B, P = prompt_ids.shape
-    T = config.max_new_tokens
-    step = jax.jit(hidden_states, static_argnums=0)
-    cache = init_cache(model, B, P + T)
-    h, cache = step(model, params, prompt_ids, prompt_mask, cache)
-    logits = lm_head(model, params, h[:, -1])
-    seen = np.zeros((B, model.vocab_size), bool)
-    for b in range(B):
-        seen[b, np.asarray(prompt_ids)[b][np.asarray(prompt_mask)[b] > 0]] = True
-    done = np.zeros(B, bool)
-    tokens, mask, logprobs = (np.zeros((B, T), dt) for dt in (np.int32, np.int32, np.float32))
-    for t in range(T):
-        token, logp = choose(logits, jnp.asarray(seen) if config.repetition_penalty != 1.0 else None,
-                             jax.random.fold_in(rng, t), config)
-        token, logp = np.asarray(token), np.asarray(logp)
-        alive = ~done
-        tokens[:, t] = np.where(alive, token, config.pad_token_id)
-        mask[:, t] = alive
-        logprobs[:, t] = np.where(alive, logp, 0.0)
-        seen[np.arange(B)[alive], token[alive]] = True
-        done |= alive & np.isin(token, config.eos_token_ids)
-        if done.all():
-            break
-        h, cache = step(model, params, jnp.asarray(tokens[:, t:t + 1]), jnp.asarray(alive[:, None].astype(np.int32)),
-                        cache)
-        logits = lm_head(model, params, h[:, -1])
-    return Samples(tokens=jnp.asarray(tokens), mask=jnp.asarray(mask), logprobs=jnp.asarray(logprobs))
-
-
 # --------------------------------------------------------------------------------------------------
 # Prompt-length buckets (host side): a fixed set of shapes, so steady-state training never recompiles
 # --------------------------------------------------------------------------------------------------
