@@ -140,6 +140,45 @@ def check_loss_options(loss_type: str, o: LossOptions) -> None:
         raise ValueError("loss_type='exo_pair' needs 0 < label_smoothing < 1 (TRL suggests 1e-3)")
 
 
+def preference_loss(S: jax.Array, S_ref: jax.Array, lengths: jax.Array, chosen: jax.Array, rejected: jax.Array, *,
+                    beta, loss_type: str = "sigmoid", options: LossOptions = LossOptions()):
+    """The pairwise loss and its metrics from summed log-probs of N sequences and (chosen, rejected) rows.
+
+    Args:
+      S, S_ref: f32[N] summed completion log-probs under the policy and the reference.
+      lengths: f32[N] completion lengths (for length-normalised losses).
+      chosen, rejected: i32[B] row indices of each pair.
+    Returns:
+      ``(loss, metrics)``: the mean per-pair loss; ``rewards/*`` and ``logps/*`` as TRL logs them.
+    """
+    pair = Pair(chosen=S[chosen] - S_ref[chosen], rejected=S[rejected] - S_ref[rejected],
+                chosen_len=lengths[chosen], rejected_len=lengths[rejected])
+    loss = get_loss(loss_type)(pair, beta, options).mean()
+    chosen_rewards, rejected_rewards = beta * pair.chosen, beta * pair.rejected
+    margins = chosen_rewards - rejected_rewards
+    metrics = {
+        "loss": loss,
+        "rewards/chosen": chosen_rewards.mean(),
+        "rewards/rejected": rejected_rewards.mean(),
+        "rewards/margins": margins.mean(),
+        "rewards/accuracies": (margins > 0).astype(jnp.float32).mean(),
+        "logps/chosen": S[chosen].mean(),
+        "logps/rejected": S[rejected].mean(),
+        "beta": jnp.asarray(beta, jnp.float32),
+    }
+    return loss, jax.tree.map(jax.lax.stop_gradient, metrics)
+
+
+def _summed_logprobs(model, params, ref_params, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                     max_length, ref_logprobs):
+    """Summed completion log-probs under the policy (differentiable) and the frozen reference."""
+    logp = completion_logprobs(model, params, prompt_ids, prompt_mask, completion_ids, completion_mask, max_length)
+    if ref_logprobs is None:
+        ref_logprobs = completion_logprobs(model, jax.lax.stop_gradient(ref_params), prompt_ids, prompt_mask,
+                                           completion_ids, completion_mask, max_length)
+    return logp.sum(-1), jax.lax.stop_gradient(ref_logprobs).sum(-1)
+
+
 # --------------------------------------------------------------------------------------------------
 # Online DPO
 # --------------------------------------------------------------------------------------------------
@@ -169,39 +208,48 @@ def online_dpo_loss(model: Model, params: Params, ref_params: Params, prompt_ids
     B = completion_ids.shape[0] // 2
     if prompt_ids.shape[0] == B:
         prompt_ids, prompt_mask = jnp.concatenate([prompt_ids] * 2), jnp.concatenate([prompt_mask] * 2)
-    logp = completion_logprobs(model, params, prompt_ids, prompt_mask, completion_ids, completion_mask, max_length)
-    if ref_logprobs is None:
-        ref_logprobs = completion_logprobs(model, jax.lax.stop_gradient(ref_params), prompt_ids, prompt_mask,
-                                           completion_ids, completion_mask, max_length)
-    ref_logprobs = jax.lax.stop_gradient(ref_logprobs)
+    S, S_ref = _summed_logprobs(model, params, ref_params, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                                max_length, ref_logprobs)
     has_eos = contains_eos(completion_ids, completion_mask, eos_token_ids)
     scores = apply_eos_penalty(rewards.astype(jnp.float32), has_eos, missing_eos_penalty, penalty_reward_value)
     chosen, rejected = pair_indices(scores)
-    S, S_ref = logp.sum(-1), ref_logprobs.sum(-1)
     length = completion_mask.sum(-1).astype(jnp.float32)
-    pair = Pair(chosen=S[chosen] - S_ref[chosen], rejected=S[rejected] - S_ref[rejected],
-                chosen_len=length[chosen], rejected_len=length[rejected])
-    loss = get_loss(loss_type)(pair, beta, options).mean()
-
-    kl = S - S_ref  # per sequence, masked to the completion (TRL 1.16 also sums padding)
-    chosen_rewards, rejected_rewards = beta * pair.chosen, beta * pair.rejected
-    margins = chosen_rewards - rejected_rewards
-    sg = jax.lax.stop_gradient
-    metrics = {
-        "loss": loss,
+    loss, metrics = preference_loss(S, S_ref, length, chosen, rejected, beta=beta, loss_type=loss_type,
+                                    options=options)
+    kl = jax.lax.stop_gradient(S - S_ref)  # per sequence, masked to the completion (TRL 1.16 also sums padding)
+    S = jax.lax.stop_gradient(S)
+    return loss, metrics | {
         "objective/kl": kl.mean(),
         "objective/entropy": -S.mean(),
         "objective/non_score_reward": (-beta * kl).mean(),
         "objective/rlhf_reward": (scores - beta * kl).mean(),
         "objective/scores": scores.mean(),
         "objective/scores_margin": (scores[chosen] - scores[rejected]).mean(),
-        "rewards/chosen": chosen_rewards.mean(),
-        "rewards/rejected": rejected_rewards.mean(),
-        "rewards/margins": margins.mean(),
-        "rewards/accuracies": (margins > 0).astype(jnp.float32).mean(),
-        "logps/chosen": S[chosen].mean(),
-        "logps/rejected": S[rejected].mean(),
         "val/contain_eos_token": has_eos.astype(jnp.float32).mean(),
-        "beta": jnp.asarray(beta, jnp.float32),
     }
-    return loss, jax.tree.map(sg, metrics)
+
+
+# --------------------------------------------------------------------------------------------------
+# Offline DPO
+# --------------------------------------------------------------------------------------------------
+
+
+def dpo_loss(model: Model, params: Params, ref_params: Params, prompt_ids: jax.Array, prompt_mask: jax.Array,
+             chosen_ids: jax.Array, chosen_mask: jax.Array, rejected_ids: jax.Array, rejected_mask: jax.Array, *,
+             beta, loss_type: str = "sigmoid", max_length: int | None = None,
+             options: LossOptions = LossOptions()):
+    """Offline DPO (TRL's DPOTrainer) on preference data: the same losses, the pairs given by the data.
+
+    Args:
+      prompt_ids, prompt_mask: i32[B, P], left-padded.
+      chosen_ids, chosen_mask, rejected_ids, rejected_mask: i32[B, C], right-padded responses (EOS included).
+    Returns:
+      ``(loss, metrics)`` with ``rewards/*``, ``logps/*``, ``beta`` and ``loss``.
+    """
+    B = prompt_ids.shape[0]
+    prompts, pmask = jnp.concatenate([prompt_ids] * 2), jnp.concatenate([prompt_mask] * 2)
+    completions, cmask = jnp.concatenate([chosen_ids, rejected_ids]), jnp.concatenate([chosen_mask, rejected_mask])
+    S, S_ref = _summed_logprobs(model, params, ref_params, prompts, pmask, completions, cmask, max_length, None)
+    rows = jnp.arange(B, dtype=jnp.int32)
+    return preference_loss(S, S_ref, cmask.sum(-1).astype(jnp.float32), rows, rows + B, beta=beta,
+                           loss_type=loss_type, options=options)

@@ -1,0 +1,259 @@
+"""The online DPO training step (and the offline DPO step), as pure functions of ``(state, batch)``.
+
+One optimizer step covers an accumulation window of A micro-batches of B prompts, arrays shaped [A, B, ...]:
+  1. ``sample_completions``: two completions per prompt from the current policy, rows in TRL's block layout;
+  2. ``score_completions``: a reward model that shares the policy tokenizer scores the token ids on the
+     device; any other reward (another tokenizer, Python functions) is computed on the host between
+     ``sample_completions`` and ``update`` (the *split* path);
+  3. ``update``: per micro-batch loss and gradient (``lax.scan``), averaged over the window, then
+     clip-by-global-norm + AdamW + the learning-rate schedule, in one optax chain.
+``online_step`` is 1-3 fused in one jitted call (no host round trip). ``offline_step`` is DPO on preference
+data: the pairs come from the dataset. The policy is never sampled or updated with stale parameters:
+within one window the parameters do not change, so sampling every micro-batch first is the same as
+interleaving.
+
+Randomness: step ``t`` uses ``fold_in(state.rng, t)`` and micro-batch ``a`` folds in ``a``, so a resumed run
+draws exactly the numbers an uninterrupted one would.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+
+from jodpo.losses import LossOptions, check_loss_options, dpo_loss, online_dpo_loss
+from jodpo.models.core import Model, Params
+from jodpo.rewards import score_tokens
+from jodpo.sampling import Samples, SamplingConfig, sample
+
+SCHEDULES = ("linear", "constant", "constant_with_warmup", "cosine")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW with global-norm clipping and a warm-up schedule, with TRL/transformers' defaults."""
+
+    learning_rate: float = 5e-7
+    total_steps: int = 1  # optimizer steps of the run (the schedule's horizon)
+    warmup_steps: int = 0
+    lr_scheduler_type: str = "linear"
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+    max_grad_norm: float = 1.0  # 0 or None: no clipping
+
+    def __post_init__(self):
+        if self.lr_scheduler_type not in SCHEDULES:
+            raise ValueError(f"unknown lr_scheduler_type {self.lr_scheduler_type!r}; choose one of {SCHEDULES}")
+        if not self.learning_rate > 0:
+            raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
+
+
+def learning_rate_schedule(cfg: OptimizerConfig) -> optax.Schedule:
+    """transformers' schedules as a function of the number of updates already applied.
+
+    ``linear``: ``lr * s / W`` during the W warm-up steps, then linear decay to 0 at ``total_steps``
+    (``get_linear_schedule_with_warmup``); ``cosine`` decays as ``(1 + cos(pi * progress)) / 2``.
+    """
+    lr, W, T = cfg.learning_rate, cfg.warmup_steps, cfg.total_steps
+
+    def schedule(count):
+        s = jnp.asarray(count, jnp.float32)
+        warm = s / max(1, W)
+        progress = (s - W) / max(1, T - W)
+        after = {"linear": jnp.maximum(0.0, 1.0 - progress),
+                 "cosine": jnp.maximum(0.0, 0.5 * (1.0 + jnp.cos(math.pi * progress))),
+                 "constant": jnp.ones_like(s), "constant_with_warmup": jnp.ones_like(s)}[cfg.lr_scheduler_type]
+        if cfg.lr_scheduler_type == "constant":
+            return lr * after
+        return lr * jnp.where(s < W, warm, after)
+
+    return schedule
+
+
+def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
+    """clip_by_global_norm -> AdamW (decoupled weight decay, as torch.optim.AdamW) with the schedule."""
+    adamw = optax.adamw(learning_rate_schedule(cfg), b1=cfg.adam_beta1, b2=cfg.adam_beta2, eps=cfg.adam_epsilon,
+                        weight_decay=cfg.weight_decay)
+    if not cfg.max_grad_norm:
+        return adamw
+    return optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm), adamw)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    """Everything static about a step (hashable: the first, static argument of the jitted steps)."""
+
+    model: Model
+    sampling: SamplingConfig
+    optimizer: OptimizerConfig
+    beta: tuple[float, ...] = (0.1,)  # beta[min(int(epoch), len - 1)]
+    updates_per_epoch: int = 1  # optimizer steps per epoch, to index ``beta``
+    loss_type: str = "sigmoid"
+    loss_options: LossOptions = LossOptions()
+    missing_eos_penalty: float | None = None
+    penalty_reward_value: float | None = None
+    max_length: int | None = None  # prompt + completion, left-truncating the prompt in the loss forward
+    reward_model: Model | None = None  # scored on device by ``online_step`` (shared tokenizer)
+
+    def __post_init__(self):
+        beta = (self.beta,) if isinstance(self.beta, (int, float)) else tuple(self.beta)
+        if not beta or any(not b > 0 for b in beta):
+            raise ValueError(f"beta must be a positive number or a non-empty list of them, got {self.beta}")
+        object.__setattr__(self, "beta", tuple(float(b) for b in beta))
+        check_loss_options(self.loss_type, self.loss_options)
+        if self.updates_per_epoch < 1:
+            raise ValueError("updates_per_epoch must be >= 1")
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array  # i32[]: optimizer steps applied
+    params: Params
+    opt_state: optax.OptState
+    rng: jax.Array  # the run's key; never advanced (steps fold in their index)
+
+
+@flax.struct.dataclass
+class PreferenceBatch:
+    """Offline DPO data for one window: prompts left-padded, responses right-padded (EOS included)."""
+
+    prompt_ids: jax.Array  # i32[A, B, P]
+    prompt_mask: jax.Array
+    chosen_ids: jax.Array  # i32[A, B, C]
+    chosen_mask: jax.Array
+    rejected_ids: jax.Array  # i32[A, B, C]
+    rejected_mask: jax.Array
+
+
+def init_state(cfg: StepConfig, params: Params, rng: jax.Array) -> TrainState:
+    """A fresh state. The policy is a copy of ``params`` (made once), so ``params`` can stay the frozen
+    reference: the jitted steps donate the state's buffers, never the reference's."""
+    params = jax.tree.map(jnp.copy, params)
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                      opt_state=make_optimizer(cfg.optimizer).init(params), rng=rng)
+
+
+def current_beta(cfg: StepConfig, step: jax.Array) -> jax.Array:
+    """``beta[min(int(epoch), len - 1)]`` with epoch = steps done / steps per epoch (TRL crashes on a list)."""
+    epoch = jnp.asarray(step, jnp.int32) // cfg.updates_per_epoch
+    return jnp.asarray(cfg.beta, jnp.float32)[jnp.minimum(epoch, len(cfg.beta) - 1)]
+
+
+def _twice(x_BX: jax.Array) -> jax.Array:
+    return jnp.concatenate([x_BX, x_BX], 0)  # block layout: every prompt for completion 0, then again for 1
+
+
+def sample_completions(cfg: StepConfig, state: TrainState, prompt_ids: jax.Array, prompt_mask: jax.Array) -> Samples:
+    """Two completions per prompt: ``Samples`` of shape [A, 2B, T], block layout within each micro-batch."""
+    key = jax.random.fold_in(state.rng, state.step)
+
+    def one(a_and_prompts):
+        a, ids_BP, mask_BP = a_and_prompts
+        return sample(cfg.model, state.params, _twice(ids_BP), _twice(mask_BP), jax.random.fold_in(key, a),
+                      cfg.sampling)
+
+    A = prompt_ids.shape[0]
+    return jax.lax.map(one, (jnp.arange(A), prompt_ids, prompt_mask))
+
+
+def score_completions(cfg: StepConfig, rm_params: Params, prompt_ids: jax.Array, prompt_mask: jax.Array,
+                      samples: Samples) -> jax.Array:
+    """f32[A, 2B] raw reward-model scores from token ids (the reward model shares the policy tokenizer)."""
+    eos = cfg.sampling.eos_token_ids
+
+    def one(x):
+        ids_BP, mask_BP, tokens, mask = x
+        return score_tokens(cfg.reward_model, rm_params, _twice(ids_BP), _twice(mask_BP), tokens, mask, eos)
+
+    return jax.lax.map(one, (prompt_ids, prompt_mask, samples.tokens, samples.mask))
+
+
+def _accumulate(loss_fn, params: Params, batches):
+    """Mean gradient and mean metrics of ``loss_fn(params, micro_batch)`` over the leading axis of ``batches``."""
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def body(grad_sum, batch):
+        (_, metrics), grads = grad_fn(params, batch)
+        return jax.tree.map(jnp.add, grad_sum, grads), metrics
+
+    A = jax.tree.leaves(batches)[0].shape[0]
+    grad_sum, metrics_A = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, params), batches)
+    # Averaged over micro-batches (TRL sums them, so its gradient grows with the accumulation steps).
+    return jax.tree.map(lambda g: g / A, grad_sum), jax.tree.map(lambda m: m.mean(0), metrics_A)
+
+
+def apply_gradients(cfg: StepConfig, state: TrainState, grads: Params, metrics: dict) -> tuple[TrainState, dict]:
+    """One optax update. A non-finite loss or gradient norm skips it (parameters and moments unchanged)."""
+    tx = make_optimizer(cfg.optimizer)
+    grad_norm = optax.global_norm(grads)  # logged before clipping, as transformers does
+    finite = jnp.isfinite(grad_norm) & jnp.isfinite(metrics["loss"])
+
+    def apply(_):
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        return optax.apply_updates(state.params, updates), opt_state
+
+    params, opt_state = jax.lax.cond(finite, apply, lambda _: (state.params, state.opt_state), None)
+    step = state.step + 1
+    metrics = metrics | {"grad_norm": grad_norm, "skipped_update": (~finite).astype(jnp.float32),
+                         # transformers logs the scheduler's value after its step
+                         "lr": learning_rate_schedule(cfg.optimizer)(step)}
+    return state.replace(step=step, params=params, opt_state=opt_state), metrics
+
+
+def update(cfg: StepConfig, state: TrainState, ref_params: Params, prompt_ids: jax.Array, prompt_mask: jax.Array,
+           samples: Samples, rewards: jax.Array) -> tuple[TrainState, dict]:
+    """The optimizer step from sampled completions and their raw rewards f32[A, 2B]."""
+    beta = current_beta(cfg, state.step)
+
+    def loss_fn(params, mb):
+        ids, mask, tokens, tmask, r = mb
+        return online_dpo_loss(cfg.model, params, ref_params, ids, mask, tokens, tmask, r, beta=beta,
+                               loss_type=cfg.loss_type, missing_eos_penalty=cfg.missing_eos_penalty,
+                               eos_token_ids=cfg.sampling.eos_token_ids, penalty_reward_value=cfg.penalty_reward_value,
+                               max_length=cfg.max_length, options=cfg.loss_options)
+
+    grads, metrics = _accumulate(loss_fn, state.params,
+                                 (prompt_ids, prompt_mask, samples.tokens, samples.mask, rewards.astype(jnp.float32)))
+    return apply_gradients(cfg, state, grads, metrics)
+
+
+def online_step(cfg: StepConfig, state: TrainState, ref_params: Params, rm_params: Params, prompt_ids: jax.Array,
+                prompt_mask: jax.Array) -> tuple[TrainState, dict, Samples, jax.Array]:
+    """Sample, score on device, update: one fused step. Returns the new state, the metrics (means over the
+    window), and the samples and raw rewards (for completion tables)."""
+    if cfg.reward_model is None:
+        raise ValueError("online_step scores on device and needs StepConfig.reward_model; with host rewards "
+                         "call sample_completions, then update")
+    samples = sample_completions(cfg, state, prompt_ids, prompt_mask)
+    rewards = score_completions(cfg, rm_params, prompt_ids, prompt_mask, samples)
+    state, metrics = update(cfg, state, ref_params, prompt_ids, prompt_mask, samples, rewards)
+    return state, metrics, samples, rewards
+
+
+def offline_step(cfg: StepConfig, state: TrainState, ref_params: Params,
+                 batch: PreferenceBatch) -> tuple[TrainState, dict]:
+    """Offline DPO (TRL's DPOTrainer): the same losses and update; chosen/rejected come from the data."""
+    beta = current_beta(cfg, state.step)
+
+    def loss_fn(params, mb: PreferenceBatch):
+        return dpo_loss(cfg.model, params, ref_params, mb.prompt_ids, mb.prompt_mask, mb.chosen_ids, mb.chosen_mask,
+                        mb.rejected_ids, mb.rejected_mask, beta=beta, loss_type=cfg.loss_type,
+                        max_length=cfg.max_length, options=cfg.loss_options)
+
+    grads, metrics = _accumulate(loss_fn, state.params, batch)
+    return apply_gradients(cfg, state, grads, metrics)
+
+
+# Jitted entry points: the config is static, the state is donated (updated in place), the reference
+# parameters are an argument (never copied per step).
+jit_sample_completions = jax.jit(sample_completions, static_argnums=0)
+jit_score_completions = jax.jit(score_completions, static_argnums=0)
+jit_update = jax.jit(update, static_argnums=0, donate_argnums=1)
+jit_online_step = jax.jit(online_step, static_argnums=0, donate_argnums=1)
+jit_offline_step = jax.jit(offline_step, static_argnums=0, donate_argnums=1)
