@@ -113,3 +113,55 @@ def call_reward_functions(fns: Sequence[RewardFn], prompts, completions, complet
     if w.shape != (len(fns),):
         raise ValueError(f"reward_weights has {w.size} entries for {len(fns)} reward functions")
     return np.nansum(per_fn * w[None], axis=1)
+
+
+# --------------------------------------------------------------------------------------------------
+# The rewards of a run (host side): a reward model and/or Python functions, combined with weights
+# --------------------------------------------------------------------------------------------------
+
+
+def import_reward_function(spec: str) -> RewardFn:
+    """``'package.module:function'`` -> the function (TRL's callable reward)."""
+    import importlib
+
+    module, _, name = spec.partition(":")
+    if not module or not name:
+        raise ValueError(f"reward function {spec!r}: write it as 'module.path:function'")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"reward function {spec!r} cannot be imported: {e}") from e
+
+
+class RewardSet:
+    """Every reward of a run. ``on_device`` when the only reward is a model sharing the policy tokenizer on
+    text prompts: then the jitted step scores token ids itself and this class only serves evaluation."""
+
+    def __init__(self, model: Model | None, params: Params | None, tokenizer, functions: Sequence[RewardFn],
+                 weights: Sequence[float] | None, shared_tokenizer: bool, chat: bool):
+        n = (model is not None) + len(functions)
+        if n == 0:
+            raise ValueError("no reward: set reward_model_path and/or reward_funcs")
+        if weights is not None and len(weights) != n:
+            raise ValueError(f"reward_weights has {len(weights)} entries for {n} rewards (model first, then functions)")
+        self.model, self.params, self.tokenizer, self.functions = model, params, tokenizer, list(functions)
+        self.weights = None if weights is None else np.asarray(weights, np.float32)
+        self.on_device = model is not None and not functions and shared_tokenizer and not chat and (
+            self.weights is None or float(self.weights[0]) == 1.0)
+        self.chat = chat
+
+    def score(self, prompts: Sequence, completions: Sequence[str], completion_ids, columns: dict,
+              model_scores: np.ndarray | None = None) -> np.ndarray:
+        """f32[N]: the weighted nansum of every reward of the texts. ``model_scores`` (already computed on the
+        device from token ids) replaces the reward model's text scoring."""
+        per: list[np.ndarray] = []
+        if self.model is not None:
+            per.append(model_scores if model_scores is not None
+                       else score_texts(self.model, self.params, self.tokenizer, prompts, completions))
+        if self.functions:
+            outs = completions if not self.chat else [[{"role": "assistant", "content": c}] for c in completions]
+            for fn in self.functions:
+                per.append(call_reward_functions([fn], prompts, outs, completion_ids, **columns))
+        stack = np.stack(per, 1).astype(np.float32)
+        w = np.ones(stack.shape[1], np.float32) if self.weights is None else self.weights
+        return np.nansum(stack * w[None], axis=1)

@@ -1,7 +1,9 @@
 import os
+import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ["JODPO_CACHE"] = tempfile.mkdtemp(prefix="jodpo-cache-")  # the tiny world is built fresh per session
 
 import pytest
 

@@ -1,0 +1,13 @@
+"""TRL's Pythia-6.9B TL;DR recipe: 4 prompts per device, 4 accumulation steps, gradient checkpointing."""
+from jodpo.config import load_config_file
+
+
+def get_config():
+    return load_config_file("tldr.py").replace(
+        model_name_or_path="trl-lib/pythia-6.9b-deduped-tldr-sft",
+        reward_model_path="trl-lib/pythia-6.9b-deduped-tldr-rm",
+        output_dir="pythia-6.9b-deduped-tldr-online-dpo",
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=4,
+        gradient_checkpointing=True,
+    )

@@ -1,0 +1,245 @@
+"""The training config: one typed, frozen dataclass; config files; ``--config.FIELD=VALUE`` overrides.
+
+Fields that TRL's ``OnlineDPOConfig`` / ``TrainingArguments`` have keep TRL's names, meanings and defaults,
+so a TRL command line translates field by field. A config file is a Python file defining ``get_config()``
+that returns a ``TrainConfig`` (or a dict of fields); ``--config NAME`` also finds ``configs/NAME``.
+"""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import importlib.util
+import types
+import typing
+import warnings
+from pathlib import Path
+
+CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+class ConfigError(ValueError):
+    """A config that cannot run: the message names the field and the fix."""
+
+
+def _f(default, help: str):
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    # --- models and rewards
+    model_name_or_path: str = _f("", "policy (and reference): a local HF checkpoint directory or a hub id")
+    reward_model_path: str | None = _f(None, "reward model (*ForSequenceClassification, num_labels=1): dir or hub id")
+    reward_funcs: tuple[str, ...] = _f((), "reward functions as 'module:function' import paths (TRL's callables)")
+    reward_weights: tuple[float, ...] | None = _f(None, "weights of the rewards (model first, then functions)")
+    model_revision: str | None = _f(None, "hub revision (branch, tag or commit) of the policy")
+    # --- data
+    dataset_name: str = _f("", "hub dataset id, or a local file/directory (json, jsonl, parquet, csv)")
+    dataset_config: str | None = _f(None, "the dataset's config (subset) name")
+    dataset_train_split: str = _f("train", "split to train on")
+    dataset_test_split: str = _f("test", "split to evaluate on")
+    eval_dataset: str | None = _f(None, "evaluation dataset (default: dataset_name's dataset_test_split)")
+    max_eval_prompts: int = _f(64, "evaluation prompts used at each evaluation")
+    # --- batch and schedule
+    per_device_train_batch_size: int = _f(8, "prompts per device per micro-batch (two completions each)")
+    per_device_eval_batch_size: int = _f(8, "prompts per device per evaluation batch")
+    gradient_accumulation_steps: int = _f(1, "micro-batches per optimizer step (gradients averaged)")
+    num_train_epochs: float = _f(3.0, "passes over the prompts (ignored when max_steps > 0)")
+    max_steps: int = _f(-1, "optimizer steps; > 0 overrides num_train_epochs")
+    learning_rate: float = _f(5e-7, "AdamW peak learning rate")
+    lr_scheduler_type: str = _f("linear", "linear | cosine | constant | constant_with_warmup")
+    warmup_ratio: float = _f(0.0, "fraction of the steps spent warming up (used when warmup_steps is 0)")
+    warmup_steps: int = _f(0, "warm-up steps")
+    weight_decay: float = _f(0.0, "AdamW decoupled weight decay")
+    adam_beta1: float = _f(0.9, "AdamW beta1")
+    adam_beta2: float = _f(0.999, "AdamW beta2")
+    adam_epsilon: float = _f(1e-8, "AdamW epsilon")
+    max_grad_norm: float = _f(1.0, "clip gradients to this global norm (0: off)")
+    # --- generation
+    max_new_tokens: int = _f(64, "tokens sampled per completion")
+    max_length: int = _f(512, "prompt + completion tokens in the loss forward (the prompt is left-truncated)")
+    max_prompt_length: int = _f(512, "prompts longer than this are left-truncated")
+    temperature: float = _f(0.9, "sampling temperature (0: greedy)")
+    top_k: int = _f(0, "top-k filtering (0: off)")
+    top_p: float = _f(1.0, "nucleus filtering (1.0: off)")
+    min_p: float | None = _f(None, "min-p filtering relative to the top token (None: off)")
+    repetition_penalty: float = _f(1.0, "transformers' repetition penalty (1.0: off)")
+    # --- loss
+    beta: float | tuple[float, ...] = _f(0.1, "KL strength; a list is indexed by epoch")
+    loss_type: str = _f("sigmoid", "sigmoid | ipo | hinge | robust | exo_pair | nca_pair | sppo_hard | apo_zero | "
+                                   "apo_down | discopop")
+    label_smoothing: float = _f(0.0, "cDPO / robust / exo_pair label-flip rate")
+    ipo_length_normalized: bool = _f(False, "ipo on per-token averaged log-probs (TRL's offline DPO form)")
+    discopop_tau: float = _f(0.05, "discopop temperature")
+    missing_eos_penalty: float | None = _f(None, "subtracted from the reward of completions without EOS (TRL)")
+    non_eos_penalty: bool = _f(False, "replace the reward of completions without EOS by penalty_reward_value")
+    penalty_reward_value: float = _f(-1.0, "the reward given by non_eos_penalty (open-instruct)")
+    # --- run
+    seed: int = _f(42, "seed of the data order, the sampling and any random initialisation")
+    output_dir: str = _f("trainer_output", "where metrics.jsonl, tensorboard/, config.json and checkpoints/ go")
+    logging_steps: int = _f(10, "log every this many optimizer steps")
+    save_steps: float = _f(500, "checkpoint every this many steps (< 1: a fraction of the run); the last is saved")
+    save_total_limit: int | None = _f(None, "checkpoints kept (None: all)")
+    eval_steps: int | None = _f(None, "evaluate every this many steps (None: only at the end if eval data exists)")
+    num_sample_generations: int = _f(10, "times a table of sample completions is printed over the run")
+    bf16: bool = _f(True, "bfloat16 compute with float32 master weights and float32 log-softmax")
+    gradient_checkpointing: bool = _f(True, "rematerialise each layer in the backward pass")
+    # --- jodpo's own
+    remat: str = _f("auto", "auto (from gradient_checkpointing) | none | full | dots")
+    prompt_buckets: tuple[int, ...] = _f((), "padded prompt lengths (default: powers of two up to max_prompt_length)")
+    decode_chunk: int = _f(8, "decode steps between checks that every completion has ended")
+
+    def __post_init__(self):
+        _check(self)
+
+    def replace(self, **changes) -> "TrainConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+
+
+def _check(c: TrainConfig) -> None:
+    from jodpo.losses import LOSSES
+
+    positive = ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
+                "max_new_tokens", "max_length", "max_prompt_length", "logging_steps", "decode_chunk")
+    for name in positive:
+        if getattr(c, name) < 1:
+            raise ConfigError(f"{name} must be >= 1, got {getattr(c, name)}")
+    if not c.learning_rate > 0:
+        raise ConfigError(f"learning_rate must be > 0, got {c.learning_rate}")
+    betas = c.beta if isinstance(c.beta, tuple) else (c.beta,)
+    if not betas or any(not b > 0 for b in betas):
+        raise ConfigError(f"beta must be > 0 (a number or a list of numbers), got {c.beta}")
+    if c.loss_type not in LOSSES:
+        raise ConfigError(f"unknown loss_type {c.loss_type!r}; choose one of {sorted(LOSSES)}")
+    if c.remat not in ("auto", "none", "full", "dots"):
+        raise ConfigError(f"remat must be auto, none, full or dots, got {c.remat!r}")
+    if not c.save_steps > 0:
+        raise ConfigError(f"save_steps must be > 0 (a step count, or a fraction of the run below 1), got {c.save_steps}")
+    if c.max_new_tokens >= c.max_length:
+        warnings.warn(f"max_new_tokens ({c.max_new_tokens}) >= max_length ({c.max_length}): prompts will be truncated "
+                      "or removed in the loss forward; use max_length > max_new_tokens + the prompt length "
+                      "(as TRL warns).", stacklevel=3)
+
+
+# --------------------------------------------------------------------------------------------------
+# Config files and overrides
+# --------------------------------------------------------------------------------------------------
+
+
+def find_config_file(name: str) -> Path:
+    """A path, or a bare name found in ``configs/`` (with or without ``.py``)."""
+    candidates = [Path(name), CONFIGS_DIR / name, CONFIGS_DIR / f"{name}.py"]
+    for p in candidates:
+        if p.is_file():
+            return p
+    known = sorted(p.name for p in CONFIGS_DIR.glob("*.py")) if CONFIGS_DIR.is_dir() else []
+    raise ConfigError(f"config file {name!r} not found (looked at {', '.join(str(p) for p in candidates)}); "
+                      f"give a path or one of {known}")
+
+
+def load_config_file(name: str) -> TrainConfig:
+    path = find_config_file(name)
+    spec = importlib.util.spec_from_file_location(f"jodpo_config_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, "get_config"):
+        raise ConfigError(f"{path} defines no get_config(); it must return a jodpo.config.TrainConfig or a dict")
+    cfg = module.get_config()
+    if isinstance(cfg, dict):
+        cfg = from_dict(cfg, source=str(path))
+    if not isinstance(cfg, TrainConfig):
+        raise ConfigError(f"{path}: get_config() returned {type(cfg).__name__}, not a TrainConfig or a dict")
+    return cfg
+
+
+def from_dict(d: dict, source: str = "config") -> TrainConfig:
+    unknown = sorted(set(d) - set(FIELDS))
+    if unknown:
+        raise ConfigError(f"{source}: unknown field(s) {unknown}. {_did_you_mean(unknown[0])}"
+                          "Run `python -m jodpo.train --help` for the list.")
+    return TrainConfig(**{k: coerce(k, v) for k, v in d.items()})
+
+
+def _did_you_mean(name: str) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(name, FIELDS, n=1)
+    return f"Did you mean {close[0]!r}? " if close else ""
+
+
+def _types_of(annotation) -> tuple:
+    hint = typing.get_type_hints(TrainConfig)[annotation]
+    args = typing.get_args(hint)
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        return args
+    return (hint,)
+
+
+def coerce(name: str, value):
+    """``value`` checked against the field's type; lists become tuples, ints are accepted for floats."""
+    if name not in FIELDS:
+        raise ConfigError(f"unknown field {name!r}. {_did_you_mean(name)}Run `python -m jodpo.train --help`.")
+    for t in _types_of(name):
+        if t is type(None) and value is None:
+            return None
+        if t is bool and isinstance(value, bool):
+            return value
+        if t in (int, float, str) and isinstance(value, t) and not isinstance(value, bool):
+            return value
+        if t is float and isinstance(value, int) and not isinstance(value, bool):
+            return float(value)
+        if typing.get_origin(t) is tuple and isinstance(value, (list, tuple)):
+            (elem, _) = typing.get_args(t)
+            try:
+                return tuple(coerce_elem(elem, v) for v in value)
+            except TypeError:
+                continue
+    want = " or ".join(getattr(t, "__name__", str(t)) for t in _types_of(name))
+    raise ConfigError(f"field {name!r} wants {want}, got {value!r} ({type(value).__name__})")
+
+
+def coerce_elem(t, v):
+    if t is float and isinstance(v, (int, float)) and not isinstance(v, bool):
+        return float(v)
+    if isinstance(v, t) and not isinstance(v, bool):
+        return v
+    raise TypeError
+
+
+def parse_override(arg: str) -> tuple[str, object]:
+    """``--config.FIELD=VALUE`` -> (FIELD, value). VALUE is a Python literal, or a bare string."""
+    body = arg[len("--config."):]
+    if "=" not in body:
+        raise ConfigError(f"{arg}: write overrides as --config.FIELD=VALUE")
+    name, text = body.split("=", 1)
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        value = text
+    if name in FIELDS and str in _types_of(name) and value is not None and not isinstance(value, str):
+        value = text  # a string field given something that parses as a number: keep the text
+    return name, coerce(name, value)
+
+
+def help_text() -> str:
+    lines = ["Fields (--config.FIELD=VALUE):"]
+    for name, f in FIELDS.items():
+        lines.append(f"  {name:30s} {f.metadata['help']} (default: {f.default!r})")
+    return "\n".join(lines)
+
+
+def markdown_table() -> str:
+    """The field reference of docs/config.md (``python -m jodpo.config`` prints it)."""
+    rows = ["| field | default | meaning |", "| --- | --- | --- |"]
+    rows += [f"| `{n}` | `{f.default!r}` | {f.metadata['help'].replace('|', '/')} |" for n, f in FIELDS.items()]
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(markdown_table())

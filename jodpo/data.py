@@ -1,0 +1,202 @@
+"""Datasets: loading (hub or local files), chat templates, tokenization, bucketed batches, resumable order.
+
+A prompt dataset has a ``prompt`` column (text, or chat messages rendered with the policy tokenizer's chat
+template and ``add_generation_prompt=True``); any other columns reach callable rewards, and a ``completion``
+column (TL;DR's reference summaries) gives ``eval/win_rate``. A dataset with ``chosen`` and ``rejected``
+columns is preference data and selects offline DPO.
+
+The order is a pure function of (seed, step): step ``k`` takes batch ``k % steps_per_epoch`` of the
+permutation of epoch ``k // steps_per_epoch``, so a resumed run sees exactly the prompts it would have seen.
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+
+LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+class DataError(ValueError):
+    """A dataset that cannot be used; the message names the problem and the fix."""
+
+
+def load_rows(name: str, config: str | None = None, split: str = "train"):
+    """A ``datasets.Dataset`` from a hub id, a local file (json, jsonl, parquet, csv) or a local directory."""
+    import datasets
+
+    if not name:
+        raise DataError("no dataset given: set dataset_name (a hub id or a local file or directory)")
+    path = Path(name).expanduser()
+    try:
+        if path.is_file():
+            kind = LOCAL_FORMATS.get(path.suffix)
+            if kind is None:
+                raise DataError(f"{path}: unknown file type {path.suffix!r}; use one of {sorted(LOCAL_FORMATS)}")
+            return datasets.load_dataset(kind, data_files={split: str(path)}, split=split)
+        if path.is_dir():
+            return datasets.load_dataset(str(path), config, split=split)
+        return datasets.load_dataset(name, config, split=split)
+    except DataError:
+        raise
+    except ValueError as e:  # an unknown split
+        raise DataError(f"dataset {name!r}: {e}") from e
+    except (FileNotFoundError, ConnectionError, OSError) as e:
+        offline = " (the Hugging Face Hub is offline here: HF_HUB_OFFLINE is set or there is no network)" \
+            if not path.exists() else ""
+        raise DataError(f"dataset {name!r} not found{offline}: give a local file or directory, or a hub id that "
+                        f"is cached. ({type(e).__name__}: {e})") from e
+    except Exception as e:  # datasets raises its own DatasetNotFoundError and friends
+        raise DataError(f"dataset {name!r} could not be loaded: {type(e).__name__}: {e}") from e
+
+
+def is_preference(ds) -> bool:
+    return {"chosen", "rejected"} <= set(ds.column_names)
+
+
+def _render_prompt(tokenizer, prompt) -> str:
+    if isinstance(prompt, list):  # chat messages
+        return tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+    if not isinstance(prompt, str):
+        raise DataError(f"a prompt must be text or a list of chat messages, got {type(prompt).__name__}")
+    return prompt
+
+
+def _tokenize(tokenizer, texts: list[str]) -> list[np.ndarray]:
+    enc = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    return [np.asarray(x, np.int32) for x in enc]
+
+
+def _truncate_left(seqs: list[np.ndarray], limit: int, what: str) -> list[np.ndarray]:
+    n = sum(len(s) > limit for s in seqs)
+    if n == len(seqs) and n:
+        raise DataError(f"all {n} {what} are longer than max_prompt_length={limit} tokens; raise max_prompt_length")
+    if n:
+        import warnings
+
+        warnings.warn(f"{n} of {len(seqs)} {what} are longer than max_prompt_length={limit}; keeping their last "
+                      f"{limit} tokens")
+    return [s[-limit:] for s in seqs]
+
+
+@dataclasses.dataclass
+class PromptData:
+    prompts: list  # as in the dataset (text or messages), for callable rewards and text reward models
+    ids: list[np.ndarray]  # tokenized, left-truncated to max_prompt_length
+    columns: dict[str, list]  # the other columns, passed to callable rewards
+    references: list[str] | None  # the `completion` column, if any (for eval/win_rate)
+
+    def __len__(self):
+        return len(self.ids)
+
+
+def prepare_prompts(ds, tokenizer, max_prompt_length: int) -> PromptData:
+    if "prompt" not in ds.column_names:
+        raise DataError(f"the dataset has no 'prompt' column (columns: {ds.column_names}); online DPO needs prompts, "
+                        "offline DPO needs prompt/chosen/rejected")
+    if len(ds) == 0:
+        raise DataError("the dataset is empty")
+    prompts = list(ds["prompt"])
+    ids = _truncate_left(_tokenize(tokenizer, [_render_prompt(tokenizer, p) for p in prompts]), max_prompt_length,
+                         "prompts")
+    columns = {c: list(ds[c]) for c in ds.column_names if c != "prompt"}
+    refs = columns.get("completion")
+    return PromptData(prompts, ids, columns, [str(r) for r in refs] if refs is not None else None)
+
+
+@dataclasses.dataclass
+class PreferenceData:
+    prompt_ids: list[np.ndarray]
+    chosen_ids: list[np.ndarray]  # response tokens (EOS included)
+    rejected_ids: list[np.ndarray]
+
+    def __len__(self):
+        return len(self.prompt_ids)
+
+
+def _response_text(tokenizer, prompt, response) -> str:
+    if isinstance(prompt, list):  # chat: the rendered conversation minus the rendered prompt
+        head = _render_prompt(tokenizer, prompt)
+        full = tokenizer.apply_chat_template(prompt + list(response), tokenize=False)
+        if not full.startswith(head):
+            raise DataError("the chat template renders the prompt differently inside the conversation; "
+                            "use standard (text) preference data")
+        return full[len(head):]
+    return response + (tokenizer.eos_token or "")  # TRL's DPOTrainer appends EOS to text responses
+
+
+def prepare_preferences(ds, tokenizer, max_prompt_length: int, max_response_length: int) -> PreferenceData:
+    missing = {"prompt", "chosen", "rejected"} - set(ds.column_names)
+    if missing:
+        raise DataError(f"preference data needs prompt, chosen and rejected columns; missing {sorted(missing)}")
+    if len(ds) == 0:
+        raise DataError("the dataset is empty")
+    prompts = list(ds["prompt"])
+    prompt_ids = _truncate_left(_tokenize(tokenizer, [_render_prompt(tokenizer, p) for p in prompts]),
+                                max_prompt_length, "prompts")
+
+    def responses(col):
+        return [s[:max_response_length] for s in _tokenize(
+            tokenizer, [_response_text(tokenizer, p, r) for p, r in zip(prompts, ds[col])])]
+
+    return PreferenceData(prompt_ids, responses("chosen"), responses("rejected"))
+
+
+# --------------------------------------------------------------------------------------------------
+# Order and batches
+# --------------------------------------------------------------------------------------------------
+
+
+def steps_per_epoch(n_rows: int, global_batch: int) -> int:
+    if n_rows < global_batch:
+        raise DataError(f"the dataset has {n_rows} rows, fewer than one step's {global_batch} prompts "
+                        "(per_device_train_batch_size x devices x gradient_accumulation_steps)")
+    return n_rows // global_batch  # the last partial batch is dropped: every step has the same shape
+
+
+def batch_indices(n_rows: int, global_batch: int, seed: int, step: int) -> np.ndarray:
+    """Row indices of optimizer step ``step``: a fresh permutation every epoch, from the seed."""
+    spe = steps_per_epoch(n_rows, global_batch)
+    epoch, k = divmod(step, spe)
+    perm = np.random.default_rng([seed, epoch]).permutation(n_rows)
+    return perm[k * global_batch:(k + 1) * global_batch]
+
+
+def default_buckets(max_prompt_length: int) -> tuple[int, ...]:
+    """Powers of two from 16 up to (and including) max_prompt_length: few shapes, at most 2x padding."""
+    out, b = [], 16
+    while b < max_prompt_length:
+        out.append(b)
+        b *= 2
+    return tuple(out) + (max_prompt_length,)
+
+
+def left_pad(seqs: list[np.ndarray], length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    ids = np.full((len(seqs), length), pad_id, np.int32)
+    mask = np.zeros((len(seqs), length), np.int32)
+    for i, s in enumerate(seqs):
+        if len(s):
+            ids[i, -len(s):], mask[i, -len(s):] = s, 1
+    return ids, mask
+
+
+def right_pad(seqs: list[np.ndarray], length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    ids = np.full((len(seqs), length), pad_id, np.int32)
+    mask = np.zeros((len(seqs), length), np.int32)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)], mask[i, :len(s)] = s, 1
+    return ids, mask
+
+
+def bucket(n: int, buckets: tuple[int, ...]) -> int:
+    from jodpo.sampling import bucket_length
+
+    return bucket_length(max(n, 1), buckets)
+
+
+def prompt_batch(seqs: list[np.ndarray], accumulation: int, buckets: tuple[int, ...], pad_id: int):
+    """i32[A, B, P] ids and mask, left-padded to the bucket of the longest prompt of the window."""
+    P = bucket(max(len(s) for s in seqs), buckets)
+    ids, mask = left_pad(seqs, P, pad_id)
+    return ids.reshape(accumulation, -1, P), mask.reshape(accumulation, -1, P)

@@ -1,0 +1,79 @@
+"""Run output: ``metrics.jsonl``, TensorBoard (tensorboardX), a console progress bar, completion tables.
+
+Only the main process writes (``enabled=False`` elsewhere). Metric names are TRL's plus ``loss``,
+``grad_norm``, ``lr``, ``episode``, ``step``, ``epoch`` and ``eps`` (prompts per second of wall time over the
+logging interval, sampling, scoring and update included).
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+
+def truncate_metrics(path: Path, last_step: int) -> None:
+    """Drop lines logged after ``last_step`` (a run resumed from that checkpoint logs them again)."""
+    if not path.exists():
+        return
+    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= last_step]
+    path.write_text("".join(line + "\n" for line in keep))
+
+
+class RunLogger:
+    def __init__(self, output_dir: Path, total_steps: int, start_step: int, enabled: bool = True):
+        self.enabled = enabled
+        if not enabled:
+            return
+        from tensorboardX import SummaryWriter
+
+        truncate_metrics(output_dir / "metrics.jsonl", start_step)
+        self.jsonl = open(output_dir / "metrics.jsonl", "a")
+        self.tb = SummaryWriter(str(output_dir / "tensorboard"), purge_step=start_step + 1 if start_step else None)
+        self.bar = tqdm(total=total_steps, initial=start_step, desc="online dpo", dynamic_ncols=True,
+                        bar_format="{desc} {n_fmt}/{total_fmt} [{elapsed}<{remaining}]{postfix}")
+
+    def log(self, metrics: dict) -> None:
+        """One logged step: a JSON line, TensorBoard scalars, and the progress bar's postfix."""
+        if not self.enabled:
+            return
+        record = {k: (float(v) if not isinstance(v, int) else v) for k, v in metrics.items()}
+        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.flush()
+        for k, v in record.items():
+            if k != "step" and math.isfinite(v):
+                self.tb.add_scalar(k, v, record["step"])
+        if "loss" in record:  # a training step (evaluation lines only go to the files)
+            score = record.get("objective/scores", record.get("rewards/margins", float("nan")))
+            self.bar.set_postfix_str(f"eps {record.get('eps', 0):.1f} | loss {record['loss']:.4f} | score {score:.3f}",
+                                     refresh=False)
+
+    def advance(self, steps: int = 1) -> None:
+        if self.enabled:
+            self.bar.update(steps)
+
+    def message(self, text: str) -> None:
+        if self.enabled:
+            self.bar.write(text)
+
+    def table(self, step: int, rows: list[tuple[str, str, float]], tag: str = "completions") -> None:
+        """Sample completions as a console table and a TensorBoard markdown table."""
+        if not self.enabled or not rows:
+            return
+        def clip(s, n, tail=False):  # prompts keep their end, completions their start
+            s = " ".join(str(s).split())
+            return s if len(s) <= n else ("..." + s[-(n - 3):] if tail else s[:n - 3] + "...")
+
+        lines = [f"step {step}: {tag}", f"{'prompt':40s} | {'completion':50s} | score"]
+        lines += [f"{clip(p, 40, True):40s} | {clip(c, 50):50s} | {s:.3f}" for p, c, s in rows]
+        self.bar.write("\n".join(lines))
+        md = ["| prompt | completion | score |", "| --- | --- | --- |"]
+        md += [f"| {clip(p, 200, True)} | {clip(c, 400)} | {s:.3f} |".replace("\n", " ") for p, c, s in rows]
+        self.tb.add_text(tag, "\n".join(md), step)
+
+    def close(self) -> None:
+        if self.enabled:
+            self.bar.close()
+            self.jsonl.close()
+            self.tb.close()

@@ -1,0 +1,279 @@
+"""``python -m jodpo.train --config tldr.py [--config.FIELD=VALUE ...]``: the training program.
+
+A short loop over the pieces: load models, data and rewards; restore the latest checkpoint of
+``output_dir`` if there is one; then per optimizer step sample, score, update, and log / evaluate / save.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jodpo import data as D
+from jodpo import train_step as ts
+from jodpo.checkpoint import Checkpointer, abstract_like
+from jodpo.config import ConfigError, TrainConfig, help_text, load_config_file, parse_override
+from jodpo.logging import RunLogger
+from jodpo.losses import LossOptions
+from jodpo.models import CheckpointError, load_model, load_tokenizer
+from jodpo.rewards import RewardSet, check_shared_vocab, import_reward_function
+from jodpo.sampling import SamplingConfig
+
+
+@dataclasses.dataclass
+class Run:
+    """What the loop needs, built once from the config."""
+
+    cfg: TrainConfig
+    tokenizer: object
+    step_cfg: ts.StepConfig
+    ref_params: dict
+    rewards: RewardSet | None
+    train: D.PromptData | D.PreferenceData
+    eval: D.PromptData | None
+    buckets: tuple[int, ...]
+    global_batch: int
+    steps_per_epoch: int
+    total_steps: int
+    save_every: int
+
+
+def _same_tokenizer(a, b) -> bool:
+    return type(a).__name__ == type(b).__name__ and a.get_vocab() == b.get_vocab()
+
+
+def build(cfg: TrainConfig) -> Run:
+    if not cfg.model_name_or_path:
+        raise ConfigError("model_name_or_path is empty: give a local HF checkpoint directory or a hub id")
+    tokenizer = load_tokenizer(cfg.model_name_or_path, cfg.model_revision)
+    model, ref_params = load_model(cfg.model_name_or_path, "causal_lm", jnp.float32, revision=cfg.model_revision)
+    remat = cfg.remat if cfg.remat != "auto" else ("full" if cfg.gradient_checkpointing else "none")
+    model = model.replace(dtype="bfloat16" if cfg.bf16 else "float32", remat=remat)
+    eos = tuple(dict.fromkeys([*model.eos_token_ids, *([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None
+                                                       else [])]))
+    pad = tokenizer.pad_token_id
+
+    train_rows = D.load_rows(cfg.dataset_name, cfg.dataset_config, cfg.dataset_train_split)
+    offline = D.is_preference(train_rows)
+    if offline:
+        train = D.prepare_preferences(train_rows, tokenizer, cfg.max_prompt_length, cfg.max_new_tokens)
+    else:
+        train = D.prepare_prompts(train_rows, tokenizer, cfg.max_prompt_length)
+    evaluation = None
+    if not offline and (cfg.eval_dataset or cfg.eval_steps):
+        rows = D.load_rows(cfg.eval_dataset or cfg.dataset_name, cfg.dataset_config, cfg.dataset_test_split)
+        rows = rows.select(range(min(len(rows), cfg.max_eval_prompts)))
+        evaluation = D.prepare_prompts(rows, tokenizer, cfg.max_prompt_length)
+
+    rewards, rm = None, None
+    if not offline:
+        rm_params = None
+        if cfg.reward_model_path:
+            rm, rm_params = load_model(cfg.reward_model_path, "reward", jnp.float32)
+            rm = rm.replace(dtype=model.dtype)
+            rm_tok = load_tokenizer(cfg.reward_model_path)
+            rm_tok.padding_side = "right"
+            shared = _same_tokenizer(tokenizer, rm_tok)
+            if shared:
+                check_shared_vocab(model, rm)
+        fns = [import_reward_function(s) for s in cfg.reward_funcs]
+        chat = isinstance(train.prompts[0], list)
+        rewards = RewardSet(rm, rm_params, rm_tok if rm else None, fns, cfg.reward_weights,
+                            shared_tokenizer=bool(rm) and shared, chat=chat)
+
+    global_batch = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
+    spe = D.steps_per_epoch(len(train), global_batch)
+    total = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * spe)
+    warmup = cfg.warmup_steps or math.ceil(total * cfg.warmup_ratio)
+    sampling = SamplingConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
+                              top_p=cfg.top_p, min_p=cfg.min_p or 0.0, repetition_penalty=cfg.repetition_penalty,
+                              eos_token_ids=eos, pad_token_id=pad, chunk=cfg.decode_chunk)
+    opt = ts.OptimizerConfig(learning_rate=cfg.learning_rate, total_steps=total, warmup_steps=warmup,
+                             lr_scheduler_type=cfg.lr_scheduler_type, weight_decay=cfg.weight_decay,
+                             adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_epsilon=cfg.adam_epsilon,
+                             max_grad_norm=cfg.max_grad_norm)
+    step_cfg = ts.StepConfig(
+        model=model, sampling=sampling, optimizer=opt, beta=cfg.beta, updates_per_epoch=spe, loss_type=cfg.loss_type,
+        loss_options=LossOptions(cfg.label_smoothing, cfg.discopop_tau, cfg.ipo_length_normalized),
+        missing_eos_penalty=cfg.missing_eos_penalty,
+        penalty_reward_value=cfg.penalty_reward_value if cfg.non_eos_penalty else None, max_length=cfg.max_length,
+        reward_model=rm if rewards is not None and rewards.on_device else None)
+    save_every = int(cfg.save_steps) if cfg.save_steps >= 1 else max(1, math.ceil(total * cfg.save_steps))
+    return Run(cfg, tokenizer, step_cfg, ref_params, rewards, train, evaluation,
+               cfg.prompt_buckets or D.default_buckets(cfg.max_prompt_length), global_batch, spe, total, save_every)
+
+
+# --------------------------------------------------------------------------------------------------
+# One step of each kind
+# --------------------------------------------------------------------------------------------------
+
+
+def _decode(tokenizer, tokens: np.ndarray) -> list[str]:
+    return tokenizer.batch_decode(tokens.reshape(-1, tokens.shape[-1]), skip_special_tokens=True)
+
+
+def _twice_per_micro_batch(items: list, A: int) -> list:
+    """Row order of the samples: per micro-batch, its B items for completion 0 then again for completion 1."""
+    B = len(items) // A
+    return [x for a in range(A) for x in items[a * B:(a + 1) * B] * 2]
+
+
+def online_step(run: Run, state, idx: np.ndarray):
+    A = cfg_A(run)
+    ids, mask = D.prompt_batch([run.train.ids[i] for i in idx], A, run.buckets, run.step_cfg.sampling.pad_token_id)
+    if run.rewards.on_device:
+        state, metrics, samples, raw = ts.jit_online_step(run.step_cfg, state, run.ref_params, run.rewards.params,
+                                                          ids, mask)
+        return state, metrics, (idx, samples, raw)
+    samples = ts.jit_sample_completions(run.step_cfg, state, ids, mask)
+    raw = score_samples(run, run.train, idx, ids, mask, samples)
+    state, metrics = ts.jit_update(run.step_cfg, state, run.ref_params, ids, mask, samples, jnp.asarray(raw))
+    return state, metrics, (idx, samples, raw)
+
+
+def cfg_A(run: Run) -> int:
+    return run.cfg.gradient_accumulation_steps
+
+
+def score_samples(run: Run, data: D.PromptData, idx, ids, mask, samples) -> np.ndarray:
+    """f32[A, 2B] rewards of sampled completions, on the host (functions, other tokenizers, chat data)."""
+    A = ids.shape[0]
+    tokens, tmask = np.asarray(samples.tokens), np.asarray(samples.mask)
+    rows = _twice_per_micro_batch(list(idx), A)
+    prompts = [data.prompts[i] for i in rows]
+    columns = {k: [v[i] for i in rows] for k, v in data.columns.items()}
+    completion_ids = [t[m > 0].tolist() for t, m in zip(tokens.reshape(-1, tokens.shape[-1]),
+                                                         tmask.reshape(-1, tmask.shape[-1]))]
+    return run.rewards.score(prompts, _decode(run.tokenizer, tokens), completion_ids, columns).reshape(A, -1)
+
+
+def offline_step(run: Run, state, idx: np.ndarray):
+    A, pad, C = cfg_A(run), run.step_cfg.sampling.pad_token_id, run.cfg.max_new_tokens
+    ids, mask = D.prompt_batch([run.train.prompt_ids[i] for i in idx], A, run.buckets, pad)
+    shape = lambda x: x.reshape(A, -1, C)
+    c, cm = D.right_pad([run.train.chosen_ids[i] for i in idx], C, pad)
+    r, rm = D.right_pad([run.train.rejected_ids[i] for i in idx], C, pad)
+    batch = ts.PreferenceBatch(ids, mask, shape(c), shape(cm), shape(r), shape(rm))
+    state, metrics = ts.jit_offline_step(run.step_cfg, state, run.ref_params, batch)
+    return state, metrics, None
+
+
+def evaluate(run: Run, state) -> dict:
+    """Sample on the eval prompts and score them; with reference completions, the win rate against them."""
+    data, B = run.eval, run.cfg.per_device_eval_batch_size
+    scores, wins = [], []
+    for start in range(0, len(data) - B + 1, B):
+        idx = np.arange(start, start + B)
+        ids, mask = D.prompt_batch([data.ids[i] for i in idx], 1, run.buckets, run.step_cfg.sampling.pad_token_id)
+        samples = ts.jit_sample_completions(run.step_cfg, state.replace(step=jnp.int32(-1)), ids, mask)
+        s = score_samples(run, data, idx, ids, mask, samples)[0, :B]  # the first completion of each prompt
+        scores.append(s)
+        if data.references is not None:
+            prompts = [data.prompts[i] for i in idx]
+            ref = run.rewards.score(prompts, [data.references[i] for i in idx], None,
+                                    {k: [v[i] for i in idx] for k, v in data.columns.items()})
+            wins.append(s > ref)
+    out = {"eval/objective/scores": float(np.mean(np.concatenate(scores)))} if scores else {}
+    if wins:
+        out["eval/win_rate"] = float(np.mean(np.concatenate(wins)))
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# The loop
+# --------------------------------------------------------------------------------------------------
+
+
+def train(cfg: TrainConfig) -> dict:
+    """Run (or resume) training as configured; returns the last logged metrics."""
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    run = build(cfg)
+    state = ts.init_state(run.step_cfg, run.ref_params, jax.random.PRNGKey(cfg.seed))
+    ckpt = Checkpointer(out / "checkpoints", cfg.save_total_limit)
+    start = 0
+    restored = ckpt.restore_latest(abstract_like(state))
+    if restored is not None:
+        start, state, meta = restored
+        if meta["dataset_rows"] != len(run.train):
+            raise ConfigError(f"{out}: the checkpoint was trained on {meta['dataset_rows']} rows, the dataset now has "
+                              f"{len(run.train)}; use a new output_dir")
+    (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    logger = RunLogger(out, run.total_steps, start, enabled=jax.process_index() == 0)
+    if start:
+        logger.message(f"resumed from {ckpt.directory}/{start}")
+    step_fn = offline_step if isinstance(run.train, D.PreferenceData) else online_step
+    table_every = max(1, run.total_steps // max(1, cfg.num_sample_generations))
+    last, t0, since = {}, time.perf_counter(), 0
+    for step in range(start, run.total_steps):
+        idx = D.batch_indices(len(run.train), run.global_batch, cfg.seed, step)
+        state, metrics, sampled = step_fn(run, state, idx)
+        since += run.global_batch
+        done = step + 1
+        if done % cfg.logging_steps == 0 or done == run.total_steps:
+            metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            now = time.perf_counter()
+            last = metrics | {"step": done, "episode": done * run.global_batch, "epoch": done / run.steps_per_epoch,
+                              "eps": since / (now - t0)}
+            t0, since = now, 0
+            logger.log(last)
+        if sampled is not None and (done % table_every == 0 or done == run.total_steps):
+            idx, samples, raw = sampled
+            B = len(idx) // cfg_A(run)
+            texts = _decode(run.tokenizer, np.asarray(samples.tokens)[0, :B])
+            rows = [(str(run.train.prompts[i]), t, float(r)) for i, t, r in zip(idx[:B], texts, np.asarray(raw)[0])]
+            logger.table(done, rows[:4])
+        if run.eval is not None and (done == run.total_steps or (cfg.eval_steps and done % cfg.eval_steps == 0)):
+            ev = evaluate(run, state)
+            logger.log({"step": done} | ev)
+            last |= ev
+        logger.advance()
+        if done % run.save_every == 0 or done == run.total_steps:
+            ckpt.save(done, state, {"step": done, "epoch": done // run.steps_per_epoch,
+                                    "batch_in_epoch": done % run.steps_per_epoch,
+                                    "dataset_rows": len(run.train), "seed": cfg.seed})
+    ckpt.close()
+    logger.close()
+    return last
+
+
+def parse_args(argv: list[str]) -> tuple[TrainConfig, bool]:
+    parser = argparse.ArgumentParser(prog="python -m jodpo.train", description="Online DPO (and DPO) in JAX.",
+                                     epilog=help_text(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="a config file (path, or a name in configs/)")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    args, rest = parser.parse_known_args(argv)
+    overrides = {}
+    for arg in rest:
+        if not arg.startswith("--config."):
+            raise ConfigError(f"unknown argument {arg!r}; fields are set with --config.FIELD=VALUE")
+        name, value = parse_override(arg)
+        overrides[name] = value
+    cfg = load_config_file(args.config)
+    return (cfg.replace(**overrides) if overrides else cfg), args.debug
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    debug = "--debug" in argv
+    try:
+        cfg, debug = parse_args(argv)
+        train(cfg)
+    except (ConfigError, D.DataError, CheckpointError, ValueError, FileNotFoundError) as e:
+        if debug:
+            raise
+        print(f"jodpo.train: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

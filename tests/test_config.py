@@ -1,0 +1,79 @@
+"""The config: TRL's names and defaults, config files, --config.FIELD=VALUE overrides, --help, docs."""
+from pathlib import Path
+
+import pytest
+
+from jodpo import config as C
+from jodpo import train
+
+
+def test_trl_defaults():
+    c = C.TrainConfig()
+    assert (c.learning_rate, c.beta, c.loss_type, c.temperature, c.max_new_tokens, c.max_length) == (
+        5e-7, 0.1, "sigmoid", 0.9, 64, 512)
+    assert (c.per_device_train_batch_size, c.gradient_accumulation_steps, c.num_train_epochs, c.max_steps) == (
+        8, 1, 3.0, -1)
+    assert (c.max_grad_norm, c.adam_beta1, c.adam_beta2, c.adam_epsilon, c.weight_decay, c.seed) == (
+        1.0, 0.9, 0.999, 1e-8, 0.0, 42)
+    assert (c.logging_steps, c.bf16, c.gradient_checkpointing, c.lr_scheduler_type) == (10, True, True, "linear")
+
+
+def test_overrides_are_typed():
+    assert C.parse_override("--config.beta=[0.1, 0.2]") == ("beta", (0.1, 0.2))
+    assert C.parse_override("--config.beta=0.3") == ("beta", 0.3)
+    assert C.parse_override("--config.learning_rate=1") == ("learning_rate", 1.0)
+    assert C.parse_override("--config.output_dir=runs/1") == ("output_dir", "runs/1")
+    assert C.parse_override("--config.output_dir=123") == ("output_dir", "123")
+    assert C.parse_override("--config.missing_eos_penalty=None") == ("missing_eos_penalty", None)
+    assert C.parse_override("--config.reward_funcs=['a:b']") == ("reward_funcs", ("a:b",))
+    with pytest.raises(C.ConfigError, match="Did you mean 'learning_rate'"):
+        C.parse_override("--config.learnin_rate=1e-6")
+    with pytest.raises(C.ConfigError, match="'max_steps' wants int"):
+        C.parse_override("--config.max_steps=1.5")
+    with pytest.raises(C.ConfigError, match="bf16"):
+        C.parse_override("--config.bf16=yes")
+
+
+@pytest.mark.parametrize("field,value,match", [("beta", 0.0, "beta must be > 0"), ("learning_rate", -1.0, "learning_rate"),
+                                               ("loss_type", "dpo", "unknown loss_type"),
+                                               ("per_device_train_batch_size", 0, "per_device_train_batch_size")])
+def test_bad_values_are_refused(field, value, match):
+    with pytest.raises(C.ConfigError, match=match):
+        C.TrainConfig(**{field: value})
+
+
+def test_max_new_tokens_at_least_max_length_warns():
+    with pytest.warns(UserWarning, match="max_new_tokens"):
+        C.TrainConfig(max_new_tokens=64, max_length=64)
+
+
+def test_config_files_by_name_and_path(tmp_path):
+    assert C.load_config_file("tldr").model_name_or_path == "trl-lib/pythia-1b-deduped-tldr-sft"
+    assert C.load_config_file("tldr_6.9b.py").gradient_accumulation_steps == 4
+    f = tmp_path / "mine.py"
+    f.write_text("def get_config():\n    return {'learning_rate': 1e-5, 'beta': [0.1, 0.05]}\n")
+    c = C.load_config_file(str(f))
+    assert c.learning_rate == 1e-5 and c.beta == (0.1, 0.05)
+    f.write_text("def get_config():\n    return {'lerning_rate': 1e-5}\n")
+    with pytest.raises(C.ConfigError, match="unknown field"):
+        C.load_config_file(str(f))
+    with pytest.raises(C.ConfigError, match="not found"):
+        C.load_config_file("no_such_config.py")
+
+
+def test_cli_errors_are_one_line_without_traceback(capsys):
+    assert train.main(["--config", "no_such_config.py"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("jodpo.train: error: config file 'no_such_config.py' not found") and "Traceback" not in err
+    assert train.main(["--config", "tldr.py", "--config.beta=-1"]) == 2
+    assert "beta must be > 0" in capsys.readouterr().err
+
+
+def test_help_lists_every_field_and_docs_document_them(capsys):
+    with pytest.raises(SystemExit):
+        train.main(["--help"])
+    out = capsys.readouterr().out
+    doc = (Path(__file__).parent.parent / "docs" / "config.md").read_text()
+    for name, f in C.FIELDS.items():
+        assert f"  {name} " in out and f.metadata["help"][:30] in out
+        assert f"`{name}`" in doc, f"docs/config.md does not document {name}"

@@ -1,0 +1,102 @@
+"""The training program end to end: the tiny default learns, every config file runs on local stand-ins,
+outputs have the names outside tools read, a stopped run resumes exactly, offline DPO runs."""
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jodpo import config as C
+from jodpo import train
+from tests import hf_fixtures
+
+CONFIGS = sorted(p.name for p in C.CONFIGS_DIR.glob("*.py"))
+TRL_NAMES = ["loss", "grad_norm", "lr", "episode", "step", "epoch", "eps", "objective/kl", "objective/entropy",
+             "objective/non_score_reward", "objective/rlhf_reward", "objective/scores", "objective/scores_margin",
+             "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
+             "logps/rejected", "val/contain_eos_token", "beta"]
+
+
+def _metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny")
+    assert train.main(["--config", "tiny.py", f"--config.output_dir={out}"]) == 0
+    return out
+
+
+def test_tiny_default_learns_and_writes_every_output(tiny_run):
+    lines = [m for m in _metrics(tiny_run) if "loss" in m]
+    for name in TRL_NAMES:
+        assert name in lines[0], name
+    scores = np.array([m["objective/scores"] for m in lines])
+    q = len(scores) // 4
+    first, last = scores[:q].mean(), scores[-q:].mean()
+    noise = np.abs(np.diff(scores[-q:])).mean()
+    assert last > first + 0.4 and last - first > 5 * noise, (scores, noise)
+    evals = [m for m in _metrics(tiny_run) if "eval/objective/scores" in m]
+    assert evals and evals[-1]["step"] == lines[-1]["step"] == 200
+    assert (tiny_run / "config.json").exists() and any((tiny_run / "tensorboard").iterdir())
+    assert sorted(int(p.name) for p in (tiny_run / "checkpoints").iterdir() if p.name.isdigit()) == [100, 200]
+
+
+def test_stopped_run_resumes_exactly(tiny_run, tmp_path):
+    """Lose the last checkpoint (as if stopped after step 100): the rerun continues from 100 and ends with
+    the same metrics, bit for bit."""
+    out = tmp_path / "resumed"
+    shutil.copytree(tiny_run, out)
+    shutil.rmtree(out / "checkpoints" / "200")
+    assert train.main(["--config", "tiny.py", f"--config.output_dir={out}"]) == 0
+    a = [{k: v for k, v in m.items() if k != "eps"} for m in _metrics(tiny_run)]
+    b = [{k: v for k, v in m.items() if k != "eps"} for m in _metrics(out)]
+    assert a == b
+
+
+def _local_dataset(root: Path, chat: bool) -> Path:
+    rng = np.random.default_rng(0)
+    words = " ".join(hf_fixtures.CORPUS[:5]).split()
+    root.mkdir()
+    for split, n in (("train", 16), ("test", 8)):
+        rows = []
+        for _ in range(n):
+            text = " ".join(rng.choice(words, rng.integers(3, 9)))
+            prompt = [{"role": "user", "content": text}] if chat else f"SUBREDDIT: r/test POST: {text} TL;DR:"
+            rows.append({"prompt": prompt, "completion": " " + " ".join(rng.choice(words, 4))})
+        (root / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root
+
+
+@pytest.mark.parametrize("name", [n for n in CONFIGS if n != "tiny.py"])
+def test_every_config_runs_two_steps_on_local_stand_ins(name, checkpoints, tmp_path):
+    cfg = C.load_config_file(name)
+    family = "qwen2" if "qwen" in cfg.model_name_or_path.lower() else "neox"
+    chat = "ultrafeedback" in cfg.dataset_name
+    cfg = cfg.replace(model_name_or_path=str(checkpoints[family]["causal_lm"]),
+                      reward_model_path=str(checkpoints[family]["reward"]),
+                      dataset_name=str(_local_dataset(tmp_path / "data", chat)), output_dir=str(tmp_path / "out"),
+                      max_steps=2, per_device_train_batch_size=2, max_new_tokens=6, max_length=120,
+                      max_prompt_length=96, eval_steps=2, max_eval_prompts=4, per_device_eval_batch_size=2,
+                      logging_steps=1)
+    last = train.train(cfg)
+    lines = _metrics(tmp_path / "out")
+    assert [m["step"] for m in lines if "loss" in m] == [1, 2]
+    assert np.isfinite(last["loss"]) and 0 <= last["eval/win_rate"] <= 1
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["learning_rate"] == cfg.learning_rate
+    assert (tmp_path / "out" / "checkpoints" / "2").is_dir()
+
+
+def test_offline_dpo_from_preference_data(checkpoints, tmp_path):
+    rows = [{"prompt": f"hello world {i}", "chosen": " the quick brown fox", "rejected": " lazy dog"} for i in range(8)]
+    data = tmp_path / "prefs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = C.TrainConfig(model_name_or_path=str(checkpoints["llama"]["causal_lm"]), dataset_name=str(data),
+                        output_dir=str(tmp_path / "out"), max_steps=3, per_device_train_batch_size=4,
+                        learning_rate=1e-3, logging_steps=1, max_new_tokens=8, bf16=False)
+    train.train(cfg)
+    lines = _metrics(tmp_path / "out")
+    assert lines[0]["loss"] == pytest.approx(np.log(2), rel=1e-5)  # policy == reference at the first step
+    assert lines[-1]["rewards/margins"] > 0  # and then it prefers the chosen responses
