@@ -1,0 +1,44 @@
+"""save_hf: a transformers-loadable directory whose logits equal jodpo's; load_model(save_hf(...)) is the identity."""
+import jax
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+import jodpo
+from jodpo.models.export import save_hf
+from tests import hf_fixtures
+
+
+@pytest.mark.parametrize("family", ["neox", "llama", "llama_tied", "mistral", "qwen2"])
+@pytest.mark.parametrize("task", ["causal_lm", "reward"])
+def test_round_trip_and_transformers_logits(checkpoints, tmp_path, family, task):
+    model, params = jodpo.load_model(str(checkpoints[family][task]), task=task)
+    params = jax.tree.map(lambda x: x + 0.01 * jax.random.normal(jax.random.key(1), x.shape), params)  # "trained"
+    tok = jodpo.load_tokenizer(str(checkpoints[family][task]))
+    out = save_hf(model, params, tmp_path / "hf", tokenizer=tok)
+    model2, params2 = jodpo.load_model(str(out), task=task)
+    assert model2 == model
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(params2)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # bitwise in fp32
+
+    ids, mask = hf_fixtures.padded_batch(np.random.default_rng(0), [5, 9], model.pad_token_id, "left")
+    cls = AutoModelForCausalLM if task == "causal_lm" else AutoModelForSequenceClassification
+    hf = cls.from_pretrained(out, dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():
+        theirs = hf(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits.numpy()
+    if task == "causal_lm":
+        ours = np.asarray(jodpo.logits(model, params, ids, mask))
+        np.testing.assert_allclose(ours[mask > 0], theirs[mask > 0], rtol=1e-4, atol=1e-4)
+        assert hf.config.tie_word_embeddings == model.tie_embeddings
+    else:
+        np.testing.assert_allclose(np.asarray(jodpo.reward_scores(model, params, ids, mask)), theirs[:, 0],
+                                   rtol=1e-4, atol=1e-4)
+
+
+def test_refuses_a_non_empty_directory(checkpoints, tmp_path):
+    model, params = jodpo.load_model(str(checkpoints["neox"]["causal_lm"]))
+    (tmp_path / "keep.txt").write_text("precious")
+    with pytest.raises(FileExistsError, match="not empty"):
+        save_hf(model, params, tmp_path)
+    assert (tmp_path / "keep.txt").read_text() == "precious"
