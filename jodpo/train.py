@@ -173,6 +173,8 @@ def evaluate(run: Run, state) -> dict:
     for start in range(0, len(data) - B + 1, B):
         idx = np.arange(start, start + B)
         ids, mask = D.prompt_batch([data.ids[i] for i in idx], 1, run.buckets, run.step_cfg.sampling.pad_token_id)
+        # Every evaluation draws with the same key (step -1, never a training step): scores at different steps
+        # differ by the policy, not by the draw.
         samples = ts.jit_sample_completions(run.step_cfg, state.replace(step=jnp.int32(-1)), ids, mask)
         s = score_samples(run, data, idx, ids, mask, samples)[0, :B]  # the first completion of each prompt
         scores.append(s)
@@ -192,8 +194,23 @@ def evaluate(run: Run, state) -> dict:
 # --------------------------------------------------------------------------------------------------
 
 
-def train(cfg: TrainConfig) -> dict:
-    """Run (or resume) training as configured; returns the last logged metrics."""
+def _check_same_config(out: Path, cfg: TrainConfig) -> None:
+    saved = out / "config.json"
+    if not saved.exists():
+        return
+    old, new = json.loads(saved.read_text()), json.loads(json.dumps(cfg.to_dict()))
+    changed = sorted(k for k in new if old.get(k) != new[k] and k != "output_dir")  # a moved directory is fine
+    if changed:
+        detail = ", ".join(f"{k}: {old.get(k)!r} -> {new[k]!r}" for k in changed[:6])
+        raise ConfigError(f"{out} holds a run with a different config ({detail}); resume with the saved config, "
+                          "use a new output_dir, or pass --allow_config_change to resume with the new one")
+
+
+def train(cfg: TrainConfig, allow_config_change: bool = False) -> dict:
+    """Run (or resume) training as configured; returns the last logged metrics.
+
+    Resuming (``output_dir`` has a checkpoint) with a config that differs from the saved ``config.json`` is
+    refused unless ``allow_config_change``."""
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     run = build(cfg)
@@ -202,6 +219,8 @@ def train(cfg: TrainConfig) -> dict:
     start = 0
     restored = ckpt.restore_latest(abstract_like(state))
     if restored is not None:
+        if not allow_config_change:
+            _check_same_config(out, cfg)
         start, state, meta = restored
         if meta["dataset_rows"] != len(run.train):
             raise ConfigError(f"{out}: the checkpoint was trained on {meta['dataset_rows']} rows, the dataset now has "
@@ -245,11 +264,13 @@ def train(cfg: TrainConfig) -> dict:
     return last
 
 
-def parse_args(argv: list[str]) -> tuple[TrainConfig, bool]:
+def parse_args(argv: list[str]) -> tuple[TrainConfig, argparse.Namespace]:
     parser = argparse.ArgumentParser(prog="python -m jodpo.train", description="Online DPO (and DPO) in JAX.",
                                      epilog=help_text(), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="a config file (path, or a name in configs/)")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    parser.add_argument("--allow_config_change", action="store_true",
+                        help="resume an output_dir whose saved config.json differs from this config")
     args, rest = parser.parse_known_args(argv)
     overrides = {}
     for arg in rest:
@@ -258,15 +279,15 @@ def parse_args(argv: list[str]) -> tuple[TrainConfig, bool]:
         name, value = parse_override(arg)
         overrides[name] = value
     cfg = load_config_file(args.config)
-    return (cfg.replace(**overrides) if overrides else cfg), args.debug
+    return (cfg.replace(**overrides) if overrides else cfg), args
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     debug = "--debug" in argv
     try:
-        cfg, debug = parse_args(argv)
-        train(cfg)
+        cfg, args = parse_args(argv)
+        train(cfg, allow_config_change=args.allow_config_change)
     except (ConfigError, D.DataError, CheckpointError, ValueError, FileNotFoundError) as e:
         if debug:
             raise

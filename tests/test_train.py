@@ -51,6 +51,10 @@ def test_stopped_run_resumes_exactly(tiny_run, tmp_path):
     shutil.copytree(tiny_run, out)
     shutil.rmtree(out / "checkpoints" / "200")
     assert train.main(["--config", "tiny.py", f"--config.output_dir={out}"]) == 0
+    # Resuming with another config is refused (naming the field) and destroys nothing.
+    before = (out / "metrics.jsonl").read_text()
+    assert train.main(["--config", "tiny.py", f"--config.output_dir={out}", "--config.learning_rate=0.1"]) == 2
+    assert (out / "metrics.jsonl").read_text() == before and (out / "checkpoints" / "200").is_dir()
     a = [{k: v for k, v in m.items() if k != "eps"} for m in _metrics(tiny_run)]
     b = [{k: v for k, v in m.items() if k != "eps"} for m in _metrics(out)]
     assert a == b
