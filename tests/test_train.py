@@ -7,7 +7,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import jodpo
 from jodpo import config as C
+from jodpo import data as D
 from jodpo import train
 from tests import hf_fixtures
 
@@ -93,14 +95,25 @@ def test_every_config_runs_two_steps_on_local_stand_ins(name, checkpoints, tmp_p
     assert (tmp_path / "out" / "checkpoints" / "2").is_dir()
 
 
-def test_offline_dpo_from_preference_data(checkpoints, tmp_path):
-    rows = [{"prompt": f"hello world {i}", "chosen": " the quick brown fox", "rejected": " lazy dog"} for i in range(8)]
+@pytest.mark.parametrize("chat", [False, True])
+def test_offline_dpo_from_preference_data(checkpoints, tmp_path, chat):
+    if chat:  # conversational preference data: the responses are what the chat template adds after the prompt
+        rows = [{"prompt": [{"role": "user", "content": f"hello world {i}"}],
+                 "chosen": [{"role": "assistant", "content": "the quick brown fox"}],
+                 "rejected": [{"role": "assistant", "content": "lazy dog"}]} for i in range(8)]
+    else:
+        rows = [{"prompt": f"hello world {i}", "chosen": " the quick brown fox", "rejected": " lazy dog"}
+                for i in range(8)]
     data = tmp_path / "prefs.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = C.TrainConfig(model_name_or_path=str(checkpoints["llama"]["causal_lm"]), dataset_name=str(data),
                         output_dir=str(tmp_path / "out"), max_steps=3, per_device_train_batch_size=4,
                         learning_rate=1e-3, logging_steps=1, max_new_tokens=8, bf16=False)
     train.train(cfg)
+    tok = jodpo.load_tokenizer(cfg.model_name_or_path)
+    prefs = D.prepare_preferences(D.load_rows(str(data)), tok, 64, 64)
+    expect = "the quick brown fox<|endoftext|>" if chat else " the quick brown fox<|endoftext|>"
+    assert tok.decode(prefs.chosen_ids[0]) == expect
     lines = _metrics(tmp_path / "out")
     assert lines[0]["loss"] == pytest.approx(np.log(2), rel=1e-5)  # policy == reference at the first step
     assert lines[-1]["rewards/margins"] > 0  # and then it prefers the chosen responses
