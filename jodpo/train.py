@@ -127,7 +127,7 @@ def _twice_per_micro_batch(items: list, A: int) -> list:
 
 
 def online_step(run: Run, state, idx: np.ndarray):
-    A = cfg_A(run)
+    A = run.cfg.gradient_accumulation_steps
     ids, mask = D.prompt_batch([run.train.ids[i] for i in idx], A, run.buckets, run.step_cfg.sampling.pad_token_id)
     if run.rewards.on_device:
         state, metrics, samples, raw = ts.jit_online_step(run.step_cfg, state, run.ref_params, run.rewards.params,
@@ -137,10 +137,6 @@ def online_step(run: Run, state, idx: np.ndarray):
     raw = score_samples(run, run.train, idx, ids, mask, samples)
     state, metrics = ts.jit_update(run.step_cfg, state, run.ref_params, ids, mask, samples, jnp.asarray(raw))
     return state, metrics, (idx, samples, raw)
-
-
-def cfg_A(run: Run) -> int:
-    return run.cfg.gradient_accumulation_steps
 
 
 def score_samples(run: Run, data: D.PromptData, idx, ids, mask, samples) -> np.ndarray:
@@ -156,7 +152,7 @@ def score_samples(run: Run, data: D.PromptData, idx, ids, mask, samples) -> np.n
 
 
 def offline_step(run: Run, state, idx: np.ndarray):
-    A, pad, C = cfg_A(run), run.step_cfg.sampling.pad_token_id, run.cfg.max_new_tokens
+    A, pad, C = run.cfg.gradient_accumulation_steps, run.step_cfg.sampling.pad_token_id, run.cfg.max_new_tokens
     ids, mask = D.prompt_batch([run.train.prompt_ids[i] for i in idx], A, run.buckets, pad)
     shape = lambda x: x.reshape(A, -1, C)
     c, cm = D.right_pad([run.train.chosen_ids[i] for i in idx], C, pad)
@@ -246,7 +242,7 @@ def train(cfg: TrainConfig, allow_config_change: bool = False) -> dict:
             logger.log(last)
         if sampled is not None and (done % table_every == 0 or done == run.total_steps):
             idx, samples, raw = sampled
-            B = len(idx) // cfg_A(run)
+            B = len(idx) // run.cfg.gradient_accumulation_steps
             texts = _decode(run.tokenizer, np.asarray(samples.tokens)[0, :B])
             rows = [(str(run.train.prompts[i]), t, float(r)) for i, t, r in zip(idx[:B], texts, np.asarray(raw)[0])]
             logger.table(done, rows[:4])
