@@ -75,7 +75,7 @@ def build(cfg: TrainConfig) -> Run:
 
     rewards, rm = None, None
     if not offline:
-        rm_params = None
+        rm_params, rm_tok, shared = None, None, False
         if cfg.reward_model_path:
             rm, rm_params = load_model(cfg.reward_model_path, "reward", jnp.float32)
             rm = rm.replace(dtype=model.dtype)
@@ -86,8 +86,7 @@ def build(cfg: TrainConfig) -> Run:
                 check_shared_vocab(model, rm)
         fns = [import_reward_function(s) for s in cfg.reward_funcs]
         chat = isinstance(train.prompts[0], list)
-        rewards = RewardSet(rm, rm_params, rm_tok if rm else None, fns, cfg.reward_weights,
-                            shared_tokenizer=bool(rm) and shared, chat=chat)
+        rewards = RewardSet(rm, rm_params, rm_tok, fns, cfg.reward_weights, shared_tokenizer=shared, chat=chat)
 
     global_batch = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
     spe = D.steps_per_epoch(len(train), global_batch)
@@ -164,7 +163,8 @@ def offline_step(run: Run, state, idx: np.ndarray):
 
 def evaluate(run: Run, state) -> dict:
     """Sample on the eval prompts and score them; with reference completions, the win rate against them."""
-    data, B = run.eval, run.cfg.per_device_eval_batch_size
+    data = run.eval
+    B = min(run.cfg.per_device_eval_batch_size, len(data))  # a small eval set still gets evaluated
     scores, wins = [], []
     for start in range(0, len(data) - B + 1, B):
         idx = np.arange(start, start + B)
