@@ -13,6 +13,8 @@ from pathlib import Path
 import jax
 import orbax.checkpoint as ocp
 
+from jodpo.models import CheckpointError
+
 log = logging.getLogger("jodpo")
 
 
@@ -50,6 +52,39 @@ class Checkpointer:
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+def find_step_dir(path: str | Path) -> list[Path]:
+    """Step directories to try for ``path``: one step (``.../checkpoints/<step>``) or, for an output directory
+    (or its ``checkpoints/``), all its finished steps, newest first."""
+    path = Path(path).absolute()
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist; give a training output_dir or one of its "
+                                "checkpoints/<step> directories")
+    if (path / "state").is_dir():
+        return [path]
+    root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    steps = sorted((int(p.name), p) for p in root.iterdir() if p.name.isdigit() and (p / "state").is_dir())
+    if not steps:
+        raise FileNotFoundError(f"{path} holds no checkpoint (no checkpoints/<step>/state); train first, or give "
+                                "the output_dir of a run that saved one")
+    return [p for _, p in reversed(steps)]
+
+
+def restore_params(step_dir: str | Path, device=None):
+    """The policy parameters of one checkpoint step, on one device (the CPU by default), whatever mesh wrote
+    them: only ``state/params`` is read."""
+    path = Path(step_dir).absolute() / "state"
+    dev = jax.sharding.SingleDeviceSharding(device or jax.devices("cpu")[0])
+    ckptr = ocp.PyTreeCheckpointer()
+    try:
+        meta = ckptr.metadata(path).item_metadata["params"]
+        item = {"params": jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=dev), meta)}
+        args = ocp.args.PyTreeRestore(item=item, restore_args=jax.tree.map(
+            lambda _: ocp.ArrayRestoreArgs(sharding=dev), item), partial_restore=True)
+        return ckptr.restore(path, args=args)["params"]
+    except Exception as e:  # noqa: BLE001 - orbax raises many kinds; the caller needs one
+        raise CheckpointError(f"{path.parent} is not a readable checkpoint ({type(e).__name__}: {e})") from e
 
 
 def abstract_like(tree):

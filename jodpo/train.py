@@ -9,6 +9,7 @@ import argparse
 import dataclasses
 import json
 import math
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -24,6 +25,7 @@ from jodpo.config import ConfigError, TrainConfig, help_text, load_config_file, 
 from jodpo.logging import RunLogger
 from jodpo.losses import LossOptions
 from jodpo.models import CheckpointError, load_model, load_tokenizer
+from jodpo.models.export import write_metadata
 from jodpo.rewards import RewardSet, check_shared_vocab, import_reward_function
 from jodpo.sampling import SamplingConfig
 
@@ -202,6 +204,18 @@ def _check_same_config(out: Path, cfg: TrainConfig) -> None:
                           "use a new output_dir, or pass --allow_config_change to resume with the new one")
 
 
+def _write_source_model(run: Run, target: Path) -> None:
+    """The policy's config and tokenizer (no weights) in ``output_dir/source_model``: what
+    ``scripts/export_hf.py`` needs besides the checkpoint, without the hub or the original directory."""
+    if target.exists():
+        return
+    tmp = target.with_name(target.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    write_metadata(run.step_cfg.model, tmp, run.tokenizer)
+    tmp.rename(target)
+
+
 def train(cfg: TrainConfig, allow_config_change: bool = False) -> dict:
     """Run (or resume) training as configured; returns the last logged metrics.
 
@@ -221,7 +235,9 @@ def train(cfg: TrainConfig, allow_config_change: bool = False) -> dict:
         if meta["dataset_rows"] != len(run.train):
             raise ConfigError(f"{out}: the checkpoint was trained on {meta['dataset_rows']} rows, the dataset now has "
                               f"{len(run.train)}; use a new output_dir")
-    (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    if jax.process_index() == 0:
+        (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+        _write_source_model(run, out / "source_model")
     logger = RunLogger(out, run.total_steps, start, enabled=jax.process_index() == 0)
     if start:
         logger.message(f"resumed from {ckpt.directory}/{start}")

@@ -6,6 +6,7 @@ window, Qwen2's q/k/v biases.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -94,3 +95,18 @@ def padded_batch(rng: np.random.Generator, lengths, pad_id: int, side: str, low:
         sl = slice(L - n, L) if side == "left" else slice(0, n)
         ids[b, sl], mask[b, sl] = row, 1
     return ids, mask
+
+
+def prompt_dataset(root: Path, chat: bool = False) -> Path:
+    """A local prompt dataset (train.jsonl: 16 rows, test.jsonl: 8) with reference completions."""
+    rng = np.random.default_rng(0)
+    words = " ".join(CORPUS[:5]).split()
+    root.mkdir()
+    for split, n in (("train", 16), ("test", 8)):
+        rows = []
+        for _ in range(n):
+            text = " ".join(rng.choice(words, rng.integers(3, 9)))
+            prompt = [{"role": "user", "content": text}] if chat else f"SUBREDDIT: r/test POST: {text} TL;DR:"
+            rows.append({"prompt": prompt, "completion": " " + " ".join(rng.choice(words, 4))})
+        (root / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root

@@ -62,20 +62,6 @@ def test_stopped_run_resumes_exactly(tiny_run, tmp_path):
     assert a == b
 
 
-def _local_dataset(root: Path, chat: bool) -> Path:
-    rng = np.random.default_rng(0)
-    words = " ".join(hf_fixtures.CORPUS[:5]).split()
-    root.mkdir()
-    for split, n in (("train", 16), ("test", 8)):
-        rows = []
-        for _ in range(n):
-            text = " ".join(rng.choice(words, rng.integers(3, 9)))
-            prompt = [{"role": "user", "content": text}] if chat else f"SUBREDDIT: r/test POST: {text} TL;DR:"
-            rows.append({"prompt": prompt, "completion": " " + " ".join(rng.choice(words, 4))})
-        (root / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return root
-
-
 @pytest.mark.parametrize("name", [n for n in CONFIGS if n != "tiny.py"])
 def test_every_config_runs_two_steps_on_local_stand_ins(name, checkpoints, tmp_path):
     cfg = C.load_config_file(name)
@@ -83,7 +69,7 @@ def test_every_config_runs_two_steps_on_local_stand_ins(name, checkpoints, tmp_p
     chat = "ultrafeedback" in cfg.dataset_name
     cfg = cfg.replace(model_name_or_path=str(checkpoints[family]["causal_lm"]),
                       reward_model_path=str(checkpoints[family]["reward"]),
-                      dataset_name=str(_local_dataset(tmp_path / "data", chat)), output_dir=str(tmp_path / "out"),
+                      dataset_name=str(hf_fixtures.prompt_dataset(tmp_path / "data", chat)), output_dir=str(tmp_path / "out"),
                       max_steps=2, per_device_train_batch_size=2, max_new_tokens=6, max_length=120,
                       max_prompt_length=96, eval_steps=2, max_eval_prompts=4, per_device_eval_batch_size=2,
                       logging_steps=1)

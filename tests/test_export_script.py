@@ -1,0 +1,152 @@
+"""scripts/export_hf.py: train two steps, export, load with transformers; sharded and bf16 files; a checkpoint
+written on 8 devices exports on 1; refusals and unreadable checkpoints."""
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import jodpo
+from jodpo import train
+from jodpo.checkpoint import restore_params
+from jodpo.config import TrainConfig
+from tests import hf_fixtures
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "export_hf.py"
+_spec = importlib.util.spec_from_file_location("export_hf", SCRIPT)
+export_hf = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(export_hf)
+
+
+def _train_two_steps(checkpoints, family: str, root: Path) -> Path:
+    out = root / "run"
+    cfg = TrainConfig(model_name_or_path=str(checkpoints[family]["causal_lm"]),
+                      reward_model_path=str(checkpoints[family]["reward"]),
+                      dataset_name=str(hf_fixtures.prompt_dataset(root / "data")), output_dir=str(out), max_steps=2,
+                      save_steps=1, per_device_train_batch_size=2, max_new_tokens=4, max_length=96,
+                      max_prompt_length=64, learning_rate=1e-2, bf16=False, logging_steps=1)
+    train.train(cfg)
+    return out
+
+
+def _relative_error(a, b) -> float:
+    return float(np.max(np.abs(a - b)) / max(1.0, np.max(np.abs(a))))
+
+
+@pytest.fixture(scope="module")
+def neox_run(checkpoints, tmp_path_factory):
+    return _train_two_steps(checkpoints, "neox", tmp_path_factory.mktemp("neox"))
+
+
+@pytest.mark.parametrize("family", ["neox", "llama", "llama_tied", "mistral", "qwen2"])
+def test_trained_policy_exports_to_transformers(checkpoints, tmp_path, family, neox_run):
+    run = neox_run if family == "neox" else _train_two_steps(checkpoints, family, tmp_path)
+    out, checks = export_hf.export(str(run), str(tmp_path / "hf"))
+    assert "bitwise" in checks[0] and "transformers" in checks[1]
+    trained = restore_params(run / "checkpoints" / "2")
+    model, exported = jodpo.load_model(str(out))
+    for a, b in zip(jax.tree.leaves(trained), jax.tree.leaves(exported)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # bitwise in fp32
+    _, initial = jodpo.load_model(str(checkpoints[family]["causal_lm"]))
+    moved = [not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(initial), jax.tree.leaves(exported))]
+    assert sum(moved) >= 0.8 * len(moved), moved  # two Adam steps at lr 1e-2 move (nearly) every tensor
+
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager").eval()
+    ids, mask = hf_fixtures.padded_batch(np.random.default_rng(0), [5, 9], model.pad_token_id, "left")
+    with torch.no_grad():
+        theirs = hf(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits.numpy()[mask > 0]
+    ours = np.asarray(jodpo.logits(model, trained, ids, mask))[mask > 0]
+    assert _relative_error(ours, theirs) < 1e-4
+    assert hf.config.tie_word_embeddings == model.tie_embeddings
+    if model.tie_embeddings:
+        assert hf.get_output_embeddings().weight.data_ptr() == hf.get_input_embeddings().weight.data_ptr()
+    card = (out / "README.md").read_text()
+    assert "step 2" in card and '"learning_rate": 0.01' in card
+
+
+def test_cli_bf16_sharded_export_and_refusals(neox_run, tmp_path):
+    out = tmp_path / "hf"
+    cmd = [sys.executable, str(SCRIPT), "--checkpoint", str(neox_run / "checkpoints" / "1"), "--out", str(out),
+           "--dtype", "bfloat16", "--max-shard-size", "40KB"]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "bitwise" in done.stdout and "transformers" in done.stdout
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 1 and sorted(p.name for p in out.glob("model-*.safetensors")) == files
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    hf = AutoModelForCausalLM.from_pretrained(out)  # the dtype in config.json
+    assert hf.dtype == torch.bfloat16
+    step1 = restore_params(neox_run / "checkpoints" / "1")
+    _, reread = jodpo.load_model(str(out))
+    for a, b in zip(jax.tree.leaves(step1), jax.tree.leaves(reread)):
+        np.testing.assert_array_equal(np.asarray(a).astype(jax.numpy.bfloat16).astype(np.float32), np.asarray(b))
+
+    # A non-empty --out is refused and left alone; --overwrite replaces it (with step 2, one file).
+    again = subprocess.run(cmd, capture_output=True, text=True)
+    assert again.returncode == 2 and "not empty" in again.stderr and "Traceback" not in again.stderr
+    assert sorted(p.name for p in out.glob("model-*.safetensors")) == files
+    assert export_hf.main(["--checkpoint", str(neox_run), "--out", str(out), "--overwrite"]) == 0
+    assert (out / "model.safetensors").is_file() and not list(out.glob("model-*"))
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary directories left
+
+    assert export_hf.main(["--checkpoint", str(tmp_path / "missing"), "--out", str(tmp_path / "x")]) == 2
+    assert not (tmp_path / "x").exists()
+
+
+def test_unreadable_latest_checkpoint_falls_back(neox_run, tmp_path, caplog):
+    run = tmp_path / "run"
+    shutil.copytree(neox_run, run)
+    shutil.rmtree(run / "source_model")  # as a run from before source_model/ existed: model_name_or_path is used
+    for f in (run / "checkpoints" / "2" / "state").rglob("*"):
+        if f.is_file():
+            f.write_bytes(b"garbage")
+    out, _ = export_hf.export(str(run), str(tmp_path / "hf"))
+    assert "trying the previous checkpoint" in caplog.text
+    _, params = jodpo.load_model(str(out))
+    for a, b in zip(jax.tree.leaves(restore_params(neox_run / "checkpoints" / "1")), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # Only that step, and it is unreadable: a clear error.
+    assert export_hf.main(["--checkpoint", str(run / "checkpoints" / "2"), "--out", str(tmp_path / "y")]) == 2
+
+
+def test_checkpoint_written_on_8_devices_exports_on_1(neox_run, tmp_path):
+    run = tmp_path / "run8"
+    shutil.copytree(neox_run, run, ignore=shutil.ignore_patterns("checkpoints"))
+    code = textwrap.dedent(f"""
+        import jax, numpy as np
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+        from jodpo.checkpoint import Checkpointer, restore_params
+        assert len(jax.devices()) == 8
+        mesh = Mesh(np.array(jax.devices()), ("fsdp",))
+        def shard(x):  # split the largest axis that 8 divides, as an FSDP layout would
+            axes = [i for i in np.argsort(x.shape)[::-1] if x.shape[i] % 8 == 0]
+            spec = [None] * x.ndim
+            if axes:
+                spec[axes[0]] = "fsdp"
+            return jax.device_put(x, NamedSharding(mesh, P(*spec)))
+        params = jax.tree.map(shard, restore_params({str(neox_run / "checkpoints" / "2")!r}))
+        assert any(len(x.addressable_shards) == 8 and x.addressable_shards[0].data.shape != x.shape
+                   for x in jax.tree.leaves(params))
+        ckpt = Checkpointer({str(run / "checkpoints")!r})
+        ckpt.save(2, {{"params": params, "step": jax.numpy.int32(2)}}, {{"step": 2}})
+        ckpt.close()
+    """)
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert len(jax.devices()) == 1
+    out, checks = export_hf.export(str(run), str(tmp_path / "hf"))
+    _, params = jodpo.load_model(str(out))
+    for a, b in zip(jax.tree.leaves(restore_params(neox_run / "checkpoints" / "2")), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
