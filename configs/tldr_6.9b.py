@@ -1,4 +1,7 @@
-"""TRL's Pythia-6.9B TL;DR recipe: 4 prompts per device, 4 accumulation steps, gradient checkpointing."""
+"""TRL's Pythia-6.9B TL;DR recipe: 4 prompts per device, 4 accumulation steps, gradient checkpointing.
+
+jodpo adds: the frozen reference and reward model stored in bfloat16 (they are never updated; this saves 4 B
+per parameter of each, what lets 6.9B fit on 16 v5e chips: docs/tpu.md)."""
 from jodpo.config import load_config_file
 
 
@@ -10,4 +13,5 @@ def get_config():
         per_device_train_batch_size=4,
         gradient_accumulation_steps=4,
         gradient_checkpointing=True,
+        frozen_param_dtype="bfloat16",
     )

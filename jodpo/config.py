@@ -88,6 +88,12 @@ class TrainConfig:
     remat: str = _f("auto", "auto (from gradient_checkpointing) | none | full | dots")
     prompt_buckets: tuple[int, ...] = _f((), "padded prompt lengths (default: powers of two up to max_prompt_length)")
     decode_chunk: int = _f(8, "decode steps between checks that every completion has ended")
+    # --- devices (docs/tpu.md)
+    mesh_data: int = _f(1, "mesh axis 'data': batch split, parameters replicated (-1: the devices left)")
+    mesh_fsdp: int = _f(-1, "mesh axis 'fsdp': batch split, parameters/gradients/optimizer state split (-1: the rest)")
+    mesh_tensor: int = _f(1, "mesh axis 'tensor': attention heads, MLP width and vocabulary split (-1: the rest)")
+    param_dtype: str = _f("float32", "the trained policy's parameters and optimizer state: float32 | bfloat16")
+    frozen_param_dtype: str = _f("float32", "the reference policy's and reward model's parameters: float32 | bfloat16")
 
     def __post_init__(self):
         _check(self)
@@ -117,6 +123,12 @@ def _check(c: TrainConfig) -> None:
         raise ConfigError(f"beta must be > 0 (a number or a list of numbers), got {c.beta}")
     if c.loss_type not in LOSSES:
         raise ConfigError(f"unknown loss_type {c.loss_type!r}; choose one of {sorted(LOSSES)}")
+    for name in ("param_dtype", "frozen_param_dtype"):
+        if getattr(c, name) not in ("float32", "bfloat16"):
+            raise ConfigError(f"{name} must be float32 or bfloat16, got {getattr(c, name)!r}")
+    sizes = (c.mesh_data, c.mesh_fsdp, c.mesh_tensor)
+    if sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):
+        raise ConfigError(f"mesh_data, mesh_fsdp, mesh_tensor must be >= 1, with at most one -1; got {sizes}")
     if c.remat not in ("auto", "none", "full", "dots"):
         raise ConfigError(f"remat must be auto, none, full or dots, got {c.remat!r}")
     if not c.save_steps > 0:

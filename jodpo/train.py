@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import shutil
@@ -17,8 +18,10 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from jodpo import data as D
+from jodpo import sharding as S
 from jodpo import train_step as ts
 from jodpo.checkpoint import Checkpointer, abstract_like
 from jodpo.config import ConfigError, TrainConfig, help_text, load_config_file, parse_override
@@ -37,6 +40,8 @@ class Run:
     cfg: TrainConfig
     tokenizer: object
     step_cfg: ts.StepConfig
+    mesh: Mesh
+    policy_params: dict  # the policy's starting parameters (the reference's own arrays when the dtypes agree)
     ref_params: dict
     rewards: RewardSet | None
     train: D.PromptData | D.PreferenceData
@@ -46,6 +51,15 @@ class Run:
     steps_per_epoch: int
     total_steps: int
     save_every: int
+    steps: ts.JittedSteps | None = None  # set by ``train`` once the state's shardings are known
+
+    def put(self, x: np.ndarray) -> jax.Array:
+        """A batch array [A, B, ...] (the same on every process) placed with B split over data x fsdp."""
+        dp = S.data_parallel_size(self.mesh)
+        if x.shape[1] % dp:
+            raise S.MeshError(f"a batch of {x.shape[1]} rows cannot be split over the {dp} data-parallel devices "
+                              "(mesh_data x mesh_fsdp); use a batch size that is a multiple of it")
+        return S.put(x, S.batch_sharding(self.mesh, x.ndim))
 
 
 def _same_tokenizer(a, b) -> bool:
@@ -55,8 +69,15 @@ def _same_tokenizer(a, b) -> bool:
 def build(cfg: TrainConfig) -> Run:
     if not cfg.model_name_or_path:
         raise ConfigError("model_name_or_path is empty: give a local HF checkpoint directory or a hub id")
+    mesh = S.make_mesh(cfg.mesh_data, cfg.mesh_fsdp, cfg.mesh_tensor)
+    dp = S.data_parallel_size(mesh)
     tokenizer = load_tokenizer(cfg.model_name_or_path, cfg.model_revision)
-    model, ref_params = load_model(cfg.model_name_or_path, "causal_lm", jnp.float32, revision=cfg.model_revision)
+    model, ref_params = load_model(cfg.model_name_or_path, "causal_lm", cfg.frozen_param_dtype,
+                                   revision=cfg.model_revision, mesh=mesh)
+    policy_params = ref_params
+    if cfg.param_dtype != cfg.frozen_param_dtype:  # read again, so neither copy is rounded through the other
+        _, policy_params = load_model(cfg.model_name_or_path, "causal_lm", cfg.param_dtype,
+                                      revision=cfg.model_revision, mesh=mesh)
     remat = cfg.remat if cfg.remat != "auto" else ("full" if cfg.gradient_checkpointing else "none")
     model = model.replace(dtype="bfloat16" if cfg.bf16 else "float32", remat=remat)
     eos = tuple(dict.fromkeys([*model.eos_token_ids, *([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None
@@ -79,7 +100,7 @@ def build(cfg: TrainConfig) -> Run:
     if not offline:
         rm_params, rm_tok, shared = None, None, False
         if cfg.reward_model_path:
-            rm, rm_params = load_model(cfg.reward_model_path, "reward", jnp.float32)
+            rm, rm_params = load_model(cfg.reward_model_path, "reward", cfg.frozen_param_dtype, mesh=mesh)
             rm = rm.replace(dtype=model.dtype)
             rm_tok = load_tokenizer(cfg.reward_model_path)
             rm_tok.padding_side = "right"
@@ -90,7 +111,7 @@ def build(cfg: TrainConfig) -> Run:
         chat = isinstance(train.prompts[0], list)
         rewards = RewardSet(rm, rm_params, rm_tok, fns, cfg.reward_weights, shared_tokenizer=shared, chat=chat)
 
-    global_batch = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
+    global_batch = cfg.per_device_train_batch_size * dp * cfg.gradient_accumulation_steps
     spe = D.steps_per_epoch(len(train), global_batch)
     total = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * spe)
     warmup = cfg.warmup_steps or math.ceil(total * cfg.warmup_ratio)
@@ -108,7 +129,7 @@ def build(cfg: TrainConfig) -> Run:
         penalty_reward_value=cfg.penalty_reward_value if cfg.non_eos_penalty else None, max_length=cfg.max_length,
         reward_model=rm if rewards is not None and rewards.on_device else None)
     save_every = int(cfg.save_steps) if cfg.save_steps >= 1 else max(1, math.ceil(total * cfg.save_steps))
-    return Run(cfg, tokenizer, step_cfg, ref_params, rewards, train, evaluation,
+    return Run(cfg, tokenizer, step_cfg, mesh, policy_params, ref_params, rewards, train, evaluation,
                cfg.prompt_buckets or D.default_buckets(cfg.max_prompt_length), global_batch, spe, total, save_every)
 
 
@@ -129,21 +150,23 @@ def _twice_per_micro_batch(items: list, A: int) -> list:
 
 def online_step(run: Run, state, idx: np.ndarray):
     A = run.cfg.gradient_accumulation_steps
-    ids, mask = D.prompt_batch([run.train.ids[i] for i in idx], A, run.buckets, run.step_cfg.sampling.pad_token_id)
+    ids, mask = map(run.put, D.prompt_batch([run.train.ids[i] for i in idx], A, run.buckets,
+                                            run.step_cfg.sampling.pad_token_id))
     if run.rewards.on_device:
-        state, metrics, samples, raw = ts.jit_online_step(run.step_cfg, state, run.ref_params, run.rewards.params,
-                                                          ids, mask)
+        state, metrics, samples, raw = run.steps.online_step(run.step_cfg, state, run.ref_params, run.rewards.params,
+                                                             ids, mask)
         return state, metrics, (idx, samples, raw)
-    samples = ts.jit_sample_completions(run.step_cfg, state, ids, mask)
-    raw = score_samples(run, run.train, idx, ids, mask, samples)
-    state, metrics = ts.jit_update(run.step_cfg, state, run.ref_params, ids, mask, samples, jnp.asarray(raw))
+    samples = run.steps.sample_completions(run.step_cfg, state, ids, mask)
+    raw = score_samples(run, run.train, idx, samples)
+    state, metrics = run.steps.update(run.step_cfg, state, run.ref_params, ids, mask, samples, run.put(raw))
     return state, metrics, (idx, samples, raw)
 
 
-def score_samples(run: Run, data: D.PromptData, idx, ids, mask, samples) -> np.ndarray:
-    """f32[A, 2B] rewards of sampled completions, on the host (functions, other tokenizers, chat data)."""
-    A = ids.shape[0]
-    tokens, tmask = np.asarray(samples.tokens), np.asarray(samples.mask)
+def score_samples(run: Run, data: D.PromptData, idx, samples) -> np.ndarray:
+    """f32[A, 2B] rewards of sampled completions, on the host (functions, other tokenizers, chat data); every
+    process scores the whole batch, so every process holds the same rewards."""
+    tokens, tmask = S.to_host(samples.tokens), S.to_host(samples.mask)
+    A = tokens.shape[0]
     rows = _twice_per_micro_batch(list(idx), A)
     prompts = [data.prompts[i] for i in rows]
     columns = {k: [v[i] for i in rows] for k, v in data.columns.items()}
@@ -155,26 +178,28 @@ def score_samples(run: Run, data: D.PromptData, idx, ids, mask, samples) -> np.n
 def offline_step(run: Run, state, idx: np.ndarray):
     A, pad, C = run.cfg.gradient_accumulation_steps, run.step_cfg.sampling.pad_token_id, run.cfg.max_new_tokens
     ids, mask = D.prompt_batch([run.train.prompt_ids[i] for i in idx], A, run.buckets, pad)
-    shape = lambda x: x.reshape(A, -1, C)
     c, cm = D.right_pad([run.train.chosen_ids[i] for i in idx], C, pad)
     r, rm = D.right_pad([run.train.rejected_ids[i] for i in idx], C, pad)
-    batch = ts.PreferenceBatch(ids, mask, shape(c), shape(cm), shape(r), shape(rm))
-    state, metrics = ts.jit_offline_step(run.step_cfg, state, run.ref_params, batch)
+    batch = ts.PreferenceBatch(*(run.put(x.reshape(A, -1, x.shape[-1])) for x in (ids, mask, c, cm, r, rm)))
+    state, metrics = run.steps.offline_step(run.step_cfg, state, run.ref_params, batch)
     return state, metrics, None
 
 
 def evaluate(run: Run, state) -> dict:
     """Sample on the eval prompts and score them; with reference completions, the win rate against them."""
     data = run.eval
-    B = min(run.cfg.per_device_eval_batch_size, len(data))  # a small eval set still gets evaluated
+    dp = S.data_parallel_size(run.mesh)
+    # a small eval set still gets evaluated: as many whole multiples of the data-parallel size as it has
+    B = min(run.cfg.per_device_eval_batch_size * dp, len(data) // dp * dp)
     scores, wins = [], []
-    for start in range(0, len(data) - B + 1, B):
+    for start in range(0, len(data) - B + 1, B) if B else ():
         idx = np.arange(start, start + B)
-        ids, mask = D.prompt_batch([data.ids[i] for i in idx], 1, run.buckets, run.step_cfg.sampling.pad_token_id)
+        ids, mask = map(run.put, D.prompt_batch([data.ids[i] for i in idx], 1, run.buckets,
+                                                run.step_cfg.sampling.pad_token_id))
         # Every evaluation draws with the same key (step -1, never a training step): scores at different steps
         # differ by the policy, not by the draw.
-        samples = ts.jit_sample_completions(run.step_cfg, state.replace(step=jnp.int32(-1)), ids, mask)
-        s = score_samples(run, data, idx, ids, mask, samples)[0, :B]  # the first completion of each prompt
+        samples = run.steps.sample_completions(run.step_cfg, state.replace(step=jnp.int32(-1)), ids, mask)
+        s = score_samples(run, data, idx, samples)[0, :B]  # the first completion of each prompt
         scores.append(s)
         if data.references is not None:
             prompts = [data.prompts[i] for i in idx]
@@ -224,7 +249,13 @@ def train(cfg: TrainConfig, allow_config_change: bool = False) -> dict:
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     run = build(cfg)
-    state = ts.init_state(run.step_cfg, run.ref_params, jax.random.PRNGKey(cfg.seed))
+    key = jax.random.PRNGKey(cfg.seed)
+    init = functools.partial(ts.init_state, run.step_cfg)
+    state_sharding = S.like_params(jax.eval_shape(init, run.policy_params, key),
+                                   S.param_shardings(run.step_cfg.model, run.mesh), run.mesh)
+    run.steps = ts.jit_steps(state_sharding, S.replicated(run.mesh))
+    state = jax.jit(init, out_shardings=state_sharding)(run.policy_params, key)
+    run.policy_params = None  # the state holds the policy now
     ckpt = Checkpointer(out / "checkpoints", cfg.save_total_limit)
     start = 0
     restored = ckpt.restore_latest(abstract_like(state))
@@ -250,7 +281,7 @@ def train(cfg: TrainConfig, allow_config_change: bool = False) -> dict:
         since += run.global_batch
         done = step + 1
         if done % cfg.logging_steps == 0 or done == run.total_steps:
-            metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            metrics = {k: float(S.to_host(v)) for k, v in metrics.items()}
             now = time.perf_counter()
             last = metrics | {"step": done, "episode": done * run.global_batch, "epoch": done / run.steps_per_epoch,
                               "eps": since / (now - t0)}
@@ -259,8 +290,8 @@ def train(cfg: TrainConfig, allow_config_change: bool = False) -> dict:
         if sampled is not None and (done % table_every == 0 or done == run.total_steps):
             idx, samples, raw = sampled
             B = len(idx) // run.cfg.gradient_accumulation_steps
-            texts = _decode(run.tokenizer, np.asarray(samples.tokens)[0, :B])
-            rows = [(str(run.train.prompts[i]), t, float(r)) for i, t, r in zip(idx[:B], texts, np.asarray(raw)[0])]
+            texts = _decode(run.tokenizer, S.to_host(samples.tokens)[0, :B])
+            rows = [(str(run.train.prompts[i]), t, float(r)) for i, t, r in zip(idx[:B], texts, S.to_host(raw)[0])]
             logger.table(done, rows[:4])
         if run.eval is not None and (done == run.total_steps or (cfg.eval_steps and done % cfg.eval_steps == 0)):
             ev = evaluate(run, state)
@@ -283,6 +314,13 @@ def parse_args(argv: list[str]) -> tuple[TrainConfig, argparse.Namespace]:
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     parser.add_argument("--allow_config_change", action="store_true",
                         help="resume an output_dir whose saved config.json differs from this config")
+    group = parser.add_argument_group("multi-process runs (docs/tpu.md)")
+    group.add_argument("--distributed", action="store_true",
+                       help="call jax.distributed.initialize() and let it find the cluster (Cloud TPU, SLURM, MPI); "
+                            "automatic when SLURM or Open MPI runs more than one task")
+    group.add_argument("--coordinator_address", help="host:port of process 0, for any other cluster")
+    group.add_argument("--num_processes", type=int, help="processes in the job (with --coordinator_address)")
+    group.add_argument("--process_id", type=int, help="this process's index, 0 .. num_processes-1")
     args, rest = parser.parse_known_args(argv)
     overrides = {}
     for arg in rest:
@@ -294,11 +332,29 @@ def parse_args(argv: list[str]) -> tuple[TrainConfig, argparse.Namespace]:
     return (cfg.replace(**overrides) if overrides else cfg), args
 
 
+def init_distributed(args: argparse.Namespace) -> None:
+    """Join a multi-process job before anything touches the devices: explicitly from the three flags, or
+    by JAX's own cluster detection with --distributed or under a multi-task SLURM / Open MPI launch."""
+    import os
+
+    explicit = (args.coordinator_address, args.num_processes, args.process_id)
+    if any(v is not None for v in explicit):
+        if any(v is None for v in explicit):
+            raise ConfigError("--coordinator_address, --num_processes and --process_id go together; give all three")
+        if not 0 <= args.process_id < args.num_processes:
+            raise ConfigError(f"--process_id must be in 0..{args.num_processes - 1}, got {args.process_id}")
+        jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
+    elif args.distributed or int(os.environ.get("SLURM_NTASKS", "1")) > 1 or \
+            int(os.environ.get("OMPI_COMM_WORLD_SIZE", "1")) > 1:
+        jax.distributed.initialize()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     debug = "--debug" in argv
     try:
         cfg, args = parse_args(argv)
+        init_distributed(args)
         train(cfg, allow_config_change=args.allow_config_change)
     except (ConfigError, D.DataError, CheckpointError, ValueError, FileNotFoundError) as e:
         if debug:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Callable
 
 import flax.struct
 import jax
@@ -250,10 +251,37 @@ def offline_step(cfg: StepConfig, state: TrainState, ref_params: Params,
     return apply_gradients(cfg, state, grads, metrics)
 
 
-# Jitted entry points: the config is static, the state is donated (updated in place), the reference
-# parameters are an argument (never copied per step).
-jit_sample_completions = jax.jit(sample_completions, static_argnums=0)
-jit_score_completions = jax.jit(score_completions, static_argnums=0)
-jit_update = jax.jit(update, static_argnums=0, donate_argnums=1)
-jit_online_step = jax.jit(online_step, static_argnums=0, donate_argnums=1)
-jit_offline_step = jax.jit(offline_step, static_argnums=0, donate_argnums=1)
+@dataclasses.dataclass(frozen=True)
+class JittedSteps:
+    """The jitted entry points: the config is static, the state is donated (updated in place), the reference
+    parameters are an argument (never copied per step)."""
+
+    sample_completions: Callable
+    score_completions: Callable
+    update: Callable
+    online_step: Callable
+    offline_step: Callable
+
+
+def jit_steps(state_sharding=None, metrics_sharding=None) -> JittedSteps:
+    """Jitted steps. With ``state_sharding`` (a tree of shardings like the ``TrainState``) the new state keeps
+    exactly that layout, step after step, and the metrics come back with ``metrics_sharding`` (replicated);
+    everything else follows the shardings of the arguments."""
+    def out(*rest):
+        return None if state_sharding is None else (state_sharding, metrics_sharding, *rest)
+
+    step = dict(static_argnums=0, donate_argnums=1)
+    return JittedSteps(
+        sample_completions=jax.jit(sample_completions, static_argnums=0),
+        score_completions=jax.jit(score_completions, static_argnums=0),
+        update=jax.jit(update, **step, out_shardings=out()),
+        online_step=jax.jit(online_step, **step, out_shardings=out(None, None)),
+        offline_step=jax.jit(offline_step, **step, out_shardings=out()))
+
+
+_single = jit_steps()
+jit_sample_completions = _single.sample_completions
+jit_score_completions = _single.score_completions
+jit_update = _single.update
+jit_online_step = _single.online_step
+jit_offline_step = _single.offline_step

@@ -107,26 +107,26 @@ def test_install_quotes_repo_and_ref(capsys):
 def test_launch_passes_arguments_through_verbatim(capsys):
     passthrough = ["--config.learning_rate=1e-6", "--config.dataset_name=my data", "--config.x=it's \"q\"",
                    "$(touch /tmp/x)"]
-    [line] = dry(capsys, "launch", "--output-dir", "gs://b/runs/tldr", "--env", "HF_HOME=/mnt/hf", "--",
+    [line] = dry(capsys, "launch", "--output-dir", "bucket/runs/tldr", "--env", "HF_HOME=/mnt/hf", "--",
                  *passthrough)
     assert line.startswith(f"{SSH} --worker=all '--command=cd jodpo || exit 1; ")
     cmd = remote(line)
     assert cmd == (
         'cd jodpo || exit 1; if [ -f train.pid ] && kill -0 "$(cat train.pid)" 2>/dev/null; then '
         'echo "jodpo.train is already running (pid $(cat train.pid)); run: pod.py stop" >&2; exit 1; fi; '
-        "nohup env HF_HOME=/mnt/hf .venv/bin/python -m jodpo.train --config tldr.py "
-        "--config.output_dir=gs://b/runs/tldr --config.learning_rate=1e-6 '--config.dataset_name=my data' "
+        "nohup env HF_HOME=/mnt/hf .venv/bin/python -m jodpo.train --distributed --config tldr.py "
+        "--config.output_dir=bucket/runs/tldr --config.learning_rate=1e-6 '--config.dataset_name=my data' "
         "'--config.x=it'\"'\"'s \"q\"' '$(touch /tmp/x)' >> train.log 2>&1 < /dev/null & echo $! > train.pid; "
         'echo "$(hostname): jodpo.train started (pid $!)"')
     # What the remote shell hands to python: exactly the arguments given after "--".
     train = cmd.split("nohup ", 1)[1].split(" >> train.log", 1)[0]
-    assert shlex.split(train) == ["env", "HF_HOME=/mnt/hf", ".venv/bin/python", "-m", "jodpo.train", "--config",
-                                  "tldr.py", "--config.output_dir=gs://b/runs/tldr", *passthrough]
+    assert shlex.split(train) == ["env", "HF_HOME=/mnt/hf", ".venv/bin/python", "-m", "jodpo.train", "--distributed",
+                                  "--config", "tldr.py", "--config.output_dir=bucket/runs/tldr", *passthrough]
 
 
 def test_launch_defaults(capsys):
     [line] = dry(capsys, "launch", "--config", "tldr_6.9b.py", "--log", "run 2.log")
-    assert "nohup .venv/bin/python -m jodpo.train --config tldr_6.9b.py >> 'run 2.log' 2>&1 < /dev/null &" in \
+    assert "nohup .venv/bin/python -m jodpo.train --distributed --config tldr_6.9b.py >> 'run 2.log' 2>&1 < /dev/null &" in \
         remote(line)
 
 
@@ -174,6 +174,10 @@ def test_name_zone_project_from_the_environment(capsys, monkeypatch):
     (["logs", *WHERE, "--", "-n", "5"], "logs takes no arguments after --, got -n 5"),
     (["logs", *WHERE, "--worker", "first"], "--worker must be a worker index"),
     (["copy", *WHERE, "--bucket", "gs://b/x"], "copy needs --output-dir"),
+    (["launch", *WHERE, "--output-dir", "gs://bb/run"], "output_dir is a local path; `pod.py mount"),
+    (["mount", *WHERE], "mount needs --bucket"),
+    (["mount", *WHERE, "--bucket", "s3://bb/x"], "--bucket must be a gs:// URL"),
+    (["mount", *WHERE, "--bucket", "gs://bbb", "--mount-point", "../x"], "--mount-point must be a directory"),
     (["copy", *WHERE, "--output-dir", "out"], "copy needs --bucket"),
     (["copy", *WHERE, "--output-dir", "out", "--bucket", "my-bucket/x"], "--bucket must be a gs:// URL"),
     (["copy", *WHERE, "--output-dir", "out", "--bucket", "s3://bucket/x"], "--bucket must be a gs:// URL"),
@@ -206,3 +210,10 @@ def test_the_script_runs_as_a_program():
                          capture_output=True, text=True, check=False)
     assert (bad.returncode, bad.stdout) == (2, "")
     assert bad.stderr.startswith("pod.py copy: error: --bucket must be a gs:// URL")
+
+
+def test_mount(capsys):
+    [line] = dry(capsys, "mount", "--bucket", "gs://my-bucket/runs", "--mount-point", "gcs")
+    assert line.startswith(f"{SSH} --worker=all '--command=command -v gcsfuse >/dev/null || {{ ")
+    assert "sudo apt-get install -y -qq gcsfuse; } && mkdir -p gcs && " in line
+    assert "(mountpoint -q gcs || gcsfuse --implicit-dirs --only-dir runs my-bucket gcs)" in line

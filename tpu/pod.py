@@ -4,6 +4,7 @@
     python tpu/pod.py create  --name NAME --zone ZONE --accelerator-type v4-8 [--spot | --reserved] [--queued]
     python tpu/pod.py status  --name NAME --zone ZONE [--queued]
     python tpu/pod.py install --name NAME --zone ZONE --repo GIT_URL [--ref main]
+    python tpu/pod.py mount   --name NAME --zone ZONE --bucket gs://BUCKET [--mount-point bucket]
     python tpu/pod.py launch  --name NAME --zone ZONE [--config tldr.py] [--output-dir DIR] [-- --config.F=V ...]
     python tpu/pod.py logs    --name NAME --zone ZONE [--worker 0]
     python tpu/pod.py stop    --name NAME --zone ZONE
@@ -99,11 +100,11 @@ def install(a) -> list[list[str]]:
 
 
 def launch(a) -> list[list[str]]:
-    """``python -m jodpo.train`` in the background on every worker (on Cloud TPU, jax.distributed finds the
-    other workers by itself). Refuses to start a second run next to a live one."""
+    """``python -m jodpo.train --distributed`` in the background on every worker (``jax.distributed`` finds
+    the other workers of the slice by itself). Refuses to start a second run next to a live one."""
     d, q = shlex.quote(a.remote_dir), shlex.quote
     env = ["env", *a.env] if a.env else []
-    train = [*env, ".venv/bin/python", "-m", "jodpo.train", "--config", a.config]
+    train = [*env, ".venv/bin/python", "-m", "jodpo.train", "--distributed", "--config", a.config]
     if a.output_dir:
         train.append(f"--config.output_dir={a.output_dir}")
     train += a.passthrough
@@ -128,6 +129,26 @@ def stop(a) -> list[list[str]]:
     return [_ssh(a, "all", remote)]
 
 
+GCSFUSE_INSTALL = (
+    "command -v gcsfuse >/dev/null || { "
+    'echo "deb [signed-by=/usr/share/keyrings/cloud.google.asc] https://packages.cloud.google.com/apt '
+    'gcsfuse-$(lsb_release -c -s) main" | sudo tee /etc/apt/sources.list.d/gcsfuse.list >/dev/null && '
+    "curl -fsSL https://packages.cloud.google.com/apt/doc/apt-key.gpg | sudo tee /usr/share/keyrings/cloud.google.asc "
+    ">/dev/null && sudo apt-get update -qq && sudo apt-get install -y -qq gcsfuse; }")
+
+
+def mount(a) -> list[list[str]]:
+    """The bucket at ``~/MOUNT_POINT`` on every worker (Cloud Storage FUSE): one directory that all processes
+    of a pod see at the same path, for ``output_dir`` (every process writes its shards of each checkpoint)."""
+    bucket, _, prefix = a.bucket[len("gs://"):].partition("/")
+    mp = shlex.quote(a.mount_point)
+    only = f" --only-dir {shlex.quote(prefix)}" if prefix else ""
+    remote = (f"{GCSFUSE_INSTALL} && mkdir -p {mp} && "
+              f"(mountpoint -q {mp} || gcsfuse --implicit-dirs{only} {shlex.quote(bucket)} {mp}) && "
+              f'echo "$(hostname): gs://{bucket}/{prefix} at ~/{a.mount_point}"')
+    return [_ssh(a, "all", remote)]
+
+
 def copy(a) -> list[list[str]]:
     """Worker 0's ``output_dir`` to the bucket. rsync, not cp: the same ``DIR`` lands at the same place every
     time, and a second copy transfers only new files (new checkpoints)."""
@@ -142,7 +163,7 @@ def delete(a) -> list[list[str]]:
     return [["gcloud", "compute", "tpus", "tpu-vm", "delete", a.name, *_where(a), "--quiet"]]
 
 
-COMMANDS = {"create": create, "status": status, "install": install, "launch": launch, "logs": logs,
+COMMANDS = {"create": create, "status": status, "install": install, "mount": mount, "launch": launch, "logs": logs,
             "stop": stop, "copy": copy, "delete": delete}
 PASSTHROUGH = {"create": "gcloud", "launch": "jodpo.train"}  # who gets the arguments after "--"
 
@@ -196,9 +217,13 @@ def parser() -> argparse.ArgumentParser:
     i.add_argument("--python", default="3.12", help="Python version for the venv, fetched by uv (default 3.12)")
     i.add_argument("--jax", default="jax[tpu]", help="the pip requirement for JAX (default jax[tpu])")
 
+    m = sub.add_parser("mount", parents=[common], help="mount a gs:// bucket at the same path on every worker")
+    m.add_argument("--bucket", help="gs://BUCKET[/PATH] to mount (required)")
+    m.add_argument("--mount-point", default="bucket", help="where, relative to $HOME (default bucket)")
+
     la = sub.add_parser("launch", parents=[common, remote, log], help="start jodpo.train on every worker")
     la.add_argument("--config", default="tldr.py", help="config file or name in configs/ (default tldr.py)")
-    la.add_argument("--output-dir", help="sets --config.output_dir (a gs:// path for multi-host slices)")
+    la.add_argument("--output-dir", help="sets --config.output_dir (on a multi-host slice: under a `mount`ed bucket)")
     la.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                     help="environment variable for the run (repeatable), e.g. XLA_FLAGS=...")
 
@@ -244,6 +269,9 @@ def check(a) -> None:
     if a.command == "launch":
         if not a.config:
             raise UsageError("--config must name a config file")
+        if a.output_dir and a.output_dir.startswith("gs://"):
+            raise UsageError(f"--output-dir {a.output_dir}: output_dir is a local path; `pod.py mount --bucket "
+                             "gs://...` the bucket on every worker and give the path under the mount point")
         for kv in a.env:
             if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", kv):
                 raise UsageError(f"--env must be KEY=VALUE, got {kv!r}")
@@ -258,10 +286,13 @@ def check(a) -> None:
                              "pythia-1b-deduped-tldr-online-dpo for tldr.py")
         if a.output_dir.startswith("gs://"):
             raise UsageError(f"--output-dir {a.output_dir} is already in a bucket: nothing to copy")
+    if a.command in ("copy", "mount"):
         if not a.bucket:
-            raise UsageError("copy needs --bucket, e.g. --bucket=gs://my-bucket/runs/tldr")
+            raise UsageError(f"{a.command} needs --bucket, e.g. --bucket=gs://my-bucket/runs/tldr")
         if not re.fullmatch(r"gs://[a-z0-9][-a-z0-9._]{1,220}[a-z0-9](/\S*)?", a.bucket):
             raise UsageError(f"--bucket must be a gs:// URL such as gs://my-bucket/runs/tldr, got {a.bucket!r}")
+    if a.command == "mount" and (not a.mount_point or a.mount_point.startswith(("-", "/")) or ".." in a.mount_point):
+        raise UsageError(f"--mount-point must be a directory name under $HOME, got {a.mount_point!r}")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -186,9 +186,10 @@ def model_from_dir(path: Path, task: str, dtype) -> Model:
         raise CheckpointError(f"{path}: {e}") from e
 
 
-def load_params(model: Model, path: Path, dtype=jnp.float32) -> Params:
+def load_params(model: Model, path: Path, dtype=jnp.float32, place=None) -> Params:
     """Stream the checkpoint's tensors into layer-stacked host arrays; each leaf goes to the device (and
-    its host copy is freed) as soon as all its layers are in, so the peak stays near twice the model."""
+    its host copy is freed) as soon as all its layers are in, so the peak stays near twice the model.
+    ``place(leaf_path, host_array)`` puts a leaf on the devices (default: ``jnp.asarray``)."""
     np_dtype = np.dtype(jnp.dtype(dtype))
     leaves: dict[tuple[str, ...], np.ndarray] = {}  # host buffers still being filled
     need: dict[tuple[str, ...], int] = {}  # tensors still missing per leaf
@@ -228,7 +229,7 @@ def load_params(model: Model, path: Path, dtype=jnp.float32) -> Params:
             target[...] = value
             need[leaf] -= 1
             if need[leaf] == 0:
-                done[leaf] = jnp.asarray(leaves.pop(leaf))
+                done[leaf] = place(leaf, leaves.pop(leaf)) if place else jnp.asarray(leaves.pop(leaf))
     missing = sorted(set(slots) - seen)
     if missing:
         hint = (" A reward model needs score.weight (a *ForSequenceClassification checkpoint)."
@@ -244,7 +245,7 @@ def load_params(model: Model, path: Path, dtype=jnp.float32) -> Params:
 
 
 def load_model(path_or_hub_id: str, task: str = "causal_lm", dtype=jnp.float32, *,
-               revision: str | None = None) -> tuple[Model, Params]:
+               revision: str | None = None, mesh=None) -> tuple[Model, Params]:
     """Load a transformers checkpoint as ``(model, params)``.
 
     Args:
@@ -254,12 +255,20 @@ def load_model(path_or_hub_id: str, task: str = "causal_lm", dtype=jnp.float32, 
         ``*ForSequenceClassification`` reward model with ``num_labels=1``.
       dtype: parameter and compute dtype (float32 or bfloat16).
       revision: a hub branch, tag or commit.
+      mesh: a ``jax.sharding.Mesh`` (``jodpo.sharding.make_mesh``): each parameter goes straight from the host
+        to its shards (``jodpo.sharding.param_shardings``); every process reads the files, and transfers only
+        the pieces its own devices hold.
     """
     path = resolve_path(path_or_hub_id, revision)
     if not any(path.glob("*.safetensors")):  # a hub repo with only .bin weights: fetch those too
         path = resolve_path(path_or_hub_id, revision, with_bin=True)
     model = model_from_dir(path, task, dtype)
-    return model, load_params(model, path, dtype)
+    place = None
+    if mesh is not None:
+        from jodpo.sharding import placer
+
+        place = placer(model, mesh, jnp.dtype(dtype))
+    return model, load_params(model, path, dtype, place)
 
 
 def load_tokenizer(path_or_hub_id: str, revision: str | None = None):
