@@ -7,15 +7,37 @@ so a checkpoint written on one mesh restores on another.
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from jodpo.models import CheckpointError
 
 log = logging.getLogger("jodpo")
+
+
+class SaveError(RuntimeError):
+    """A checkpoint that was not written (disk full, a non-finite state); the previous ones are intact."""
+
+
+def _disk_full(e: BaseException | None) -> bool:
+    while e is not None:
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC or "No space left on device" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+@jax.jit
+def all_finite(tree) -> jax.Array:
+    """True when every floating-point entry of ``tree`` is finite."""
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
 
 
 class Checkpointer:
@@ -25,12 +47,34 @@ class Checkpointer:
             self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=save_total_limit, create=True))
 
     def save(self, step: int, state, meta: dict) -> None:
-        """Write ``state`` (a pytree of arrays) and ``meta`` (JSON: the data position, the config) as ``step``."""
-        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                        meta=ocp.args.JsonSave(meta)), force=True)
+        """Write ``state`` (a pytree of arrays) and ``meta`` (JSON: the data position, the config) as ``step``.
+
+        A state with a non-finite entry is never written (it would become the one a resume starts from), and
+        a full disk is reported as such; in both cases the previous checkpoints stay as they were."""
+        if not bool(jax.device_get(all_finite(state))):
+            raise SaveError(f"the training state at step {step} has non-finite values (NaN or Inf); it was not saved, "
+                            f"so {self.directory} still ends with the last finite checkpoint. Lower the "
+                            "learning rate or check the rewards, then resume")
+        with self._disk_errors(step):
+            self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                            meta=ocp.args.JsonSave(meta)), force=True)
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        """Block until the (asynchronous) saves so far are on disk."""
+        with self._disk_errors(self.manager.latest_step()):
+            self.manager.wait_until_finished()
+
+    @contextlib.contextmanager
+    def _disk_errors(self, step):
+        try:
+            yield
+        except Exception as e:
+            if _disk_full(e):
+                raise SaveError(f"no space left on device while saving checkpoint {step} to {self.directory}; the "
+                                "previous checkpoints are intact (a save is written aside and renamed when "
+                                "complete). Free space (or set save_total_limit), then run the same command to "
+                                "resume") from e
+            raise
 
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
@@ -50,7 +94,7 @@ class Checkpointer:
         return None
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
+        self.wait()
         self.manager.close()
 
 

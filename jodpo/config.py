@@ -81,6 +81,7 @@ class TrainConfig:
     save_steps: float = _f(500, "checkpoint every this many steps (< 1: a fraction of the run); the last is saved")
     save_total_limit: int | None = _f(None, "checkpoints kept (None: all)")
     eval_steps: int | None = _f(None, "evaluate every this many steps (None: only at the end if eval data exists)")
+    max_nonfinite_steps: int = _f(10, "stop the run after this many updates in a row skipped for a NaN/Inf loss or gradient")
     num_sample_generations: int = _f(10, "times a table of sample completions is printed over the run")
     bf16: bool = _f(True, "bfloat16 compute with float32 master weights and float32 log-softmax")
     gradient_checkpointing: bool = _f(True, "rematerialise each layer in the backward pass")
@@ -112,7 +113,8 @@ def _check(c: TrainConfig) -> None:
     from jodpo.losses import LOSSES
 
     positive = ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
-                "max_new_tokens", "max_length", "max_prompt_length", "logging_steps", "decode_chunk")
+                "max_new_tokens", "max_length", "max_prompt_length", "logging_steps", "decode_chunk",
+                "max_nonfinite_steps")
     for name in positive:
         if getattr(c, name) < 1:
             raise ConfigError(f"{name} must be >= 1, got {getattr(c, name)}")

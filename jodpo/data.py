@@ -34,6 +34,8 @@ def load_rows(name: str, config: str | None = None, split: str = "train"):
             kind = LOCAL_FORMATS.get(path.suffix)
             if kind is None:
                 raise DataError(f"{path}: unknown file type {path.suffix!r}; use one of {sorted(LOCAL_FORMATS)}")
+            if path.stat().st_size == 0:
+                raise DataError(f"the dataset {path} is empty (0 bytes); give a file with rows")
             return datasets.load_dataset(kind, data_files={split: str(path)}, split=split)
         if path.is_dir():
             return datasets.load_dataset(str(path), config, split=split)

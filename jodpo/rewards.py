@@ -70,10 +70,13 @@ def score_tokens(rm: Model, rm_params: Params, prompt_ids, prompt_mask, completi
 
 
 def check_shared_vocab(policy: Model, rm: Model) -> None:
-    if policy.vocab_size != rm.vocab_size:
-        raise ValueError(f"the reward model's vocabulary ({rm.vocab_size}) differs from the policy's "
-                         f"({policy.vocab_size}), so it cannot score the policy's token ids: give the reward model "
-                         "its own tokenizer (reward_tokenizer) so completions are re-tokenized.")
+    """The reward model scores the policy's token ids directly (they share a tokenizer), so its embedding
+    must have a row for every id the policy can sample."""
+    if rm.vocab_size < policy.vocab_size:
+        raise ValueError(f"the policy and the reward model share a tokenizer, but the reward model's embedding has "
+                         f"only {rm.vocab_size} rows and the policy can sample ids up to {policy.vocab_size - 1}; "
+                         f"use a reward model with vocab_size >= {policy.vocab_size} (resize_token_embeddings and "
+                         "save it), or the reward model trained for this policy")
 
 
 def score_texts(rm: Model, rm_params: Params, rm_tokenizer, prompts: Sequence, completions: Sequence[str],

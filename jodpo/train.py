@@ -6,10 +6,8 @@ A short loop over the pieces: load models, data and rewards; restore the latest 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import json
-import math
 import shutil
 import sys
 import time
@@ -18,120 +16,17 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
 
 from jodpo import data as D
 from jodpo import sharding as S
 from jodpo import train_step as ts
-from jodpo.checkpoint import Checkpointer, abstract_like
+from jodpo.checkpoint import Checkpointer, SaveError, abstract_like
 from jodpo.config import ConfigError, TrainConfig, help_text, load_config_file, parse_override
 from jodpo.logging import RunLogger
-from jodpo.losses import LossOptions
-from jodpo.models import CheckpointError, load_model, load_tokenizer
+from jodpo.models import CheckpointError
 from jodpo.models.export import write_metadata
-from jodpo.rewards import RewardSet, check_shared_vocab, import_reward_function
-from jodpo.sampling import SamplingConfig
-
-
-@dataclasses.dataclass
-class Run:
-    """What the loop needs, built once from the config."""
-
-    cfg: TrainConfig
-    tokenizer: object
-    step_cfg: ts.StepConfig
-    mesh: Mesh
-    policy_params: dict  # the policy's starting parameters (the reference's own arrays when the dtypes agree)
-    ref_params: dict
-    rewards: RewardSet | None
-    train: D.PromptData | D.PreferenceData
-    eval: D.PromptData | None
-    buckets: tuple[int, ...]
-    global_batch: int
-    steps_per_epoch: int
-    total_steps: int
-    save_every: int
-    steps: ts.JittedSteps | None = None  # set by ``train`` once the state's shardings are known
-
-    def put(self, x: np.ndarray) -> jax.Array:
-        """A batch array [A, B, ...] (the same on every process) placed with B split over data x fsdp."""
-        dp = S.data_parallel_size(self.mesh)
-        if x.shape[1] % dp:
-            raise S.MeshError(f"a batch of {x.shape[1]} rows cannot be split over the {dp} data-parallel devices "
-                              "(mesh_data x mesh_fsdp); use a batch size that is a multiple of it")
-        return S.put(x, S.batch_sharding(self.mesh, x.ndim))
-
-
-def _same_tokenizer(a, b) -> bool:
-    return type(a).__name__ == type(b).__name__ and a.get_vocab() == b.get_vocab()
-
-
-def build(cfg: TrainConfig) -> Run:
-    if not cfg.model_name_or_path:
-        raise ConfigError("model_name_or_path is empty: give a local HF checkpoint directory or a hub id")
-    mesh = S.make_mesh(cfg.mesh_data, cfg.mesh_fsdp, cfg.mesh_tensor)
-    dp = S.data_parallel_size(mesh)
-    tokenizer = load_tokenizer(cfg.model_name_or_path, cfg.model_revision)
-    model, ref_params = load_model(cfg.model_name_or_path, "causal_lm", cfg.frozen_param_dtype,
-                                   revision=cfg.model_revision, mesh=mesh)
-    policy_params = ref_params
-    if cfg.param_dtype != cfg.frozen_param_dtype:  # read again, so neither copy is rounded through the other
-        _, policy_params = load_model(cfg.model_name_or_path, "causal_lm", cfg.param_dtype,
-                                      revision=cfg.model_revision, mesh=mesh)
-    remat = cfg.remat if cfg.remat != "auto" else ("full" if cfg.gradient_checkpointing else "none")
-    model = model.replace(dtype="bfloat16" if cfg.bf16 else "float32", remat=remat)
-    eos = tuple(dict.fromkeys([*model.eos_token_ids, *([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None
-                                                       else [])]))
-    pad = tokenizer.pad_token_id
-
-    train_rows = D.load_rows(cfg.dataset_name, cfg.dataset_config, cfg.dataset_train_split)
-    offline = D.is_preference(train_rows)
-    if offline:
-        train = D.prepare_preferences(train_rows, tokenizer, cfg.max_prompt_length, cfg.max_new_tokens)
-    else:
-        train = D.prepare_prompts(train_rows, tokenizer, cfg.max_prompt_length)
-    evaluation = None
-    if not offline and (cfg.eval_dataset or cfg.eval_steps):
-        rows = D.load_rows(cfg.eval_dataset or cfg.dataset_name, cfg.dataset_config, cfg.dataset_test_split)
-        rows = rows.select(range(min(len(rows), cfg.max_eval_prompts)))
-        evaluation = D.prepare_prompts(rows, tokenizer, cfg.max_prompt_length)
-
-    rewards, rm = None, None
-    if not offline:
-        rm_params, rm_tok, shared = None, None, False
-        if cfg.reward_model_path:
-            rm, rm_params = load_model(cfg.reward_model_path, "reward", cfg.frozen_param_dtype, mesh=mesh)
-            rm = rm.replace(dtype=model.dtype)
-            rm_tok = load_tokenizer(cfg.reward_model_path)
-            rm_tok.padding_side = "right"
-            shared = _same_tokenizer(tokenizer, rm_tok)
-            if shared:
-                check_shared_vocab(model, rm)
-        fns = [import_reward_function(s) for s in cfg.reward_funcs]
-        chat = isinstance(train.prompts[0], list)
-        rewards = RewardSet(rm, rm_params, rm_tok, fns, cfg.reward_weights, shared_tokenizer=shared, chat=chat)
-
-    global_batch = cfg.per_device_train_batch_size * dp * cfg.gradient_accumulation_steps
-    spe = D.steps_per_epoch(len(train), global_batch)
-    total = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * spe)
-    warmup = cfg.warmup_steps or math.ceil(total * cfg.warmup_ratio)
-    sampling = SamplingConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
-                              top_p=cfg.top_p, min_p=cfg.min_p or 0.0, repetition_penalty=cfg.repetition_penalty,
-                              eos_token_ids=eos, pad_token_id=pad, chunk=cfg.decode_chunk)
-    opt = ts.OptimizerConfig(learning_rate=cfg.learning_rate, total_steps=total, warmup_steps=warmup,
-                             lr_scheduler_type=cfg.lr_scheduler_type, weight_decay=cfg.weight_decay,
-                             adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_epsilon=cfg.adam_epsilon,
-                             max_grad_norm=cfg.max_grad_norm)
-    step_cfg = ts.StepConfig(
-        model=model, sampling=sampling, optimizer=opt, beta=cfg.beta, updates_per_epoch=spe, loss_type=cfg.loss_type,
-        loss_options=LossOptions(cfg.label_smoothing, cfg.discopop_tau, cfg.ipo_length_normalized),
-        missing_eos_penalty=cfg.missing_eos_penalty,
-        penalty_reward_value=cfg.penalty_reward_value if cfg.non_eos_penalty else None, max_length=cfg.max_length,
-        reward_model=rm if rewards is not None and rewards.on_device else None)
-    save_every = int(cfg.save_steps) if cfg.save_steps >= 1 else max(1, math.ceil(total * cfg.save_steps))
-    return Run(cfg, tokenizer, step_cfg, mesh, policy_params, ref_params, rewards, train, evaluation,
-               cfg.prompt_buckets or D.default_buckets(cfg.max_prompt_length), global_batch, spe, total, save_every)
-
+from jodpo.preemption import StopSignals
+from jodpo.run import Run, build
 
 # --------------------------------------------------------------------------------------------------
 # One step of each kind
@@ -245,7 +140,9 @@ def train(cfg: TrainConfig, allow_config_change: bool = False) -> dict:
     """Run (or resume) training as configured; returns the last logged metrics.
 
     Resuming (``output_dir`` has a checkpoint) with a config that differs from the saved ``config.json`` is
-    refused unless ``allow_config_change``."""
+    refused unless ``allow_config_change``. SIGTERM or SIGINT saves the current step and raises ``Stopped``;
+    ``max_nonfinite_steps`` skipped updates in a row raise ``Diverged``; a checkpoint that cannot be written
+    (disk full, non-finite state) raises ``SaveError``. None of them touches the checkpoints already saved."""
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     run = build(cfg)
@@ -272,12 +169,51 @@ def train(cfg: TrainConfig, allow_config_change: bool = False) -> dict:
     logger = RunLogger(out, run.total_steps, start, enabled=jax.process_index() == 0)
     if start:
         logger.message(f"resumed from {ckpt.directory}/{start}")
+    try:
+        with StopSignals() as stop:
+            return _loop(run, state, start, ckpt, logger, stop)
+    finally:
+        ckpt.close()
+        logger.close()
+
+
+class Stopped(Exception):
+    """A signal (preemption, Ctrl-C) stopped the run after it saved a checkpoint: the same command resumes."""
+
+
+class Diverged(RuntimeError):
+    """Too many updates in a row were skipped for a non-finite loss or gradient norm."""
+
+
+def _loop(run: Run, state, start: int, ckpt: Checkpointer, logger: RunLogger, stop: StopSignals) -> dict:
+    cfg = run.cfg
     step_fn = offline_step if isinstance(run.train, D.PreferenceData) else online_step
     table_every = max(1, run.total_steps // max(1, cfg.num_sample_generations))
     last, t0, since = {}, time.perf_counter(), 0
+    skipped, streak = None, 0  # the previous step's skip flag (read a step late: no wait) and the run of skips
+
+    def check_skipped(flag, step):
+        nonlocal streak
+        streak = streak + 1 if float(S.to_host(flag)) else 0
+        if streak:
+            logger.message(f"step {step}: non-finite loss or gradient norm, update skipped ({streak} in a row)")
+        if streak >= cfg.max_nonfinite_steps:
+            raise Diverged(f"{streak} updates in a row had a non-finite loss or gradient norm (up to step {step}); "
+                           f"stopped without saving. {ckpt.directory} ends with the last finite state: lower the "
+                           "learning rate, check the rewards and the data, then run again (max_nonfinite_steps sets "
+                           "the limit)")
+
+    def save(done):
+        ckpt.save(done, state, {"step": done, "epoch": done // run.steps_per_epoch,
+                                "batch_in_epoch": done % run.steps_per_epoch, "dataset_rows": len(run.train),
+                                "seed": cfg.seed})
+
     for step in range(start, run.total_steps):
         idx = D.batch_indices(len(run.train), run.global_batch, cfg.seed, step)
         state, metrics, sampled = step_fn(run, state, idx)
+        if skipped is not None:
+            check_skipped(skipped, step)
+        skipped = metrics["skipped_update"]
         since += run.global_batch
         done = step + 1
         if done % cfg.logging_steps == 0 or done == run.total_steps:
@@ -298,12 +234,15 @@ def train(cfg: TrainConfig, allow_config_change: bool = False) -> dict:
             logger.log({"step": done} | ev)
             last |= ev
         logger.advance()
-        if done % run.save_every == 0 or done == run.total_steps:
-            ckpt.save(done, state, {"step": done, "epoch": done // run.steps_per_epoch,
-                                    "batch_in_epoch": done % run.steps_per_epoch,
-                                    "dataset_rows": len(run.train), "seed": cfg.seed})
-    ckpt.close()
-    logger.close()
+        if done == run.total_steps:
+            check_skipped(skipped, done)
+        signal_name = stop.requested()
+        if done % run.save_every == 0 or done == run.total_steps or signal_name:
+            save(done)
+        if signal_name:
+            ckpt.wait()
+            raise Stopped(f"stopped by {signal_name} at step {done}; saved {ckpt.directory}/{done}; run the same "
+                          "command to resume")
     return last
 
 
@@ -356,6 +295,14 @@ def main(argv: list[str] | None = None) -> int:
         cfg, args = parse_args(argv)
         init_distributed(args)
         train(cfg, allow_config_change=args.allow_config_change)
+    except Stopped as e:
+        print(f"jodpo.train: {e}", file=sys.stderr)
+        return 0
+    except (SaveError, Diverged) as e:
+        if debug:
+            raise
+        print(f"jodpo.train: error: {e}", file=sys.stderr)
+        return 1
     except (ConfigError, D.DataError, CheckpointError, ValueError, FileNotFoundError) as e:
         if debug:
             raise

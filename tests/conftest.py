@@ -19,3 +19,13 @@ def checkpoints(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tokenizer_dir(checkpoints):
     return next(iter(checkpoints.values()))["causal_lm"]
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory):
+    """The embedded default (configs/tiny.py), run once to the end: 200 steps, checkpoints at 100 and 200."""
+    from jodpo import train
+
+    out = tmp_path_factory.mktemp("tiny")
+    assert train.main(["--config", "tiny.py", f"--config.output_dir={out}"]) == 0
+    return out

@@ -24,13 +24,6 @@ def _metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tiny")
-    assert train.main(["--config", "tiny.py", f"--config.output_dir={out}"]) == 0
-    return out
-
-
 def test_tiny_default_learns_and_writes_every_output(tiny_run):
     lines = [m for m in _metrics(tiny_run) if "loss" in m]
     for name in TRL_NAMES:

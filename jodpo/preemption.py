@@ -1,0 +1,47 @@
+"""Stopping cleanly on SIGTERM / SIGINT (preemption, Ctrl-C): the loop finishes its step, saves, and exits 0.
+
+The handler only records the signal; the training loop asks ``requested()`` after each step. In a
+multi-process run every process must stop at the same step (a checkpoint is written by all of them
+together), so there the processes agree through one tiny all-gather per step: a signal that reached any
+process stops all of them. A second Ctrl-C stops at once.
+"""
+from __future__ import annotations
+
+import signal
+import threading
+
+import jax
+import numpy as np
+
+
+class StopSignals:
+    def __init__(self):
+        self.received: str | None = None
+        self._previous = {}
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():  # signals can only be caught there
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum, frame) -> None:
+        if self.received is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: do not wait for the checkpoint
+        self.received = signal.Signals(signum).name
+
+    def requested(self) -> str | None:
+        """The signal to stop for (on every process alike), or None."""
+        if jax.process_count() == 1:
+            return self.received
+        from jax.experimental import multihost_utils
+
+        codes = multihost_utils.process_allgather(np.int32(0 if self.received is None else
+                                                            int(signal.Signals[self.received])))
+        code = int(np.max(codes))
+        return signal.Signals(code).name if code else None

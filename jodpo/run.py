@@ -1,0 +1,119 @@
+"""What the training loop needs, built once from the config: models (sharded over the mesh), data, rewards,
+the static step config, the batch and schedule arithmetic."""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from jodpo import data as D
+from jodpo import sharding as S
+from jodpo import train_step as ts
+from jodpo.config import ConfigError, TrainConfig
+from jodpo.losses import LossOptions
+from jodpo.models import load_model, load_tokenizer
+from jodpo.rewards import RewardSet, check_shared_vocab, import_reward_function
+from jodpo.sampling import SamplingConfig
+
+
+@dataclasses.dataclass
+class Run:
+    """What the loop needs, built once from the config."""
+
+    cfg: TrainConfig
+    tokenizer: object
+    step_cfg: ts.StepConfig
+    mesh: Mesh
+    policy_params: dict  # the policy's starting parameters (the reference's own arrays when the dtypes agree)
+    ref_params: dict
+    rewards: RewardSet | None
+    train: D.PromptData | D.PreferenceData
+    eval: D.PromptData | None
+    buckets: tuple[int, ...]
+    global_batch: int
+    steps_per_epoch: int
+    total_steps: int
+    save_every: int
+    steps: ts.JittedSteps | None = None  # set by ``train`` once the state's shardings are known
+
+    def put(self, x: np.ndarray) -> jax.Array:
+        """A batch array [A, B, ...] (the same on every process) placed with B split over data x fsdp."""
+        dp = S.data_parallel_size(self.mesh)
+        if x.shape[1] % dp:
+            raise S.MeshError(f"a batch of {x.shape[1]} rows cannot be split over the {dp} data-parallel devices "
+                              "(mesh_data x mesh_fsdp); use a batch size that is a multiple of it")
+        return S.put(x, S.batch_sharding(self.mesh, x.ndim))
+
+
+def _same_tokenizer(a, b) -> bool:
+    return type(a).__name__ == type(b).__name__ and a.get_vocab() == b.get_vocab()
+
+
+def build(cfg: TrainConfig) -> Run:
+    if not cfg.model_name_or_path:
+        raise ConfigError("model_name_or_path is empty: give a local HF checkpoint directory or a hub id")
+    mesh = S.make_mesh(cfg.mesh_data, cfg.mesh_fsdp, cfg.mesh_tensor)
+    dp = S.data_parallel_size(mesh)
+    tokenizer = load_tokenizer(cfg.model_name_or_path, cfg.model_revision)
+    model, ref_params = load_model(cfg.model_name_or_path, "causal_lm", cfg.frozen_param_dtype,
+                                   revision=cfg.model_revision, mesh=mesh)
+    policy_params = ref_params
+    if cfg.param_dtype != cfg.frozen_param_dtype:  # read again, so neither copy is rounded through the other
+        _, policy_params = load_model(cfg.model_name_or_path, "causal_lm", cfg.param_dtype,
+                                      revision=cfg.model_revision, mesh=mesh)
+    remat = cfg.remat if cfg.remat != "auto" else ("full" if cfg.gradient_checkpointing else "none")
+    model = model.replace(dtype="bfloat16" if cfg.bf16 else "float32", remat=remat)
+    eos = tuple(dict.fromkeys([*model.eos_token_ids, *([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None
+                                                       else [])]))
+    pad = tokenizer.pad_token_id
+
+    train_rows = D.load_rows(cfg.dataset_name, cfg.dataset_config, cfg.dataset_train_split)
+    offline = D.is_preference(train_rows)
+    if offline:
+        train = D.prepare_preferences(train_rows, tokenizer, cfg.max_prompt_length, cfg.max_new_tokens)
+    else:
+        train = D.prepare_prompts(train_rows, tokenizer, cfg.max_prompt_length)
+    evaluation = None
+    if not offline and (cfg.eval_dataset or cfg.eval_steps):
+        rows = D.load_rows(cfg.eval_dataset or cfg.dataset_name, cfg.dataset_config, cfg.dataset_test_split)
+        rows = rows.select(range(min(len(rows), cfg.max_eval_prompts)))
+        evaluation = D.prepare_prompts(rows, tokenizer, cfg.max_prompt_length)
+
+    rewards, rm = None, None
+    if not offline:
+        rm_params, rm_tok, shared = None, None, False
+        if cfg.reward_model_path:
+            rm, rm_params = load_model(cfg.reward_model_path, "reward", cfg.frozen_param_dtype, mesh=mesh)
+            rm = rm.replace(dtype=model.dtype)
+            rm_tok = load_tokenizer(cfg.reward_model_path)
+            rm_tok.padding_side = "right"
+            shared = _same_tokenizer(tokenizer, rm_tok)
+            if shared:
+                check_shared_vocab(model, rm)
+        fns = [import_reward_function(s) for s in cfg.reward_funcs]
+        chat = isinstance(train.prompts[0], list)
+        rewards = RewardSet(rm, rm_params, rm_tok, fns, cfg.reward_weights, shared_tokenizer=shared, chat=chat)
+
+    global_batch = cfg.per_device_train_batch_size * dp * cfg.gradient_accumulation_steps
+    spe = D.steps_per_epoch(len(train), global_batch)
+    total = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * spe)
+    warmup = cfg.warmup_steps or math.ceil(total * cfg.warmup_ratio)
+    sampling = SamplingConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
+                              top_p=cfg.top_p, min_p=cfg.min_p or 0.0, repetition_penalty=cfg.repetition_penalty,
+                              eos_token_ids=eos, pad_token_id=pad, chunk=cfg.decode_chunk)
+    opt = ts.OptimizerConfig(learning_rate=cfg.learning_rate, total_steps=total, warmup_steps=warmup,
+                             lr_scheduler_type=cfg.lr_scheduler_type, weight_decay=cfg.weight_decay,
+                             adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_epsilon=cfg.adam_epsilon,
+                             max_grad_norm=cfg.max_grad_norm)
+    step_cfg = ts.StepConfig(
+        model=model, sampling=sampling, optimizer=opt, beta=cfg.beta, updates_per_epoch=spe, loss_type=cfg.loss_type,
+        loss_options=LossOptions(cfg.label_smoothing, cfg.discopop_tau, cfg.ipo_length_normalized),
+        missing_eos_penalty=cfg.missing_eos_penalty,
+        penalty_reward_value=cfg.penalty_reward_value if cfg.non_eos_penalty else None, max_length=cfg.max_length,
+        reward_model=rm if rewards is not None and rewards.on_device else None)
+    save_every = int(cfg.save_steps) if cfg.save_steps >= 1 else max(1, math.ceil(total * cfg.save_steps))
+    return Run(cfg, tokenizer, step_cfg, mesh, policy_params, ref_params, rewards, train, evaluation,
+               cfg.prompt_buckets or D.default_buckets(cfg.max_prompt_length), global_batch, spe, total, save_every)

@@ -1,0 +1,148 @@
+"""Bad input to ``python -m jodpo.train``: one line naming the problem and the fix, exit status 2, no
+traceback, nothing in the output directory destroyed. Every message is listed in docs/troubleshooting.md."""
+import errno
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jodpo import sharding as S
+from jodpo import train
+from jodpo.checkpoint import Checkpointer
+from tests import hf_fixtures
+
+DOC_FILE = Path(__file__).resolve().parents[1] / "docs" / "troubleshooting.md"
+DOC = DOC_FILE.read_text() if DOC_FILE.exists() else ""
+
+
+@pytest.fixture(scope="module")
+def world(checkpoints, tmp_path_factory):
+    """A config file for a tiny online DPO run, and bad variants of its inputs."""
+    root = tmp_path_factory.mktemp("errors")
+    data = hf_fixtures.prompt_dataset(root / "data")
+    cfg = root / "cfg.py"
+    cfg.write_text(
+        "from jodpo.config import TrainConfig\n"
+        "def get_config():\n"
+        f"    return TrainConfig(model_name_or_path={str(checkpoints['neox']['causal_lm'])!r},\n"
+        f"        reward_model_path={str(checkpoints['neox']['reward'])!r}, dataset_name={str(data)!r},\n"
+        "        max_steps=2, per_device_train_batch_size=2, max_new_tokens=4, max_length=96, max_prompt_length=64,\n"
+        "        bf16=False, logging_steps=1)\n")
+    bad = root / "bad"
+    bad.mkdir()
+    # an architecture jodpo does not implement
+    shutil.copytree(checkpoints["neox"]["causal_lm"], bad / "bert")
+    conf = json.loads((bad / "bert" / "config.json").read_text())
+    conf.update(model_type="bert", architectures=["BertForMaskedLM"])
+    (bad / "bert" / "config.json").write_text(json.dumps(conf))
+    # a classifier with two labels
+    shutil.copytree(checkpoints["neox"]["reward"], bad / "two_labels")
+    conf = json.loads((bad / "two_labels" / "config.json").read_text())
+    conf.update(num_labels=2, id2label={"0": "a", "1": "b"}, label2id={"a": 0, "b": 1})
+    (bad / "two_labels" / "config.json").write_text(json.dumps(conf))
+    # a truncated weights file
+    shutil.copytree(checkpoints["neox"]["causal_lm"], bad / "truncated")
+    weights = bad / "truncated" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    # a reward model sharing the tokenizer, with fewer embedding rows than the policy can sample
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    tok = hf_fixtures.build_tokenizer(bad / "tok")
+    small = hf_fixtures.family_configs(tok.pad_token_id, tok.eos_token_id)["neox"]
+    small.vocab_size, small.num_labels = hf_fixtures.VOCAB - 16, 1
+    torch.manual_seed(0)
+    AutoModelForSequenceClassification.from_config(small).save_pretrained(bad / "small_vocab_rm")
+    tok.save_pretrained(bad / "small_vocab_rm")
+    # data
+    (bad / "no_prompt.jsonl").write_text('{"text": "hello"}\n' * 4)
+    (bad / "empty.jsonl").write_text("")
+    return root, cfg, bad
+
+
+CASES = {  # name: (argv after --config CFG, the phrase the one-line message must contain)
+    "missing config file": (None, "config file 'no_such_config.py' not found"),
+    "unknown field": (["--config.lerning_rate=1e-6"], "unknown field 'lerning_rate'. Did you mean 'learning_rate'?"),
+    "wrong type": (["--config.max_steps=many"], "field 'max_steps' wants int, got 'many'"),
+    "non-positive beta": (["--config.beta=0"], "beta must be > 0"),
+    "non-positive learning rate": (["--config.learning_rate=-1e-6"], "learning_rate must be > 0"),
+    "unknown loss type": (["--config.loss_type=dpo"], "unknown loss_type 'dpo'; choose one of"),
+    "missing model path": (["--config.model_name_or_path=/no/such/model"], "not a model directory (no such directory)"),
+    "hub offline": (["--config.model_name_or_path=EleutherAI/pythia-70m"],
+                    "not in the local Hugging Face cache and HF_HUB_OFFLINE is set"),
+    "unsupported architecture": (["--config.model_name_or_path={bad}/bert"], "architecture ['BertForMaskedLM'] is not "
+                                                                             "supported; jodpo supports"),
+    "reward model is a causal LM": (["--config.reward_model_path={policy}"], "not a sequence classifier"),
+    "reward model with two labels": (["--config.reward_model_path={bad}/two_labels"], "sequence classifier with 2 "
+                                                                                      "labels; a reward model needs "
+                                                                                      "num_labels=1"),
+    "vocabulary mismatch": (["--config.reward_model_path={bad}/small_vocab_rm"], "the reward model's embedding has only"),
+    "corrupt safetensors": (["--config.model_name_or_path={bad}/truncated"], "corrupt or truncated safetensors file"),
+    "missing dataset": (["--config.dataset_name=/no/such/data.jsonl"], "dataset '/no/such/data.jsonl' not found"),
+    "no prompt column": (["--config.dataset_name={bad}/no_prompt.jsonl"], "the dataset has no 'prompt' column"),
+    "empty dataset": (["--config.dataset_name={bad}/empty.jsonl"], "is empty"),
+    "prompts all too long": (["--config.max_prompt_length=2"], "are longer than max_prompt_length=2 tokens"),
+    "mesh does not fit the devices": (["--config.mesh_data=2", "--config.mesh_fsdp=1"],
+                                      "mesh (data=2, fsdp=1, tensor=1) needs 2 devices, there are 1"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_is_one_clear_line_and_destroys_nothing(world, checkpoints, tmp_path, capsys, monkeypatch, case):
+    root, cfg, bad = world
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty_cache"))
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("precious")
+    extra, phrase = CASES[case]
+    argv = ["--config", "no_such_config.py"] if extra is None else ["--config", str(cfg)] + [
+        a.format(bad=bad, policy=checkpoints["neox"]["causal_lm"]) for a in extra]
+    rc = train.main(argv + [f"--config.output_dir={out}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    errors = [line for line in err if line.startswith("jodpo.train: error: ")]
+    assert rc == 2 and len(errors) == 1 and phrase in errors[0], err
+    assert "Traceback" not in "\n".join(err)
+    assert (out / "keep.txt").read_text() == "precious" and not (out / "checkpoints").exists()
+
+
+def test_troubleshooting_lists_every_message():
+    for case, (_, phrase) in CASES.items():
+        assert case in DOC and phrase in DOC, f"docs/troubleshooting.md does not list: {case}: {phrase}"
+    for phrase in ("no space left on device while saving", "stopped by SIGTERM at step", "updates in a row had a "
+                   "non-finite", "has non-finite values (NaN or Inf); it was not saved", "tokenizer has no pad token",
+                   "max_new_tokens", "is not empty"):
+        assert phrase in DOC, phrase
+
+
+def test_batch_not_divisible_by_the_data_parallel_size():
+    class FakeMesh:
+        shape = {"data": 2, "fsdp": 2, "tensor": 1}
+
+    run = train.Run.__new__(train.Run)
+    run.mesh = FakeMesh()
+    with pytest.raises(S.MeshError, match="a batch of 6 rows cannot be split over the 4 data-parallel devices"):
+        run.put(np.zeros((1, 6, 3), np.int32))
+
+
+def test_disk_full_while_saving_keeps_the_previous_checkpoints(world, tmp_path, capsys, monkeypatch):
+    root, cfg, _ = world
+    out = tmp_path / "out"
+    assert train.main(["--config", str(cfg), f"--config.output_dir={out}", "--config.save_steps=1"]) == 0
+    kept = sorted(p.name for p in (out / "checkpoints").iterdir())
+    real = Checkpointer.save
+
+    def full(self, step, state, meta):  # as Orbax fails on a full disk, inside the save
+        with self._disk_errors(step):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Checkpointer, "save", full)
+    rc = train.main(["--config", str(cfg), f"--config.output_dir={out}", "--config.save_steps=1",
+                     "--config.max_steps=3", "--allow_config_change"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "jodpo.train: error: no space left on device while saving checkpoint 3" in err, err
+    assert "Traceback" not in err
+    monkeypatch.setattr(Checkpointer, "save", real)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == kept

@@ -1,0 +1,126 @@
+"""A run survives: SIGKILL at any moment then the same command finishes exactly as an uninterrupted run;
+SIGTERM saves the current step and exits 0; a partial save left by a crash is ignored; NaN/Inf updates are
+skipped and K in a row stop the run; a non-finite state is never saved."""
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from jodpo import train
+from jodpo.checkpoint import restore_params
+from tests import hf_fixtures
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _lines(out: Path) -> list[dict]:
+    return [{k: v for k, v in json.loads(line).items() if k != "eps"}  # eps is wall-clock
+            for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _assert_same_as(reference: Path, out: Path) -> None:
+    assert _lines(out) == _lines(reference)
+    for a, b in zip(jax.tree.leaves(restore_params(reference / "checkpoints" / "200")),
+                    jax.tree.leaves(restore_params(out / "checkpoints" / "200"))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # bitwise
+
+
+def _start(out: Path, *extra: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "jodpo.train", "--config", "tiny.py", f"--config.output_dir={out}", *extra]
+    return subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for(cond, proc: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.time() + timeout
+    while not cond():
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.time() < deadline
+        time.sleep(0.02)
+
+
+def test_sigkill_then_the_same_command_finishes_as_if_never_interrupted(tiny_run, tmp_path):
+    out = tmp_path / "killed"
+    proc = _start(out, "--config.save_steps=20")
+    _wait_for(lambda: (out / "checkpoints" / "20").is_dir(), proc)
+    proc.kill()  # SIGKILL: no handler runs; whatever was in flight (a step, a save) is lost
+    proc.communicate()
+    assert proc.returncode == -signal.SIGKILL
+    # As a crash in the middle of a save leaves it: a temporary directory that must be ignored.
+    partial = out / "checkpoints" / "180.orbax-checkpoint-tmp-1763700000000000"
+    partial.mkdir()
+    (partial / "state").mkdir()
+    (partial / "state" / "garbage").write_bytes(b"\0" * 100)
+    again = _start(out, "--config.save_steps=20")
+    log, err = again.communicate(timeout=600)
+    assert again.returncode == 0, err[-3000:]
+    assert "resumed from" in log
+    _assert_same_as(tiny_run, out)
+
+
+def test_sigterm_saves_the_current_step_and_exits_0(tiny_run, tmp_path):
+    out = tmp_path / "preempted"
+    proc = _start(out)  # tiny.py saves at 100 and 200 only
+    _wait_for(lambda: (out / "metrics.jsonl").exists() and len(_lines(out)) >= 2, proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    line = [x for x in err.splitlines() if "stopped by SIGTERM" in x]
+    m = re.search(r"jodpo.train: stopped by SIGTERM at step (\d+); saved (\S+); run the same command to resume", line[0])
+    step = int(m.group(1))
+    assert 20 <= step < 200 and Path(m.group(2)) == out / "checkpoints" / str(step) and Path(m.group(2)).is_dir()
+    again = _start(out)
+    log, err = again.communicate(timeout=600)
+    assert again.returncode == 0 and f"resumed from {out / 'checkpoints'}/{step}" in log, err[-3000:]
+    _assert_same_as(tiny_run, out)
+
+
+@pytest.fixture(scope="module")
+def nan_policy(checkpoints, tmp_path_factory):
+    """The NeoX checkpoint with one NaN in a weight: every loss is NaN."""
+    d = tmp_path_factory.mktemp("nan") / "policy"
+    shutil.copytree(checkpoints["neox"]["causal_lm"], d)
+    tensors = load_file(d / "model.safetensors")
+    name = next(k for k in tensors if k.endswith("mlp.dense_h_to_4h.weight"))
+    tensors[name][0, 0] = np.nan
+    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+    return d
+
+
+def _nan_argv(nan_policy, checkpoints, tmp_path, *extra):
+    data = hf_fixtures.prompt_dataset(tmp_path / "data")
+    return ["--config", "tldr.py", f"--config.model_name_or_path={nan_policy}",
+            f"--config.reward_model_path={checkpoints['neox']['reward']}", f"--config.dataset_name={data}",
+            f"--config.output_dir={tmp_path / 'out'}", "--config.max_steps=6", "--config.per_device_train_batch_size=2",
+            "--config.gradient_accumulation_steps=1", "--config.max_new_tokens=4", "--config.max_length=96",
+            "--config.max_prompt_length=64", "--config.bf16=False", "--config.logging_steps=1", *extra]
+
+
+def test_nonfinite_updates_are_skipped_and_k_in_a_row_stop_the_run(nan_policy, checkpoints, tmp_path, capsys):
+    rc = train.main(_nan_argv(nan_policy, checkpoints, tmp_path, "--config.max_nonfinite_steps=3",
+                              "--config.save_steps=100"))
+    captured = capsys.readouterr()
+    log, err = captured.out, captured.err
+    assert rc == 1, err
+    assert "step 1: non-finite loss or gradient norm, update skipped (1 in a row)" in log
+    assert "jodpo.train: error: 3 updates in a row had a non-finite loss or gradient norm (up to step 3)" in err
+    logged = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["skipped_update"] for m in logged] == [1.0] * len(logged) and len(logged) >= 3
+    assert not list((tmp_path / "out" / "checkpoints").iterdir())
+
+
+def test_a_nonfinite_state_is_never_saved(nan_policy, checkpoints, tmp_path, capsys):
+    rc = train.main(_nan_argv(nan_policy, checkpoints, tmp_path, "--config.save_steps=2"))
+    err = capsys.readouterr().err
+    assert rc == 1 and "the training state at step 2 has non-finite values (NaN or Inf); it was not saved" in err
+    assert not list((tmp_path / "out" / "checkpoints").iterdir())
