@@ -82,16 +82,34 @@ class Checkpointer:
     def restore_latest(self, abstract_state):
         """``(step, state, meta)`` of the newest checkpoint that reads back, or None if there is none.
 
-        A checkpoint that fails to read (partial or corrupt) is skipped for the previous one, with a warning."""
+        A checkpoint that fails to read (partial or corrupt) is skipped for the previous one, with a warning,
+        and moved aside to ``<step>.unreadable`` (kept for inspection, not deleted), so that the run can save
+        that step again when it gets there."""
+        skipped = []
         for step in reversed(self.steps()):
             try:
                 out = self.manager.restore(step, args=ocp.args.Composite(
                     state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
-                return step, out.state, out.meta
+                break
             except Exception as e:  # noqa: BLE001 - any unreadable checkpoint: fall back to the previous one
                 log.warning("checkpoint %s/%d is unreadable (%s: %s); trying the previous one", self.directory, step,
                             type(e).__name__, e)
-        return None
+                skipped.append(step)
+        else:
+            out = None
+        if skipped:
+            if jax.process_index() == 0:
+                for s in skipped:
+                    aside = self.directory / f"{s}.unreadable"
+                    while aside.exists():
+                        aside = aside.with_name(aside.name + "~")
+                    (self.directory / str(s)).rename(aside)
+            if jax.process_count() > 1:
+                from jax.experimental import multihost_utils
+
+                multihost_utils.sync_global_devices("jodpo: unreadable checkpoints moved aside")
+            self.manager.reload()
+        return None if out is None else (step, out.state, out.meta)
 
     def close(self) -> None:
         self.wait()

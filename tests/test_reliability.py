@@ -124,3 +124,15 @@ def test_a_nonfinite_state_is_never_saved(nan_policy, checkpoints, tmp_path, cap
     err = capsys.readouterr().err
     assert rc == 1 and "the training state at step 2 has non-finite values (NaN or Inf); it was not saved" in err
     assert not list((tmp_path / "out" / "checkpoints").iterdir())
+
+
+def test_an_unreadable_latest_checkpoint_is_set_aside_and_the_run_finishes(tiny_run, tmp_path, caplog):
+    out = tmp_path / "damaged"
+    shutil.copytree(tiny_run, out)
+    for f in (out / "checkpoints" / "200" / "state").rglob("*"):
+        if f.is_file():
+            f.write_bytes(b"garbage")
+    assert train.main(["--config", "tiny.py", f"--config.output_dir={out}"]) == 0
+    assert "checkpoint" in caplog.text and "is unreadable" in caplog.text
+    assert (out / "checkpoints" / "200.unreadable" / "state").is_dir()  # kept for inspection, not deleted
+    _assert_same_as(tiny_run, out)  # resumed from 100 and wrote 200 again
