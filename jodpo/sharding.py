@@ -105,8 +105,9 @@ def _dict_path(path) -> tuple[str, ...]:
 
 def like_params(abstract_tree, params_sharding: Params, mesh: Mesh):
     """Shardings for any tree whose array leaves mirror parameters (optimizer moments, gradients, a whole
-    train state): a leaf that sits at a parameter's path with its shape gets that parameter's sharding;
-    anything else (step counters, keys) is replicated."""
+    train state): a leaf that sits at a parameter's path (the trailing dict keys of its tree path) gets that
+    parameter's sharding; anything else (step counters, keys) is replicated. (An optimizer whose state has
+    other shapes at a parameter's path, e.g. factored moments, would need its own rule.)"""
     by_path = {_dict_path(p): s for p, s in jax.tree.leaves_with_path(params_sharding)}
     return jax.tree_util.tree_map_with_path(lambda p, _: by_path.get(_dict_path(p), replicated(mesh)), abstract_tree)
 
@@ -127,10 +128,6 @@ def put(host: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
     """A global array from a host array that every process holds (each process transfers only its pieces)."""
     host = np.asarray(host)
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
-
-
-def put_tree(tree, shardings):
-    return jax.tree.map(lambda x, s: put(np.asarray(x), s), tree, shardings)
 
 
 def to_host(x: jax.Array) -> np.ndarray:
