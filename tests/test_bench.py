@@ -1,0 +1,113 @@
+"""scripts/bench.py train on a tiny model, both sides (jodpo and TRL in their worker processes): every field
+of the JSON is there and the values are consistent with each other and with the shapes asked for."""
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+B, T, P = 2, 4, 20
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    pytest.importorskip("trl")
+    out = tmp_path_factory.mktemp("bench") / "bench.json"
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench.py"), "train", "--hidden", "64", "--layers", "1",
+           "--heads", "4", "--vocab", "512", "--prompts", "16", "--prompt-len", str(P), "--new-tokens", str(T),
+           "--batch", str(B), "--warmup", "1", "--steps", "2", "--repeats", "1", "--sample-repeats", "1",
+           "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "s / step" in proc.stdout and "targets:" in proc.stdout  # the table was printed
+    return json.loads(out.read_text())
+
+
+def _positive(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def test_step_times_and_ratio(result):
+    s = result["settings"]
+    assert (s["batch"], s["new_tokens"], s["steps"], s["warmup"]) == (B, T, 2, 1)
+    assert P - 6 <= s["prompt_len_min"] <= s["prompt_len_max"] <= s["prompt_width"] == P
+    for side in ("jodpo", "trl"):
+        r = result[side]
+        assert len(r["times_s"]) == 2 and len(r["warmup_s"]) == 1
+        assert all(_positive(t) for t in r["times_s"])
+        assert min(r["times_s"]) <= r["median_s"] <= max(r["times_s"])
+        assert r["episodes_per_s"] == pytest.approx(B / r["median_s"])
+        # Both sides sample two completions of T tokens per prompt (EOS may end a row early in either).
+        assert r["completion_width"] == [T, T]
+        assert all(0 < n <= 2 * B * T for n in r["completion_tokens"])
+    assert result["ratio_time_jodpo_over_trl"] == pytest.approx(result["jodpo"]["median_s"] / result["trl"]["median_s"])
+    j = result["jodpo"]
+    assert j["recompiles_after_first"] == 0 and j["donated"] is True
+    assert j["compile_plus_first_s"] > j["median_s"]  # the first step compiles
+    assert result["trl_worker"]["gradient_checkpointing"] is False
+    assert set(result["trl"]["parts_median_s"]) >= {"generate", "policy_forward", "reference_forward", "reward_scoring",
+                                                    "policy_backward", "clip_optimizer_zero_grad"}
+    trl_parts = result["trl"]["parts_median_s"]
+    assert trl_parts["generate"] + trl_parts["policy_backward"] < 1.5 * result["trl"]["median_s"]
+
+
+def test_memory(result):
+    m = result["memory"]
+    assert 100 < m["jodpo_peak_rss_mib"] < 20000 and 100 < m["trl_peak_rss_mib"] < 20000
+    assert m["ratio_jodpo_over_trl"] == pytest.approx(m["jodpo_peak_rss_mib"] / m["trl_peak_rss_mib"])
+    for side in ("jodpo", "trl"):  # the peak only grows; the final one is at least every earlier one
+        assert max(result[side]["peak_rss_mib_after_each_step"]) <= m[f"{side}_peak_rss_mib"]
+        assert m["peak_rss_mib_after_loading"][side] <= m[f"{side}_peak_rss_mib"]
+
+
+def test_breakdown_and_flops(result):
+    b, fl, pk = result["breakdown"], result["flops_gflop"], result["matmul_peak_gflops"]
+    assert _positive(pk["jax"]) and _positive(pk["torch"]) and pk["peak"] == max(pk["jax"], pk["torch"])
+    pieces = ("sampling", "reward_scoring", "reference_logprobs", "policy_fwd_bwd", "optimizer")
+    for k in pieces:
+        assert _positive(b[k]["s"]), k
+        assert b[k]["useful_gflops_per_s"] == pytest.approx(b[k]["useful_gflop"] / b[k]["s"])
+        assert b[k]["useful_frac_of_peak"] == pytest.approx(b[k]["useful_gflops_per_s"] / pk["peak"])
+        assert b[k]["useful_frac_of_peak"] < 1.5, k  # nothing runs (much) faster than the measured peak
+        if k != "optimizer":
+            assert 0 < fl[k]["useful"] <= fl[k]["jodpo"], k  # jodpo executes at least the useful work
+    assert b["sum_of_pieces_s"] == pytest.approx(sum(b[k]["s"] for k in pieces))
+    assert fl["policy_fwd_bwd"]["jodpo"] == pytest.approx(3 * fl["reference_logprobs"]["jodpo"])
+    assert fl["reference_logprobs"]["trl"] > fl["reference_logprobs"]["jodpo"] * 0.9  # LM head over the prompt
+    assert fl["lm_head_over_prompt_trl"] > 0 and fl["step"]["useful"] < fl["step"]["jodpo"]
+    assert set(b["first_call_s"]) >= set(pieces)
+
+
+def test_flop_count_by_hand():
+    """The analytic count on numbers small enough to check by hand."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench
+
+    d = dict(hidden=2, layers=1, vocab=3)  # per token 2*(4*4 + 2*2*8) = 96; per pair 4*2 = 8; head 2*2*3 = 12
+    assert bench._fwd(d, tokens=1, pairs=0, head_positions=0) == 96
+    assert bench._fwd(d, tokens=0, pairs=1, head_positions=1) == 8 + 12
+    fl = bench.step_flops(d, np.array([2]), np.array([1, 1]), P=2, T=1)
+    # useful forward: 2 prompt tokens once + 0 completion inputs; pairs 3 (prompt) + 0; head at 2 positions
+    assert fl["reference_logprobs"]["useful"] * 1e9 == pytest.approx(2 * 96 + 3 * 8 + 2 * 12)
+    # jodpo: 2 rows x 3 tokens, 2 x 9 dense pairs, head at 2 x 1 positions
+    assert fl["reference_logprobs"]["jodpo"] * 1e9 == pytest.approx(6 * 96 + 18 * 8 + 2 * 12)
+
+
+def test_sampler_and_targets(result):
+    s = result["sampler"]
+    assert (s["batch"], s["new_tokens"]) == (2 * B, T)
+    assert s["speedup"] == pytest.approx(s["hf_generate_s"] / s["jodpo_s"])
+    assert s["jodpo_tokens_per_s"] == pytest.approx(2 * B * T / s["jodpo_s"])
+    t = result["targets"]
+    assert t == {"step_time_at_most_a_third_of_trl": result["ratio_time_jodpo_over_trl"] <= 1 / 3,
+                 "fwd_bwd_at_least_half_of_peak": result["breakdown"]["policy_fwd_bwd"]["useful_frac_of_peak"] >= 0.5,
+                 "sampler_at_least_2x_generate": s["speedup"] >= 2,
+                 "peak_memory_at_most_trl": result["memory"]["ratio_jodpo_over_trl"] <= 1}
+    m = result["machine"]
+    assert m["cpus"] >= 1 and m["jax"] and m["trl"] and m["torch"]
+    assert result["command"].startswith("python scripts/bench.py train")
+    assert set(result["cores_taken_by_others_share"]) >= {"steps", "breakdown", "sampler"}
