@@ -1,0 +1,244 @@
+"""scripts/bench.py train: the two worker processes (jodpo, TRL), each driven over stdin/stdout, and the
+parent's handle on them."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from bench_common import (FIRST_CALL_S, LR, MAX_LENGTH, MISSING_EOS_PENALTY, ROOT, TEMPERATURE, TRL_BETA, Channel,
+                          _jax_matmul_peak, _maxrss_mib, _median_time, _rss_mib)
+
+
+def worker_jodpo(spec: dict, ch: Channel):
+    import jax
+    import jax.numpy as jnp
+    from datasets import Dataset
+
+    import jodpo
+    from jodpo import data as D
+    from jodpo import train_step as ts
+    from jodpo.losses import completion_logprobs, online_dpo_loss
+
+    t0 = time.perf_counter()
+    fx, B, T = Path(spec["fixture"]), spec["batch"], spec["new_tokens"]
+    tok = jodpo.load_tokenizer(str(fx / "policy"))
+    model, ref = jodpo.load_model(str(fx / "policy"))
+    model = model.replace(remat="none")  # fp32, no gradient checkpointing (as the TRL side)
+    rm, rm_params = jodpo.load_model(str(fx / "reward"), task="reward")
+    eos = tuple(dict.fromkeys([*model.eos_token_ids, tok.eos_token_id]))  # as jodpo.train: model + tokenizer
+    data = D.prepare_prompts(Dataset.from_dict({"prompt": json.loads((fx / "prompts.json").read_text())}), tok,
+                             MAX_LENGTH)
+    P = max(len(x) for x in data.ids)  # one prompt bucket: the longest prompt (fixed shape, no recompiles)
+    cfg = ts.StepConfig(
+        model=model, optimizer=ts.OptimizerConfig(learning_rate=LR, total_steps=10 ** 6),
+        sampling=jodpo.SamplingConfig(max_new_tokens=T, temperature=TEMPERATURE, eos_token_ids=eos,
+                                      pad_token_id=tok.pad_token_id),
+        beta=TRL_BETA, loss_type="sigmoid", missing_eos_penalty=MISSING_EOS_PENALTY, max_length=MAX_LENGTH,
+        reward_model=rm)
+    state = ts.init_state(cfg, ref, jax.random.key(0))
+    batch = lambda k: D.prompt_batch([data.ids[i] for i in D.batch_indices(len(data), B, 0, k)], 1, (P,),
+                                     tok.pad_token_id)
+    ch.send(ready=True, load_s=time.perf_counter() - t0, eos_token_ids=list(eos), prompt_width=P,
+            peak_rss_mib=_maxrss_mib())
+    k, last = 0, None
+    while (cmd := ch.read()) != "quit":
+        if cmd == "step":
+            ids, mask = batch(k)
+            cache_before = ts.jit_online_step._cache_size()
+            old = state
+            t = time.perf_counter()
+            state, metrics, samples, raw = ts.jit_online_step(cfg, state, ref, rm_params, ids, mask)
+            jax.block_until_ready((state, metrics, samples, raw))
+            dt = time.perf_counter() - t
+            ch.send(s=dt, completion_tokens=int(samples.mask.sum()), completion_width=int(samples.mask.shape[-1]),
+                    prompt_width=int(ids.shape[-1]), prompt_tokens=int(mask.sum()),
+                    prompt_lens=np.asarray(mask).sum(-1).ravel().tolist(),
+                    completion_lens=np.asarray(samples.mask).sum(-1).ravel().tolist(),
+                    compiled=ts.jit_online_step._cache_size() - cache_before,
+                    donated=bool(jax.tree.leaves(old.params)[0].is_deleted()), loss=float(metrics["loss"]),
+                    peak_rss_mib=_maxrss_mib(), rss_mib=_rss_mib())
+            last, k = (ids, mask, samples), k + 1
+        elif cmd == "rss":
+            ch.send(peak_rss_mib=_maxrss_mib(), torch_loaded="torch" in sys.modules)
+        elif cmd == "peak":
+            ch.send(matmul_peak_gflops=_jax_matmul_peak())
+        elif cmd == "breakdown":
+            ch.send(**_jodpo_breakdown(jax, jnp, ts, cfg, state, ref, rm_params, *last, spec["repeats"],
+                                       completion_logprobs, online_dpo_loss))
+        else:
+            ch.send(error=f"unknown command {cmd!r}")
+    ch.send(bye=True)
+
+
+def _jodpo_breakdown(jax, jnp, ts, cfg, state, ref, rm_params, ids, mask, samples, repeats, completion_logprobs,
+                     online_dpo_loss) -> dict:
+    """The step's pieces, each under its own jit, on the last step's inputs."""
+    block = jax.block_until_ready
+    model, eos = cfg.model, cfg.sampling.eos_token_ids
+    twice = lambda x: jnp.concatenate([x[0], x[0]], 0)
+    ids2, mask2, toks, tmask = twice(ids), twice(mask), samples.tokens[0], samples.mask[0]
+    out = {"sampling_s": _median_time(lambda: block(ts.jit_sample_completions(cfg, state, ids, mask)), repeats,
+                                      "sampling")}
+    rewards = ts.jit_score_completions(cfg, rm_params, ids, mask, samples)
+    out["reward_scoring_s"] = _median_time(
+        lambda: block(ts.jit_score_completions(cfg, rm_params, ids, mask, samples)), repeats, "reward_scoring")
+    ref_lp = jax.jit(lambda p, *x: completion_logprobs(model, p, *x, max_length=cfg.max_length))
+    out["reference_logprobs_s"] = _median_time(lambda: block(ref_lp(ref, ids2, mask2, toks, tmask)), repeats,
+                                                 "reference_logprobs")
+    lp = ref_lp(ref, ids2, mask2, toks, tmask)
+
+    def loss(params, lp):
+        return online_dpo_loss(model, params, None, ids2, mask2, toks, tmask, rewards[0], beta=TRL_BETA,
+                               loss_type="sigmoid", missing_eos_penalty=MISSING_EOS_PENALTY, eos_token_ids=eos,
+                               max_length=cfg.max_length, ref_logprobs=lp)
+
+    fwd_bwd, fwd_only = jax.jit(jax.value_and_grad(loss, has_aux=True)), jax.jit(loss)
+    out["policy_fwd_bwd_s"] = _median_time(lambda: block(fwd_bwd(state.params, lp)), repeats, "policy_fwd_bwd")
+    out["policy_fwd_only_s"] = _median_time(lambda: block(fwd_only(state.params, lp)), repeats, "policy_fwd_only")
+    (_, metrics), grads = fwd_bwd(state.params, lp)
+    # The LM head + log-softmax alone (forward and backward) at the completion positions.
+    h = jnp.zeros((ids2.shape[0], toks.shape[1], model.hidden_size), jnp.float32) + 0.01
+    w = state.params["lm_head"]
+
+    def head(w, h):
+        logits = jnp.einsum("bcd,vd->bcv", h, w)
+        picked = jnp.take_along_axis(logits, toks[..., None], -1)[..., 0]
+        return (picked - jax.nn.logsumexp(logits, -1)).sum()
+
+    head_grad = jax.jit(jax.grad(head, (0, 1)))
+    out["lm_head_fwd_bwd_s"] = _median_time(lambda: block(head_grad(w, h)), repeats, "lm_head_fwd_bwd")
+    apply = jax.jit(ts.apply_gradients, static_argnums=0, donate_argnums=1)
+    st = [jax.tree.map(jnp.copy, state)]
+
+    def opt():
+        st[0] = block(apply(cfg, st[0], grads, metrics)[0])
+
+    out["optimizer_s"] = _median_time(opt, repeats, "optimizer")
+    return out | {"first_call_s": dict(FIRST_CALL_S)}
+
+
+def worker_trl(spec: dict, ch: Channel):
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, TrainerCallback
+    from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
+
+    t0 = time.perf_counter()
+    fx = Path(spec["fixture"])
+    tok = AutoTokenizer.from_pretrained(fx / "policy")
+    policy = AutoModelForCausalLM.from_pretrained(fx / "policy", dtype=torch.float32)
+    rm = AutoModelForSequenceClassification.from_pretrained(fx / "reward", dtype=torch.float32, num_labels=1)
+    out_dir = tempfile.mkdtemp(prefix="bench-trl-")  # save_strategy "no": stays empty; removed on quit
+    args = OnlineDPOConfig(
+        output_dir=out_dir, per_device_train_batch_size=spec["batch"],
+        gradient_accumulation_steps=1, max_new_tokens=spec["new_tokens"], temperature=TEMPERATURE, beta=TRL_BETA,
+        loss_type="sigmoid", missing_eos_penalty=MISSING_EOS_PENALTY, max_length=MAX_LENGTH, learning_rate=LR,
+        bf16=False, fp16=False, gradient_checkpointing=spec["trl_gradient_checkpointing"], use_cpu=True,
+        report_to=[], logging_steps=10 ** 6, max_steps=10 ** 6, save_strategy="no", disable_tqdm=True, seed=0,
+        dataloader_num_workers=0)
+    prompts = Dataset.from_dict({"prompt": json.loads((fx / "prompts.json").read_text())})
+    trainer = OnlineDPOTrainer(model=policy, ref_model=None, reward_funcs=rm, reward_processing_classes=tok,
+                               args=args, processing_class=tok, train_dataset=prompts)
+    parts, seen = {}, {}
+
+    def timed(name, fn):
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            out = fn(*a, **k)
+            parts[name] = parts.get(name, 0.0) + time.perf_counter() - t
+            if name == "generate":
+                seen.update(prompt_width=int(out[0].shape[1]), prompt_tokens=int(out[1].sum()),
+                            completion_width=int(out[2].shape[1]), completion_tokens=int(out[3].sum()))
+            if name == "training_step":
+                parts["training_step_end"] = time.perf_counter()
+            return out
+        return wrapper
+
+    fwd = trainer._forward
+    calls = []
+
+    def forward(model, *a, **k):  # first call: the policy (with grad), second: the reference
+        name = "policy_forward" if not calls else "reference_forward"
+        calls.append(name)
+        return timed(name, fwd)(model, *a, **k)
+
+    trainer._generate = timed("generate", trainer._generate)
+    trainer._forward = forward
+    trainer._calculate_rewards_from_functions = timed("reward_scoring", trainer._calculate_rewards_from_functions)
+    trainer.accelerator.backward = timed("policy_backward", trainer.accelerator.backward)
+    trainer.training_step = timed("training_step", trainer.training_step)
+
+    class Driver(TrainerCallback):
+        """Blocks the real Trainer loop at the start of each step until the parent says "step"; the time from
+        on_step_begin to on_step_end is one whole optimizer step (generate, score, loss, backward, clip,
+        optimizer.step, scheduler, zero_grad); batch fetching and logging fall outside it."""
+
+        def on_train_begin(self, *a, **k):
+            ch.send(ready=True, load_s=time.perf_counter() - t0, eos_token_ids=list(trainer.eos_token_ids),
+                    attn_implementation=policy.config._attn_implementation, torch_threads=torch.get_num_threads(),
+                    gradient_checkpointing=bool(policy.is_gradient_checkpointing), peak_rss_mib=_maxrss_mib())
+
+        def on_step_begin(self, *a, **k):
+            while (cmd := ch.read()) != "step":
+                if cmd == "rss":
+                    ch.send(peak_rss_mib=_maxrss_mib())
+                elif cmd == "peak":
+                    x, y = torch.randn(2048, 2048), torch.randn(2048, 2048)
+                    ch.send(matmul_peak_gflops=2 * 2048 ** 3 / _median_time(lambda: torch.mm(x, y), 5) / 1e9)
+                elif cmd == "quit":
+                    import shutil
+
+                    shutil.rmtree(out_dir, ignore_errors=True)
+                    ch.send(bye=True)
+                    os._exit(0)  # leave the Trainer loop where it waits
+                else:
+                    ch.send(error=f"unknown command {cmd!r}")
+            parts.clear()
+            calls.clear()
+            self.t = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            end = time.perf_counter()
+            parts["clip_optimizer_zero_grad"] = end - parts.pop("training_step_end")
+            ch.send(s=end - self.t, parts=dict(parts), peak_rss_mib=_maxrss_mib(), rss_mib=_rss_mib(), **seen)
+
+    trainer.add_callback(Driver())
+    trainer.train()
+
+
+class Worker:
+    """The parent's handle on one worker process."""
+
+    def __init__(self, side: str, spec: dict, log: Path):
+        env = dict(os.environ, OMP_NUM_THREADS=str(os.cpu_count()), OMP_WAIT_POLICY="PASSIVE")
+        self.log = log
+        self.p = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "bench.py"), "_worker", side, json.dumps(spec)], cwd=ROOT, env=env,
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log.open("w"), text=True)
+        self.side = side
+
+    def ask(self, cmd: str | None = None) -> dict:
+        if cmd is not None:
+            self.p.stdin.write(cmd + "\n")
+            self.p.stdin.flush()
+        line = self.p.stdout.readline()
+        if not line:
+            self.p.wait()
+            tail = self.log.read_text()[-4000:]
+            raise RuntimeError(f"the {self.side} worker died (exit {self.p.returncode}):\n{tail}")
+        return json.loads(line)
+
+    def close(self):
+        if self.p.poll() is None:
+            try:
+                self.ask("quit")
+            except (RuntimeError, BrokenPipeError, json.JSONDecodeError):
+                pass
+            self.p.wait(timeout=60)
+
+
