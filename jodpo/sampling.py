@@ -160,7 +160,7 @@ def _decode_step(model, params, cfg, rng, state: _State, _) -> tuple[_State, Non
 
 
 def sample(model: Model, params: Params, prompt_ids: jax.Array, prompt_mask: jax.Array, rng: jax.Array,
-           config: SamplingConfig) -> Samples:
+           config: SamplingConfig, num_samples: int = 1) -> Samples:
     """Sample ``config.max_new_tokens`` tokens after left-padded prompts.
 
     Args:
@@ -168,8 +168,11 @@ def sample(model: Model, params: Params, prompt_ids: jax.Array, prompt_mask: jax
       prompt_ids, prompt_mask: i32[B, P], left-padded (every row ends with a real token).
       rng: a PRNG key; step ``t`` uses ``fold_in(rng, t)``, so a result is reproducible.
       config: a ``SamplingConfig`` (static).
+      num_samples: completions per prompt (static). The prompts are run through the model once and their
+        cache copied; rows come in block layout: every prompt for sample 0, then every prompt for sample 1, ...
+        (the same as sampling ``concatenate([prompt_ids] * num_samples)``, with one prefill instead of n).
     Returns:
-      ``Samples`` with ``tokens``, ``mask`` and ``logprobs`` of shape [B, max_new_tokens].
+      ``Samples`` with ``tokens``, ``mask`` and ``logprobs`` of shape [num_samples * B, max_new_tokens].
     Jittable (``model`` and ``config`` static); works on sharded params and batches.
     """
     B, P = prompt_ids.shape
@@ -177,12 +180,18 @@ def sample(model: Model, params: Params, prompt_ids: jax.Array, prompt_mask: jax
     cache = init_cache(model, B, P + T, per_layer=True)
     params = split_layers(params)  # once per call: the decode steps then slice no weights
     h, cache = hidden_states(model, params, prompt_ids, prompt_mask, cache)
+    logits = lm_head(model, params, h[:, -1])
     seen = None
     if config.repetition_penalty != 1.0:
         hit = jax.nn.one_hot(prompt_ids, model.vocab_size, dtype=bool) & prompt_mask.astype(bool)[..., None]
         seen = jnp.any(hit, axis=1)
+    if num_samples > 1:  # copy the prompt's cache (and first logits) for every sample: block layout
+        tile = lambda x: jnp.concatenate([x] * num_samples, 0)  # noqa: E731
+        cache = {"k": tuple(map(tile, cache["k"])), "v": tuple(map(tile, cache["v"])), "mask": tile(cache["mask"]),
+                 "index": cache["index"]}
+        logits, seen, B = tile(logits), None if seen is None else tile(seen), B * num_samples
     zeros = lambda dt: jnp.zeros((B, T), dt)
-    state = _State(step=jnp.zeros((), jnp.int32), logits=lm_head(model, params, h[:, -1]), cache=cache, seen=seen,
+    state = _State(step=jnp.zeros((), jnp.int32), logits=logits, cache=cache, seen=seen,
                    done=jnp.zeros((B,), bool), tokens=zeros(jnp.int32), mask=zeros(jnp.int32),
                    logprobs=zeros(jnp.float32))
 

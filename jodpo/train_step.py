@@ -155,9 +155,9 @@ def sample_completions(cfg: StepConfig, state: TrainState, prompt_ids: jax.Array
     key = jax.random.fold_in(state.rng, state.step)
 
     def one(a_and_prompts):
-        a, ids_BP, mask_BP = a_and_prompts
-        return sample(cfg.model, state.params, _twice(ids_BP), _twice(mask_BP), jax.random.fold_in(key, a),
-                      cfg.sampling)
+        a, ids_BP, mask_BP = a_and_prompts  # one prefill per prompt, its cache copied for the second completion
+        return sample(cfg.model, state.params, ids_BP, mask_BP, jax.random.fold_in(key, a), cfg.sampling,
+                      num_samples=2)
 
     A = prompt_ids.shape[0]
     return jax.lax.map(one, (jnp.arange(A), prompt_ids, prompt_mask))

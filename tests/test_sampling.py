@@ -91,6 +91,22 @@ def test_scan_sampler_equals_python_loop(checkpoints, cfg):
     np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(ref.logprobs), rtol=1e-5, atol=1e-6)
 
 
+def test_num_samples_copies_the_prompt_cache_and_equals_repeated_prompts(checkpoints):
+    """One prefill for two samples per prompt gives what sampling the repeated prompts gives (block layout)."""
+    model, params = jodpo.load_model(str(checkpoints["llama"]["causal_lm"]))
+    ids, mask = hf_fixtures.padded_batch(np.random.default_rng(7), [6, 3, 8], model.pad_token_id, "left")
+    config = jodpo.SamplingConfig(max_new_tokens=10, temperature=0.9, repetition_penalty=1.2, eos_token_ids=(5,),
+                                  pad_token_id=model.pad_token_id, chunk=4)
+    rng = jax.random.key(3)
+    got = jax.jit(jodpo.sample, static_argnums=(0, 5, 6))(model, params, ids, mask, rng, config, 2)
+    ref = _sample(model, params, np.concatenate([ids, ids]), np.concatenate([mask, mask]), rng, config)
+    assert got.tokens.shape == (6, 10)
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(ref.tokens))
+    np.testing.assert_array_equal(np.asarray(got.mask), np.asarray(ref.mask))
+    np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(ref.logprobs), rtol=1e-5, atol=1e-5)
+    assert not np.array_equal(np.asarray(got.tokens[:3]), np.asarray(got.tokens[3:]))  # two different draws
+
+
 def test_logprobs_are_raw_model_logprobs(checkpoints):
     model, params = jodpo.load_model(str(checkpoints["llama"]["causal_lm"]))
     ids, mask = hf_fixtures.padded_batch(np.random.default_rng(7), [5, 3], model.pad_token_id, "left")
