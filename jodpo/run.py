@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 
 import jax
 import numpy as np
@@ -81,6 +82,11 @@ def build(cfg: TrainConfig) -> Run:
         rows = D.load_rows(cfg.eval_dataset or cfg.dataset_name, cfg.dataset_config, cfg.dataset_test_split)
         rows = rows.select(range(min(len(rows), cfg.max_eval_prompts)))
         evaluation = D.prepare_prompts(rows, tokenizer, cfg.max_prompt_length)
+        if len(evaluation) < dp:  # an eval batch needs a prompt per data-parallel device
+            warnings.warn(f"the evaluation set has {len(evaluation)} prompts, fewer than the {dp} data-parallel "
+                          "devices (mesh_data x mesh_fsdp); evaluation is off. Raise max_eval_prompts or give more "
+                          "evaluation rows.", stacklevel=2)
+            evaluation = None
 
     rewards, rm = None, None
     if not offline:

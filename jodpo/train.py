@@ -85,9 +85,10 @@ def evaluate(run: Run, state) -> dict:
     data = run.eval
     dp = S.data_parallel_size(run.mesh)
     # a small eval set still gets evaluated: as many whole multiples of the data-parallel size as it has
+    # (build() turns evaluation off for a set smaller than the data-parallel size)
     B = min(run.cfg.per_device_eval_batch_size * dp, len(data) // dp * dp)
     scores, wins = [], []
-    for start in range(0, len(data) - B + 1, B) if B else ():
+    for start in range(0, len(data) - B + 1, B):
         idx = np.arange(start, start + B)
         ids, mask = map(run.put, D.prompt_batch([data.ids[i] for i in idx], 1, run.buckets,
                                                 run.step_cfg.sampling.pad_token_id))
