@@ -13,15 +13,17 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from jodpo.models.core import Model, Params, hidden_states, lm_head
+from jodpo.models.core import Model, Params, hidden_states, lm_head, prefixed_hidden_states
 from jodpo.rewards import apply_eos_penalty, contains_eos, pair_indices
 
 
 def completion_logprobs(model: Model, params: Params, prompt_ids: jax.Array, prompt_mask: jax.Array,
                         completion_ids: jax.Array, completion_mask: jax.Array,
                         max_length: int | None = None) -> jax.Array:
-    """f32[B, C]: log p(completion token | everything before it) under ``params``; 0 on padding.
+    """f32[N, C]: log p(completion token | everything before it) under ``params``; 0 on padding.
 
+    ``prompt_ids`` has a row per completion ``[N, P]``, or ``[B, P]`` shared by N = n x B completions in block
+    layout (row r continues prompt ``r % B``): then every prompt runs through the model once, not n times.
     The LM head runs only at the C positions that predict completion tokens (never over the prompt).
     ``max_length`` left-truncates the prompt for this forward only, as TRL does (at least one prompt
     token is kept).
@@ -30,9 +32,11 @@ def completion_logprobs(model: Model, params: Params, prompt_ids: jax.Array, pro
     if max_length is not None and P + C > max_length:
         cut = min(P + C - max_length, P - 1)
         prompt_ids, prompt_mask, P = prompt_ids[:, cut:], prompt_mask[:, cut:], P - cut
-    ids = jnp.concatenate([prompt_ids, completion_ids], 1)
-    mask = jnp.concatenate([prompt_mask, completion_mask], 1)
-    h, _ = hidden_states(model, params, ids, mask)
+    if prompt_ids.shape[0] == completion_ids.shape[0]:
+        h, _ = hidden_states(model, params, jnp.concatenate([prompt_ids, completion_ids], 1),
+                             jnp.concatenate([prompt_mask, completion_mask], 1))
+    else:
+        h = prefixed_hidden_states(model, params, prompt_ids, prompt_mask, completion_ids, completion_mask)
     logits_BCV = lm_head(model, params, h[:, P - 1: P + C - 1])
     picked = jnp.take_along_axis(logits_BCV, completion_ids[..., None].astype(jnp.int32), -1)[..., 0]
     logp = picked - jax.nn.logsumexp(logits_BCV, axis=-1)
@@ -192,7 +196,8 @@ def online_dpo_loss(model: Model, params: Params, ref_params: Params, prompt_ids
     """The online DPO loss of one batch and TRL's metrics; differentiable in ``params``.
 
     Args:
-      prompt_ids, prompt_mask: i32[2B, P] in block layout (or [B, P], used for both completions).
+      prompt_ids, prompt_mask: i32[B, P], shared by both completions (each prompt's forward runs once), or
+        i32[2B, P] in block layout.
       completion_ids, completion_mask: i32[2B, C], block layout, padding after the first EOS.
       rewards: f32[2B], raw (before any EOS penalty).
       beta: the KL strength (a scalar, may be traced).
@@ -205,9 +210,6 @@ def online_dpo_loss(model: Model, params: Params, ref_params: Params, prompt_ids
     """
     prompt_ids, prompt_mask, completion_ids, completion_mask, rewards = (
         jnp.asarray(x) for x in (prompt_ids, prompt_mask, completion_ids, completion_mask, rewards))
-    B = completion_ids.shape[0] // 2
-    if prompt_ids.shape[0] == B:
-        prompt_ids, prompt_mask = jnp.concatenate([prompt_ids] * 2), jnp.concatenate([prompt_mask] * 2)
     S, S_ref = _summed_logprobs(model, params, ref_params, prompt_ids, prompt_mask, completion_ids, completion_mask,
                                 max_length, ref_logprobs)
     has_eos = contains_eos(completion_ids, completion_mask, eos_token_ids)
@@ -247,9 +249,9 @@ def dpo_loss(model: Model, params: Params, ref_params: Params, prompt_ids: jax.A
       ``(loss, metrics)`` with ``rewards/*``, ``logps/*``, ``beta`` and ``loss``.
     """
     B = prompt_ids.shape[0]
-    prompts, pmask = jnp.concatenate([prompt_ids] * 2), jnp.concatenate([prompt_mask] * 2)
     completions, cmask = jnp.concatenate([chosen_ids, rejected_ids]), jnp.concatenate([chosen_mask, rejected_mask])
-    S, S_ref = _summed_logprobs(model, params, ref_params, prompts, pmask, completions, cmask, max_length, None)
+    S, S_ref = _summed_logprobs(model, params, ref_params, prompt_ids, prompt_mask, completions, cmask, max_length,
+                                None)
     rows = jnp.arange(B, dtype=jnp.int32)
     return preference_loss(S, S_ref, cmask.sum(-1).astype(jnp.float32), rows, rows + B, beta=beta,
                            loss_type=loss_type, options=options)

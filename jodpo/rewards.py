@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jodpo.models.core import Model, Params, reward_scores
+from jodpo.models.core import Model, Params, prefixed_reward_scores, reward_scores
 
 RewardFn = Callable[..., Sequence[float | None]]
 
@@ -49,24 +49,35 @@ def pair_indices(rewards_2B: jax.Array) -> tuple[jax.Array, jax.Array]:
     return chosen, rejected
 
 
+def reward_suffix_from_tokens(completion_ids, completion_mask, eos_token_ids, pad_token_id: int):
+    """The completion as the reward model reads it when it shares the policy tokenizer: the EOS and padding
+    turned into pad slots (TRL scores the completion decoded without special tokens)."""
+    eos = jnp.asarray(tuple(eos_token_ids) or (-1,), jnp.int32)
+    keep = (completion_mask > 0) & ~jnp.isin(completion_ids, eos)
+    return jnp.where(keep, completion_ids, pad_token_id), keep
+
+
 def reward_inputs_from_tokens(prompt_ids, prompt_mask, completion_ids, completion_mask, eos_token_ids,
                               pad_token_id: int):
     """The reward model's input when it shares the policy tokenizer: prompt + completion with the EOS and
-    padding turned into pad slots (TRL scores the completion decoded without special tokens)."""
-    eos = jnp.asarray(tuple(eos_token_ids) or (-1,), jnp.int32)
-    keep = (completion_mask > 0) & ~jnp.isin(completion_ids, eos)
-    ids = jnp.concatenate([prompt_ids, jnp.where(keep, completion_ids, pad_token_id)], 1)
-    mask = jnp.concatenate([prompt_mask, keep.astype(prompt_mask.dtype)], 1)
-    return ids, mask
+    padding turned into pad slots (one prompt row per completion row)."""
+    ids, keep = reward_suffix_from_tokens(completion_ids, completion_mask, eos_token_ids, pad_token_id)
+    return (jnp.concatenate([prompt_ids, ids], 1),
+            jnp.concatenate([prompt_mask, keep.astype(prompt_mask.dtype)], 1))
 
 
 def score_tokens(rm: Model, rm_params: Params, prompt_ids, prompt_mask, completion_ids, completion_mask,
                  eos_token_ids) -> jax.Array:
-    """f32[N]: reward-model scores straight from the policy's token ids (shared tokenizer). Jittable."""
+    """f32[N]: reward-model scores straight from the policy's token ids (shared tokenizer). Jittable.
+    ``prompt_ids`` is ``[N, P]``, or ``[B, P]`` shared by N = n x B completions in block layout (each prompt
+    then runs through the reward model once)."""
     pad = rm.pad_token_id if rm.pad_token_id is not None else 0
-    ids, mask = reward_inputs_from_tokens(prompt_ids, prompt_mask, completion_ids, completion_mask, eos_token_ids,
-                                          pad)
-    return reward_scores(rm, rm_params, ids, mask)
+    if prompt_ids.shape[0] == completion_ids.shape[0]:
+        ids, mask = reward_inputs_from_tokens(prompt_ids, prompt_mask, completion_ids, completion_mask, eos_token_ids,
+                                              pad)
+        return reward_scores(rm, rm_params, ids, mask)
+    ids, keep = reward_suffix_from_tokens(completion_ids, completion_mask, eos_token_ids, pad)
+    return prefixed_reward_scores(rm, rm_params, prompt_ids, prompt_mask, ids, keep.astype(prompt_mask.dtype))
 
 
 def check_shared_vocab(policy: Model, rm: Model) -> None:

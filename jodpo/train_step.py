@@ -146,10 +146,6 @@ def current_beta(cfg: StepConfig, step: jax.Array) -> jax.Array:
     return jnp.asarray(cfg.beta, jnp.float32)[jnp.minimum(epoch, len(cfg.beta) - 1)]
 
 
-def _twice(x_BX: jax.Array) -> jax.Array:
-    return jnp.concatenate([x_BX, x_BX], 0)  # block layout: every prompt for completion 0, then again for 1
-
-
 def sample_completions(cfg: StepConfig, state: TrainState, prompt_ids: jax.Array, prompt_mask: jax.Array) -> Samples:
     """Two completions per prompt: ``Samples`` of shape [A, 2B, T], block layout within each micro-batch."""
     key = jax.random.fold_in(state.rng, state.step)
@@ -170,7 +166,7 @@ def score_completions(cfg: StepConfig, rm_params: Params, prompt_ids: jax.Array,
 
     def one(x):
         ids_BP, mask_BP, tokens, mask = x
-        return score_tokens(cfg.reward_model, rm_params, _twice(ids_BP), _twice(mask_BP), tokens, mask, eos)
+        return score_tokens(cfg.reward_model, rm_params, ids_BP, mask_BP, tokens, mask, eos)  # prompts shared
 
     return jax.lax.map(one, (prompt_ids, prompt_mask, samples.tokens, samples.mask))
 

@@ -105,6 +105,10 @@ def test_on_device_scoring_equals_scoring_the_text_without_eos(checkpoints):
     ids[0, :4], ids[1, :7] = rows[0], rows[1]
     np.testing.assert_allclose(np.asarray(got), np.asarray(jodpo.reward_scores(rm, rm_params, ids, mask)),
                                rtol=1e-5)
+    # One prompt row shared by both completions (the online step's layout) scores the same.
+    shared = rewards.score_tokens(rm, rm_params, P[1:], pm[1:], C, cm, (eos,))
+    repeated = rewards.score_tokens(rm, rm_params, P[[1, 1]], pm[[1, 1]], C, cm, (eos,))
+    np.testing.assert_allclose(np.asarray(shared), np.asarray(repeated), rtol=1e-5)
     with pytest.raises(ValueError, match="embedding has only 320 rows"):
         rewards.check_shared_vocab(policy.replace(vocab_size=999), rm)
 

@@ -92,6 +92,37 @@ def test_kv_cache_decoding_equals_full_forward(checkpoints, family, per_layer):
     assert int(cache["index"]) == full_ids.shape[1] - 1
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prefixed_forward_equals_full_forward_with_gradients(checkpoints, family):
+    """Each prompt computed once for its n continuations equals the forward of the repeated rows: the hidden
+    states at every real position, the gradient of a random functional of them, and the reward scores."""
+    model, params = jodpo.load_model(str(checkpoints[family]["causal_lm"]))
+    rng = np.random.default_rng(3)
+    prompt, pmask = hf_fixtures.padded_batch(rng, [7, 3, 5], model.pad_token_id, "left")
+    suffix, smask = hf_fixtures.padded_batch(rng, [4, 1, 6, 6, 2, 3], model.pad_token_id, "right")  # n = 2
+    ids, mask = np.concatenate([np.tile(prompt, (2, 1)), suffix], 1), np.concatenate([np.tile(pmask, (2, 1)), smask], 1)
+    weights = rng.normal(size=(*ids.shape, model.hidden_size)).astype(np.float32) * mask[..., None]
+
+    def shared(p):
+        return core.prefixed_hidden_states(model, p, prompt, pmask, suffix, smask)
+
+    def repeated(p):
+        return core.hidden_states(model, p, ids, mask)[0]
+
+    got, want = jax.jit(shared)(params), jax.jit(repeated)(params)
+    real = mask.astype(bool)
+    np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], rtol=1e-5, atol=1e-5)
+    g_got, g_want = (jax.jit(jax.grad(lambda p, f=f: jnp.sum(f(p) * weights)))(params) for f in (shared, repeated))
+    for (path, a), b in zip(jax.tree.leaves_with_path(g_got), jax.tree.leaves(g_want)):
+        scale = float(np.abs(b).max()) or 1.0
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5 * scale, err_msg=jax.tree_util.keystr(path))
+    rm, rm_params = jodpo.load_model(str(checkpoints[family]["reward"]), task="reward")
+    np.testing.assert_allclose(np.asarray(core.prefixed_reward_scores(rm, rm_params, prompt, pmask, suffix, smask)),
+                               np.asarray(jodpo.reward_scores(rm, rm_params, ids, mask)), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="block layout"):
+        core.prefixed_hidden_states(model, params, prompt, pmask, suffix[:4], smask[:4])
+
+
 def test_second_call_with_same_shapes_does_not_recompile(checkpoints):
     model, params = jodpo.load_model(str(checkpoints["llama"]["causal_lm"]))
     traces = []

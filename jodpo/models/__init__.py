@@ -1,11 +1,13 @@
 """Flax decoders (GPT-NeoX, Llama/Mistral/SmolLM, Qwen2) as pure functions, and their HF loading."""
 from jodpo.models.core import (Cache, Model, Params, hidden_states, init_cache, init_params, last_token_index,
-                               lm_head, logits, param_axes, param_shapes, param_specs, reward_scores)
+                               lm_head, logits, param_axes, param_shapes, param_specs, prefixed_hidden_states,
+                               prefixed_reward_scores, reward_scores)
 from jodpo.models.families import ARCHITECTURES, SUPPORTED, hf_architecture, weight_rules
 from jodpo.models.loading import CheckpointError, load_model, load_tokenizer
 
 __all__ = [
     "ARCHITECTURES", "Cache", "CheckpointError", "Model", "Params", "SUPPORTED", "hf_architecture", "hidden_states",
     "init_cache", "init_params", "last_token_index", "lm_head", "load_model", "load_tokenizer", "logits",
-    "param_axes", "param_shapes", "param_specs", "reward_scores", "weight_rules",
+    "param_axes", "param_shapes", "param_specs", "prefixed_hidden_states", "prefixed_reward_scores", "reward_scores",
+    "weight_rules",
 ]

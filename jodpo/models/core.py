@@ -219,11 +219,10 @@ def _qkv(model: Model, p: Params, x_BLD, cos, sin):
     return _rope(model, q, cos, sin), _rope(model, k, cos, sin), v
 
 
-def _attend(model: Model, p: Params, q_BLHD, k_BKSD, v_BKSD, attend_BLS):
-    """Softmax attention of L queries over S key slots (float32 scores), then the output projection.
-
-    Keys and values are head-major ``[B, K, S, Dh]`` (the cache's layout), so the batched dots read them
-    in place rather than transposing a whole cache slab every decode step."""
+def _attention(model: Model, q_BLHD, k_BKSD, v_BKSD, attend_BLS) -> jax.Array:
+    """Softmax attention of L queries over S key slots (float32 scores): ``[B, L, H, Dh]``, before the output
+    projection. Keys and values are head-major ``[B, K, S, Dh]`` (the cache's layout), so the batched dots read
+    them in place rather than transposing a whole cache slab every decode step."""
     dt = q_BLHD.dtype
     B, L, H, Dh = q_BLHD.shape
     K = model.num_kv_heads
@@ -232,11 +231,32 @@ def _attend(model: Model, p: Params, q_BLHD, k_BKSD, v_BKSD, attend_BLS):
     scores = scores * (Dh ** -0.5)
     scores = jnp.where(attend_BLS[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-    out = jnp.einsum("bkgls,bksd->blkgd", probs, v_BKSD.astype(dt)).reshape(B, L, H, Dh)
-    out = jnp.einsum("blhk,hkd->bld", out, p["o"].astype(dt))
-    if model.out_bias:
-        out = out + p["o_bias"].astype(dt)
-    return out
+    return jnp.einsum("bkgls,bksd->blkgd", probs, v_BKSD.astype(dt)).reshape(B, L, H, Dh)
+
+
+def _block(model: Model, p: Params, xs, rope, attention) -> tuple:
+    """One decoder layer over groups of tokens ``xs`` (a tuple of ``[B_i, L_i, D]``, with their ``(cos, sin)``
+    tables in ``rope``). ``attention(qs, ks, vs)`` gets the groups' queries ``[B_i, L_i, H, Dh]``, keys and
+    values ``[B_i, L_i, K, Dh]`` and returns their attended values ``[B_i, L_i, H, Dh]``: it decides which keys
+    each query sees (and writes them to a cache if there is one)."""
+    qkv = [_qkv(model, p["attn"], _norm(model, p["ln1"], x), cos, sin) for x, (cos, sin) in zip(xs, rope)]
+    outs = attention(*zip(*qkv))
+    new = []
+    for x, a in zip(xs, outs):
+        attn = jnp.einsum("blhk,hkd->bld", a, p["attn"]["o"].astype(x.dtype))
+        if model.out_bias:
+            attn = attn + p["attn"]["o_bias"].astype(x.dtype)
+        if model.parallel_residual:
+            x = x + attn + _mlp(model, p["mlp"], _norm(model, p["ln2"], x))
+        else:
+            x = x + attn
+            x = x + _mlp(model, p["mlp"], _norm(model, p["ln2"], x))
+        new.append(x)
+    return tuple(new)
+
+
+def _head_major(k_BLKD):
+    return k_BLKD.transpose(0, 2, 1, 3)
 
 
 _REMAT_POLICIES = {
@@ -268,6 +288,30 @@ def init_cache(model: Model, batch: int, length: int, dtype=None, per_layer: boo
     }
 
 
+def _positions(mask_BL: jax.Array, n_before_B: jax.Array) -> jax.Array:
+    """Rotary positions: the count of real tokens before each one (padding repeats its neighbour's)."""
+    return n_before_B[:, None] + jnp.maximum(jnp.cumsum(mask_BL, -1, dtype=jnp.int32) - 1, 0)
+
+
+def _windows(model: Model) -> np.ndarray:
+    """Each layer's attention window in slots (full attention: the largest int)."""
+    windows = np.asarray(model.sliding_windows or (0,) * model.num_layers, np.int32)
+    return np.where(windows > 0, windows, np.iinfo(np.int32).max)
+
+
+def _run_layers(model: Model, params: Params, x, block):
+    """``x`` (any pytree of activations) through every layer as one ``lax.scan`` of ``block(x, p, window)``,
+    rematerialised as ``model.remat`` says, then the final norm on each of its arrays. No cache: these are
+    the training and scoring passes."""
+    def layer(x, xs):
+        return block(x, *xs), None
+
+    if model.remat != "none":
+        layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[model.remat], prevent_cse=False)
+    x, _ = jax.lax.scan(layer, x, (params["layers"], jnp.asarray(_windows(model))))
+    return jax.tree.map(lambda a: _norm(model, params["final_norm"], a), x)
+
+
 def hidden_states(model: Model, params: Params, tokens_BL: jax.Array, mask_BL: jax.Array,
                   cache: Cache | None = None) -> tuple[jax.Array, Cache | None]:
     """Final-normed hidden states ``[B, L, D]`` (compute dtype) and the updated cache.
@@ -289,29 +333,19 @@ def hidden_states(model: Model, params: Params, tokens_BL: jax.Array, mask_BL: j
         n_before_B = jnp.sum(cache["mask"], -1, dtype=jnp.int32)
         kv_mask_BS = jax.lax.dynamic_update_slice(cache["mask"], mask_BL, (0, start))
         S = cache["mask"].shape[1]
-    positions_BL = n_before_B[:, None] + jnp.maximum(jnp.cumsum(mask_BL, -1, dtype=jnp.int32) - 1, 0)
-    cos, sin = _rope_tables(model, positions_BL)
+    cos, sin = _rope_tables(model, _positions(mask_BL, n_before_B))
     q_slot_L = start + jnp.arange(L, dtype=jnp.int32)
     k_slot_S = jnp.arange(S, dtype=jnp.int32)
     dist_LS = q_slot_L[:, None] - k_slot_S[None, :]
     attend_BLS = kv_mask_BS[:, None, :] & (dist_LS >= 0)[None]
-    windows = np.asarray(model.sliding_windows or (0,) * model.num_layers, np.int32)
-    windows = np.where(windows > 0, windows, np.iinfo(np.int32).max)
+    windows = _windows(model)
 
     def block(x, p, window, write):
-        """One decoder layer; ``write(k, v)`` puts the new keys/values in the cache and returns the
-        slabs to attend over (the new ones themselves when there is no cache)."""
+        """One layer; ``write(k, v)`` puts the new keys/values in the cache and returns the slabs to attend
+        over (the new ones themselves when there is no cache)."""
         attend = attend_BLS & (dist_LS < window)[None]
-        h = _norm(model, p["ln1"], x)
-        q, k, v = _qkv(model, p["attn"], h, cos, sin)
-        k_all, v_all = write(k, v)
-        attn = _attend(model, p["attn"], q, k_all, v_all, attend)
-        if model.parallel_residual:
-            x = x + attn + _mlp(model, p["mlp"], _norm(model, p["ln2"], x))
-        else:
-            x = x + attn
-            x = x + _mlp(model, p["mlp"], _norm(model, p["ln2"], x))
-        return x
+        return _block(model, p, (x,), ((cos, sin),),
+                      lambda q, k, v: (_attention(model, q[0], *write(k[0], v[0]), attend),))[0]
 
     split = isinstance(params["layers"], (tuple, list))
     if split != (cache is not None and isinstance(cache["k"], (tuple, list))):
@@ -319,13 +353,10 @@ def hidden_states(model: Model, params: Params, tokens_BL: jax.Array, mask_BL: j
                          "stacked params with a stacked cache or none")
     xs = None if split else (params["layers"], jnp.asarray(windows), jnp.arange(model.num_layers, dtype=jnp.int32))
     if cache is None:
-        def layer(x, xs):
-            return block(x, xs[0], xs[1], lambda k, v: (k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))), None
+        def no_cache(k, v):
+            return _head_major(k), _head_major(v)
 
-        if model.remat != "none":  # training passes only: sampling with a cache needs no gradients
-            layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[model.remat], prevent_cse=False)
-        x, _ = jax.lax.scan(layer, x, xs)
-        return _norm(model, params["final_norm"], x), None
+        return _run_layers(model, params, x, lambda x, p, window: block(x, p, window, no_cache)), None
 
     # The cache rides in the scan carry and is updated in place: only the new tokens' slots are written,
     # instead of every layer's whole slab being copied through the scan's inputs and outputs.
@@ -364,6 +395,47 @@ def hidden_states(model: Model, params: Params, tokens_BL: jax.Array, mask_BL: j
     return x, {"k": k_new, "v": v_new, "mask": kv_mask_BS, "index": start + L}
 
 
+def prefixed_hidden_states(model: Model, params: Params, prefix_ids_BP: jax.Array, prefix_mask_BP: jax.Array,
+                           suffix_ids_NC: jax.Array, suffix_mask_NC: jax.Array) -> jax.Array:
+    """``hidden_states`` of ``concatenate([tile(prefix), suffix], 1)``, ``[N, P + C, D]``, computing every
+    prefix once instead of once per suffix: N = n x B suffix rows in block layout (row r continues prefix
+    ``r % B``). The suffix tokens attend to the prefix's keys and values (shared, so their gradients add up);
+    the result equals the plain forward of the concatenated rows up to float rounding. Online DPO's two
+    completions of a prompt share its forward this way (policy, reference and reward model)."""
+    dt = jnp.dtype(model.dtype)
+    (B, P), (N, C) = prefix_ids_BP.shape, suffix_ids_NC.shape
+    if N % B:
+        raise ValueError(f"{N} suffix rows do not continue {B} prefixes in block layout (need a multiple of {B})")
+
+    def tile(a):
+        return jnp.concatenate([a] * (N // B), 0)
+
+    pmask, smask = prefix_mask_BP.astype(bool), suffix_mask_NC.astype(bool)
+    rope = (_rope_tables(model, _positions(pmask, jnp.zeros((B,), jnp.int32))),
+            _rope_tables(model, _positions(smask, tile(jnp.sum(pmask, -1, dtype=jnp.int32)))))
+    slots = jnp.arange(P + C, dtype=jnp.int32)
+    dist_PP = slots[:P, None] - slots[None, :P]  # query slot - key slot, as in the concatenated sequence
+    dist_CS = slots[P:, None] - slots[None, :]
+    kv_mask_NS = jnp.concatenate([tile(pmask), smask], 1)
+
+    def block(x, p, window):
+        attend_p = pmask[:, None, :] & ((dist_PP >= 0) & (dist_PP < window))[None]
+        attend_s = kv_mask_NS[:, None, :] & ((dist_CS >= 0) & (dist_CS < window))[None]
+
+        def attention(q, k, v):
+            kp, vp = _head_major(k[0]), _head_major(v[0])
+            k_all = jnp.concatenate([tile(kp), _head_major(k[1])], 2)
+            v_all = jnp.concatenate([tile(vp), _head_major(v[1])], 2)
+            return (_attention(model, q[0], kp, vp, attend_p), _attention(model, q[1], k_all, v_all, attend_s))
+
+        return _block(model, p, x, rope, attention)
+
+    x = (jnp.take(params["embed"], prefix_ids_BP, axis=0).astype(dt),
+         jnp.take(params["embed"], suffix_ids_NC, axis=0).astype(dt))
+    h_prefix, h_suffix = _run_layers(model, params, x, block)
+    return jnp.concatenate([tile(h_prefix), h_suffix], 1)
+
+
 def split_layers(params: Params) -> Params:
     """``params`` with the stacked layers split into a tuple of per-layer dicts, for unrolled decoding
     with a per-layer cache (``init_cache(..., per_layer=True)``): a decode step then slices no weights
@@ -397,12 +469,32 @@ def last_token_index(model: Model, input_ids: jax.Array, attention_mask: jax.Arr
     return jnp.argmax(idx * keep.astype(jnp.int32), axis=-1)
 
 
-def reward_scores(model: Model, params: Params, input_ids: jax.Array, attention_mask: jax.Array) -> jax.Array:
-    """f32[B]: a ``*ForSequenceClassification`` (num_labels=1) value at the last non-pad token."""
-    if model.task != "reward":
-        raise ValueError(f"reward_scores() needs a reward model; this model was loaded with task={model.task!r}")
-    h, _ = hidden_states(model, params, input_ids, attention_mask)
+def _value_at_last(model: Model, params: Params, h_BLD, input_ids, attention_mask) -> jax.Array:
     last = last_token_index(model, input_ids, attention_mask)
-    h_BD = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]
+    h_BD = jnp.take_along_axis(h_BLD, last[:, None, None], axis=1)[:, 0]
     return jnp.einsum("bd,dk->bk", h_BD, params["score"].astype(h_BD.dtype),
                       preferred_element_type=jnp.float32)[:, 0]
+
+
+def _check_reward(model: Model) -> None:
+    if model.task != "reward":
+        raise ValueError(f"reward scores need a reward model; this model was loaded with task={model.task!r}")
+
+
+def reward_scores(model: Model, params: Params, input_ids: jax.Array, attention_mask: jax.Array) -> jax.Array:
+    """f32[B]: a ``*ForSequenceClassification`` (num_labels=1) value at the last non-pad token."""
+    _check_reward(model)
+    h, _ = hidden_states(model, params, input_ids, attention_mask)
+    return _value_at_last(model, params, h, input_ids, attention_mask)
+
+
+def prefixed_reward_scores(model: Model, params: Params, prefix_ids_BP: jax.Array, prefix_mask_BP: jax.Array,
+                           suffix_ids_NC: jax.Array, suffix_mask_NC: jax.Array) -> jax.Array:
+    """f32[N]: ``reward_scores`` of ``concatenate([tile(prefix), suffix], 1)`` with every prefix computed once
+    (block layout, as ``prefixed_hidden_states``)."""
+    _check_reward(model)
+    n = suffix_ids_NC.shape[0] // prefix_ids_BP.shape[0]
+    ids = jnp.concatenate([jnp.concatenate([prefix_ids_BP] * n, 0), suffix_ids_NC], 1)
+    mask = jnp.concatenate([jnp.concatenate([prefix_mask_BP] * n, 0), suffix_mask_NC], 1)
+    h = prefixed_hidden_states(model, params, prefix_ids_BP, prefix_mask_BP, suffix_ids_NC, suffix_mask_NC)
+    return _value_at_last(model, params, h, ids, mask)
