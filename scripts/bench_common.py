@@ -180,7 +180,8 @@ def _fwd(d: dict, tokens: float, pairs: float, head_positions: float) -> float:
 def step_flops(d: dict, p: np.ndarray, c: np.ndarray, P: int, T: int) -> dict:
     """GFLOP of each piece of one online DPO step. ``useful``: the work the algorithm needs (each prompt
     once, causal attention over real tokens, the LM head only where a log-prob is read); ``jodpo``: what
-    jodpo's current step executes (every row of the padded [2B, P + T] block, dense attention);
+    jodpo's current step executes (each padded prompt [B, P] once, the padded completions [2B, T] attending
+    to its keys, dense attention);
     ``trl``: what TRL 1.16 executes (two copies of each prompt, the LM head over prompt positions too).
     p: i32[B] real prompt lengths; c: i32[2B] completion lengths (block layout); P, T: padded widths."""
     B = len(p)
@@ -189,16 +190,17 @@ def step_flops(d: dict, p: np.ndarray, c: np.ndarray, P: int, T: int) -> dict:
     # Policy / reference forward: inputs prompt + completion minus its last token, head at c positions.
     n_in = pp + c - 1
     useful = _fwd(d, p.sum() + (c - 1).sum(), tri(p).sum() + (tri(n_in) - tri(pp)).sum(), c.sum())
-    jodpo = _fwd(d, 2 * B * (P + T), 2 * B * (P + T) ** 2, 2 * B * T)
+    jodpo = _fwd(d, B * P + 2 * B * T, B * P * P + 2 * B * T * (P + T), 2 * B * T)
     trl = _fwd(d, 2 * B * (P + T), 2 * B * tri(P + T), 2 * B * (P + T))  # SDPA causal; logits everywhere
     # Reward model: prompt + completion (its value is read at the last token); no LM head.
     rm_useful = _fwd(d, p.sum() + c.sum(), tri(p).sum() + (tri(pp + c) - tri(pp)).sum(), 0)
-    rm_jodpo = _fwd(d, 2 * B * (P + T), 2 * B * (P + T) ** 2, 0)
+    rm_jodpo = _fwd(d, B * P + 2 * B * T, B * P * P + 2 * B * T * (P + T), 0)
+    rm_trl = _fwd(d, 2 * B * (P + T), 2 * B * (P + T) ** 2, 0)
     # Sampling: prefill, then c - 1 one-token forwards per completion over the KV cache (the last token's
-    # forward is skipped). jodpo attends over every cache slot (P + T) and prefills both copies of a prompt.
+    # forward is skipped). jodpo prefills each prompt once and attends over every cache slot (P + T).
     s_useful = _fwd(d, p.sum() + (c - 1).sum(), tri(p).sum() + (tri(n_in) - tri(pp)).sum(), B + (c - 1).sum())
     steps = int(c.max()) - 1
-    s_jodpo = _fwd(d, 2 * B * P, 2 * B * P * P, 2 * B) + _fwd(d, 2 * B * steps, 2 * B * steps * (P + T),
+    s_jodpo = _fwd(d, B * P, B * P * P, B) + _fwd(d, 2 * B * steps, 2 * B * steps * (P + T),
                                                                2 * B * steps)
     s_trl = _fwd(d, 2 * B * P, 2 * B * tri(P), 2 * B) + _fwd(d, 2 * B * steps,
                                                               2 * B * sum(P + t for t in range(1, steps + 1)),
@@ -206,7 +208,7 @@ def step_flops(d: dict, p: np.ndarray, c: np.ndarray, P: int, T: int) -> dict:
     g = lambda x: float(x) / 1e9
     out = {
         "sampling": {"useful": g(s_useful), "jodpo": g(s_jodpo), "trl": g(s_trl)},
-        "reward_scoring": {"useful": g(rm_useful), "jodpo": g(rm_jodpo), "trl": g(rm_jodpo)},
+        "reward_scoring": {"useful": g(rm_useful), "jodpo": g(rm_jodpo), "trl": g(rm_trl)},
         "reference_logprobs": {"useful": g(useful), "jodpo": g(jodpo), "trl": g(trl)},
         "policy_fwd_bwd": {"useful": g(3 * useful), "jodpo": g(3 * jodpo), "trl": g(3 * trl)},
         "optimizer": {"useful": 0.0, "jodpo": 0.0, "trl": 0.0},

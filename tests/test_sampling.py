@@ -160,6 +160,26 @@ def test_empirical_frequencies_match_filtered_distribution(filters):
     assert 0.5 * np.abs(plain - want).sum() > 0.05  # the check can tell the filters apart
 
 
+@pytest.mark.parametrize("block", [128, 7])
+def test_two_level_inverse_cdf_draws_the_distribution_across_blocks(block):
+    """The draw's block search and in-block search, on a vocabulary of several blocks (not a multiple of the
+    block: padded): frequencies match, filtered tokens and the padding are never drawn."""
+    V, N = 1000, 40000
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=V) * 3.0
+    x[rng.random(V) < 0.5] = -np.inf  # filtered out
+    x[V - 1] = 2.0  # the last token is allowed (it sits next to the padding)
+    want = np.exp(x - x.max()) / np.exp(x - x.max()).sum()
+    keys = jax.random.split(jax.random.key(7), N // 8)
+    draw = jax.jit(jax.vmap(lambda k: sampling._inverse_cdf(jnp.tile(jnp.asarray(x, jnp.float32), (8, 1)), k, block)))
+    tokens = np.asarray(draw(keys)).ravel()
+    assert tokens.min() >= 0 and tokens.max() < V
+    freq = np.bincount(tokens, minlength=V) / N
+    assert np.all(freq[want == 0] == 0)
+    tv = 0.5 * np.abs(freq - want).sum()
+    assert tv < 0.03, tv  # sampling noise at N=40000 here: about 0.02
+
+
 def test_stops_early_and_pads_after_eos(checkpoints):
     model, params = jodpo.load_model(str(checkpoints["qwen2"]["causal_lm"]))
     ids, mask = hf_fixtures.padded_batch(np.random.default_rng(8), [4, 4], model.pad_token_id, "left")
