@@ -93,8 +93,8 @@ def test_flop_count_by_hand():
     fl = bench.step_flops(d, np.array([2]), np.array([1, 1]), P=2, T=1)
     # useful forward: 2 prompt tokens once + 0 completion inputs; pairs 3 (prompt) + 0; head at 2 positions
     assert fl["reference_logprobs"]["useful"] * 1e9 == pytest.approx(2 * 96 + 3 * 8 + 2 * 12)
-    # jodpo: 2 rows x 3 tokens, 2 x 9 dense pairs, head at 2 x 1 positions
-    assert fl["reference_logprobs"]["jodpo"] * 1e9 == pytest.approx(6 * 96 + 18 * 8 + 2 * 12)
+    # jodpo: the prompt once (2 tokens, 2 x 2 dense pairs) + 2 completion rows x 1 token over 3 slots; head at 2
+    assert fl["reference_logprobs"]["jodpo"] * 1e9 == pytest.approx(4 * 96 + (4 + 6) * 8 + 2 * 12)
 
 
 def test_sampler_and_targets(result):
