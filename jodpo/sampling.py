@@ -115,12 +115,13 @@ def _inverse_cdf(x_BV: jax.Array, rng: jax.Array, block: int = 128) -> jax.Array
     block_p = jnp.sum(p, -1)
     block_cdf = jnp.cumsum(block_p, -1)
     u = jax.random.uniform(rng, (B, 1), jnp.float32) * block_cdf[:, -1:]
-    b = jnp.minimum(jnp.sum(block_cdf <= u, -1), n - 1)[:, None]  # the first block whose cdf exceeds u
+    # Rounding can put u at a total (of the row or of the chosen block): then take the last block, and the last
+    # token in its block, of nonzero probability, never a filtered token or the padding.
+    last_block = jnp.max(jnp.where(block_p > 0, jnp.arange(n), 0), -1)
+    b = jnp.minimum(jnp.sum(block_cdf <= u, -1), last_block)[:, None]  # the first block whose cdf exceeds u
     inner = jnp.take_along_axis(p, b[:, :, None], 1)[:, 0]  # [B, block]; its total is > 0
     u_in = jnp.maximum(u - (jnp.take_along_axis(block_cdf, b, -1) - jnp.take_along_axis(block_p, b, -1)), 0.0)
     i = jnp.sum(jnp.cumsum(inner, -1) <= u_in, -1)
-    # Rounding can leave u_in at the block's total: take its last token of nonzero probability, never a
-    # filtered one or the padding.
     last = jnp.max(jnp.where(inner > 0, jnp.arange(block), 0), -1)
     return (b[:, 0] * block + jnp.minimum(i, last)).astype(jnp.int32)
 

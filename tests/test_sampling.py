@@ -1,4 +1,6 @@
 """The sampler against transformers' generate, a Python loop, and the exact filtered distribution."""
+from unittest import mock
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -178,6 +180,11 @@ def test_two_level_inverse_cdf_draws_the_distribution_across_blocks(block):
     assert np.all(freq[want == 0] == 0)
     tv = 0.5 * np.abs(freq - want).sum()
     assert tv < 0.03, tv  # sampling noise at N=40000 here: about 0.02
+    # A uniform that rounds to the row's total (u = 1) still lands on the last allowed token, not past it.
+    with mock.patch.object(jax.random, "uniform", lambda key, shape, dtype: jnp.ones(shape, dtype)):
+        edge = sampling._inverse_cdf(jnp.asarray(np.where(np.arange(V) < V - 300, x, -np.inf), jnp.float32)[None],
+                                     jax.random.key(0), block)
+    assert int(edge[0]) == np.flatnonzero(np.isfinite(x[:V - 300]))[-1]
 
 
 def test_stops_early_and_pads_after_eos(checkpoints):
