@@ -13,7 +13,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from jodpo.models.core import Model, Params, hidden_states, lm_head, prefixed_hidden_states
+from jodpo.models.core import Model, Params, hidden_states, prefixed_hidden_states
+from jodpo.models.heads import lm_head
 from jodpo.rewards import apply_eos_penalty, contains_eos, pair_indices
 
 

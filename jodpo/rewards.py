@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jodpo.models.core import Model, Params, prefixed_reward_scores, reward_scores
+from jodpo.models.core import Model, Params
+from jodpo.models.heads import prefixed_reward_scores, reward_scores
 
 RewardFn = Callable[..., Sequence[float | None]]
 

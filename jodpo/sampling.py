@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jodpo.models.core import Cache, Model, Params, hidden_states, init_cache, lm_head, split_layers
+from jodpo.models.core import Cache, Model, Params, hidden_states, init_cache, split_layers
+from jodpo.models.heads import lm_head
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 import jodpo
-from jodpo.models import core
+from jodpo.models import core, heads
 from tests import hf_fixtures
 
 FAMILIES = ["neox", "neox_seq", "llama", "llama_tied", "mistral", "qwen2"]
@@ -61,8 +61,8 @@ def test_reward_reads_last_non_pad_token_like_transformers():
                        rotary_dim=4, inv_freq=(1.0, 0.01), tie_embeddings=False, pad_token_id=0)
     ids = jnp.array([[0, 0, 5, 6], [5, 6, 0, 0], [5, 6, 7, 0]])
     mask = jnp.array([[0, 0, 1, 1], [1, 1, 1, 1], [1, 1, 1, 1]])
-    assert core.last_token_index(model, ids, mask).tolist() == [3, 1, 2]
-    assert core.last_token_index(model.replace(pad_token_id=None), ids, mask).tolist() == [3, 3, 3]
+    assert heads.last_token_index(model, ids, mask).tolist() == [3, 1, 2]
+    assert heads.last_token_index(model.replace(pad_token_id=None), ids, mask).tolist() == [3, 3, 3]
 
 
 @pytest.mark.parametrize("per_layer", [False, True], ids=["stacked_cache", "per_layer_cache"])
@@ -82,10 +82,10 @@ def test_kv_cache_decoding_equals_full_forward(checkpoints, family, per_layer):
     step = jax.jit(core.hidden_states, static_argnums=0)
     cache = core.init_cache(model, 3, prompt.shape[1] + steps, per_layer=per_layer)
     h, cache = step(model, params, prompt, pmask, cache)
-    got = [core.lm_head(model, params, h)[:, -1]]
+    got = [heads.lm_head(model, params, h)[:, -1]]
     for t in range(steps - 1):
         h, cache = step(model, params, new[:, t:t + 1], np.ones((3, 1), np.int32), cache)
-        got.append(core.lm_head(model, params, h)[:, -1])
+        got.append(heads.lm_head(model, params, h)[:, -1])
     got = np.stack(got, 1)
     want = full[:, prompt.shape[1] - 1: prompt.shape[1] - 1 + steps]
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
@@ -117,7 +117,7 @@ def test_prefixed_forward_equals_full_forward_with_gradients(checkpoints, family
         scale = float(np.abs(b).max()) or 1.0
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5 * scale, err_msg=jax.tree_util.keystr(path))
     rm, rm_params = jodpo.load_model(str(checkpoints[family]["reward"]), task="reward")
-    np.testing.assert_allclose(np.asarray(core.prefixed_reward_scores(rm, rm_params, prompt, pmask, suffix, smask)),
+    np.testing.assert_allclose(np.asarray(heads.prefixed_reward_scores(rm, rm_params, prompt, pmask, suffix, smask)),
                                np.asarray(jodpo.reward_scores(rm, rm_params, ids, mask)), rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="block layout"):
         core.prefixed_hidden_states(model, params, prompt, pmask, suffix[:4], smask[:4])

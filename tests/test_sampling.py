@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 
 import jodpo
 from jodpo import sampling
-from jodpo.models import core
+from jodpo.models import core, heads
 from tests import hf_fixtures
 from tests.test_models import FAMILIES
 
@@ -24,7 +24,7 @@ def sample_reference(model, params, prompt_ids, prompt_mask, rng, config):
     step = jax.jit(core.hidden_states, static_argnums=0)
     cache = core.init_cache(model, B, P + T)
     h, cache = step(model, params, prompt_ids, prompt_mask, cache)
-    logits = core.lm_head(model, params, h[:, -1])
+    logits = heads.lm_head(model, params, h[:, -1])
     seen = np.zeros((B, model.vocab_size), bool)
     for b in range(B):
         seen[b, np.asarray(prompt_ids)[b][np.asarray(prompt_mask)[b] > 0]] = True
@@ -44,7 +44,7 @@ def sample_reference(model, params, prompt_ids, prompt_mask, rng, config):
             break
         h, cache = step(model, params, jnp.asarray(tokens[:, t:t + 1]), jnp.asarray(alive[:, None].astype(np.int32)),
                         cache)
-        logits = core.lm_head(model, params, h[:, -1])
+        logits = heads.lm_head(model, params, h[:, -1])
     return sampling.Samples(tokens=jnp.asarray(tokens), mask=jnp.asarray(mask), logprobs=jnp.asarray(logprobs))
 
 

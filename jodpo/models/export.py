@@ -170,7 +170,7 @@ def verify_export(model: Model, params: Params, out: str | Path, dtype: str = "f
     largest logit. Returns one line per check; raises ``ExportMismatch`` on a difference."""
     import jax.numpy as jnp
 
-    from jodpo.models.core import logits, reward_scores
+    from jodpo.models.heads import logits, reward_scores
     from jodpo.models.loading import load_model
 
     out = Path(out)
