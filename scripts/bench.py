@@ -1,7 +1,9 @@
 """Benchmarks, measured side by side in one run (these machines are shared and noisy).
 
-  python scripts/bench.py sample [--batch 16] [--new-tokens 53] [--prompt-len 64] [--repeats 5] [--out F.json]
+  python scripts/bench.py sample [--batch 16] [--new-tokens 53] [--prompt-len 64] [--repeats 5]
+                                 [--dtype float32|bfloat16] [--out F.json]
   python scripts/bench.py train [--steps 5] [--warmup 2] [--no-trl] [--trl-gradient-checkpointing]
+                                [--dtype float32|bfloat16] [--nominal-peak-tflops X]
                                 [--fixture DIR] [--out F.json]  (shapes: --hidden --layers --heads --vocab ...)
 
 ``sample``: jodpo's sampler vs transformers' ``generate`` (KV cache on) on the same random
@@ -17,6 +19,11 @@ with both, TL;DR-like prompts of about 70 tokens). Each side runs in its own lon
 step is timed piece by piece, FLOPs are counted analytically against the matmul peak measured here, and
 the sampler is compared with ``generate`` on the same model and batch. Shapes are flags, so the test
 runs the same code on a tiny model.
+
+On a GPU (jax's default backend; torch's side uses CUDA when it sees it) the same command runs there, e.g. a
+Pythia-1B shape in bf16: ``train --no-trl --dtype bfloat16 --hidden 2048 --layers 16 --heads 8
+--nominal-peak-tflops 989`` (docs/performance.md has the steps). Defaults: fp32 on the CPU, as the issue's
+side-by-side comparison with TRL.
 """
 from __future__ import annotations
 
@@ -41,8 +48,8 @@ def bench_sample(args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         path = build_pythia_70m_shaped(Path(tmp) / "policy")
         ids = np.random.default_rng(0).integers(0, 50000, (args.batch, args.prompt_len)).astype(np.int32)
-        out = compare_sampler(path, ids, args.new_tokens, args.repeats)
-    return {"benchmark": "sample", "model": "pythia-70m-shaped GPT-NeoX (random), fp32", **out}
+        out = compare_sampler(path, ids, args.new_tokens, args.repeats, args.dtype)
+    return {"benchmark": "sample", "model": f"pythia-70m-shaped GPT-NeoX (random), {args.dtype}", **out}
 
 
 
@@ -80,7 +87,7 @@ def bench_train(args) -> dict:
         t = time.perf_counter()
         dims = build_fixture(fx, args)
         fixture_s = time.perf_counter() - t
-        spec = dict(fixture=str(fx), batch=args.batch, new_tokens=args.new_tokens, repeats=args.repeats,
+        spec = dict(fixture=str(fx), batch=args.batch, new_tokens=args.new_tokens, repeats=args.repeats, dtype=args.dtype,
                     trl_gradient_checkpointing=args.trl_gradient_checkpointing)
         sides = ["jodpo"] + ([] if args.no_trl else ["trl"])
         workers = {s: Worker(s, spec, Path(tmp) / f"{s}.log") for s in sides}
@@ -107,7 +114,7 @@ def bench_train(args) -> dict:
             phase("steps")
             rss = {s: w.ask("rss") for s, w in workers.items()}
             phase("rss")
-            peaks = {s: [] for s in sides}  # fp32 matmul peak of each library, alternated like the steps
+            peaks = {s: [] for s in sides}  # matmul peak of each library in --dtype, alternated like the steps
             for _ in range(3):
                 for s in sides:
                     peaks[s].append(workers[s].ask("peak")["matmul_peak_gflops"])
@@ -129,7 +136,7 @@ def bench_train(args) -> dict:
         enc = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts[:args.batch]]
         P0 = min(len(e) for e in enc)  # equal lengths: no padding in either (the sampler comparison's setting)
         ids = np.asarray([e[-P0:] for e in enc] * 2, np.int32)
-        sampler = compare_sampler(fx / "policy", ids, args.new_tokens, args.sample_repeats)
+        sampler = compare_sampler(fx / "policy", ids, args.new_tokens, args.sample_repeats, args.dtype)
         phase("sampler")
         prompt_lens = np.asarray([len(tok(p, add_special_tokens=False)["input_ids"]) for p in prompts])
     parts["matmul_peak_gflops"] = max(peaks["jodpo"])
@@ -162,8 +169,8 @@ def summarize(args, dims, fixture_s, ready, runs, rss, parts, torch_peak, sample
     j.update(compile_plus_first_s=runs["jodpo"][0]["s"], donated=all(r["donated"] for r in jr),
              recompiles_after_first=sum(r["compiled"] for r in runs["jodpo"][1:]))
     trl = _step_stats(runs["trl"], args.warmup, B) if "trl" in runs else None
-    # The machine's fp32 matmul peak: the best of what the libraries reach here (jax's own XLA dot and
-    # torch's MKL), so a slower dot kernel counts against the fraction instead of hiding in the peak.
+    # The machine's matmul peak in --dtype: the best of what the libraries reach here (jax's own XLA dot and
+    # torch's MKL or cuBLAS), so a slower dot kernel counts against the fraction instead of hiding in the peak.
     peak = max(parts["matmul_peak_gflops"], torch_peak or 0.0)
     P = jr[-1]["prompt_width"]
     # FLOPs of the last timed step's real lengths (the breakdown reruns its inputs).
@@ -175,28 +182,35 @@ def summarize(args, dims, fixture_s, ready, runs, rss, parts, torch_peak, sample
     breakdown = {k: {"s": v, "useful_gflop": fl[k]["useful"], "executed_gflop": fl[k]["jodpo"],
                      "useful_gflops_per_s": fl[k]["useful"] / v, "executed_gflops_per_s": fl[k]["jodpo"] / v,
                      "useful_frac_of_peak": fl[k]["useful"] / v / peak,
-                     "useful_frac_of_jax_peak": fl[k]["useful"] / v / parts["matmul_peak_gflops"]}
+                     "useful_frac_of_jax_peak": fl[k]["useful"] / v / parts["matmul_peak_gflops"],
+                     # MFU: against the device's nominal dense peak, when --nominal-peak-tflops gives it
+                     "mfu_nominal": fl[k]["useful"] / v / (1e3 * args.nominal_peak_tflops)
+                     if args.nominal_peak_tflops else None}
                  for k, v in pieces.items()}
     breakdown["sum_of_pieces_s"] = sum(pieces.values())
     breakdown["policy_fwd_only_s"] = parts["policy_fwd_only_s"]
     breakdown["lm_head_fwd_bwd_s"] = parts["lm_head_fwd_bwd_s"]
     breakdown["lm_head_fwd_bwd_gflop"] = 3 * 2 * dims["hidden"] * dims["vocab"] * 2 * B * T / 1e9
     breakdown["first_call_s"] = parts["first_call_s"]
+    breakdown["prompt_rows"] = parts["prompt_rows"]  # B: the pieces run each prompt once, as the step does
     result = {
         "benchmark": "train",
         "model": f"GPT-NeoX (random), hidden {dims['hidden']}, {dims['layers']} layers, {dims['heads']} heads, "
-                 f"vocab {dims['vocab']}, fp32, no gradient checkpointing"
+                 f"vocab {dims['vocab']}, {args.dtype}, no gradient checkpointing"
                  + (" (TRL: gradient checkpointing on)" if args.trl_gradient_checkpointing else ""),
         "settings": dict(batch=B, new_tokens=T, prompt_width=P, prompt_len_min=int(prompt_lens.min()),
                          prompt_len_max=int(prompt_lens.max()), prompts=len(prompt_lens), warmup=args.warmup,
                          steps=args.steps, repeats=args.repeats, temperature=TEMPERATURE, beta=TRL_BETA,
                          loss_type="sigmoid", missing_eos_penalty=MISSING_EOS_PENALTY, learning_rate=LR,
-                         trl_gradient_checkpointing=args.trl_gradient_checkpointing,
+                         trl_gradient_checkpointing=args.trl_gradient_checkpointing, dtype=args.dtype,
+                         nominal_peak_tflops=args.nominal_peak_tflops,
                          eos_token_ids=ready["jodpo"]["eos_token_ids"], fixture_build_s=fixture_s),
         "jodpo": j, "trl": trl, "trl_worker": ready.get("trl"),
         "ratio_time_jodpo_over_trl": j["median_s"] / trl["median_s"] if trl else None,
         "memory": {"jodpo_peak_rss_mib": rss["jodpo"]["peak_rss_mib"],
                    "jodpo_torch_loaded": rss["jodpo"]["torch_loaded"],
+                   "devices": {s: w["device"] for s, w in rss.items()},
+                   "device_peak_mib": {s: w["device_peak_mib"] for s, w in rss.items()},  # None on a CPU
                    "trl_peak_rss_mib": rss["trl"]["peak_rss_mib"] if trl else None,
                    "ratio_jodpo_over_trl": rss["jodpo"]["peak_rss_mib"] / rss["trl"]["peak_rss_mib"] if trl else None,
                    "peak_rss_mib_after_loading": {s: w["peak_rss_mib"] for s, w in ready.items()}},
@@ -231,14 +245,19 @@ def print_train(r: dict):
     print(f"{'useful GFLOP/s (whole step)':28s}{sg['jodpo']:10.1f}{f(sg['trl'], '{:.1f}'):>10s}")
     print(f"completion tokens per step: jodpo {j['completion_tokens']}, TRL {t and t['completion_tokens']}")
     pk = r["matmul_peak_gflops"]
-    print(f"\nmatmul peak (fp32 2048^3): jax {pk['jax']:.1f} GFLOP/s, torch {f(pk['torch'], '{:.1f}')} GFLOP/s; "
-          f"% peak below is of {pk['peak']:.1f}")
+    dev = r["memory"]["devices"]
+    print(f"\ndevices: {', '.join(f'{k} {v}' for k, v in dev.items())}; accelerator peak MiB: "
+          + ", ".join(f"{k} {f(v, '{:.0f}')}" for k, v in r["memory"]["device_peak_mib"].items()))
+    print(f"matmul peak ({r['settings']['dtype']}): jax {pk['jax']:.1f} GFLOP/s, torch {f(pk['torch'], '{:.1f}')} "
+          f"GFLOP/s; % peak below is of {pk['peak']:.1f}")
     print(f"{'jodpo piece':22s}{'s':>8s}{'useful GF':>11s}{'exec GF':>10s}{'useful GF/s':>13s}{'% peak':>8s}")
     b = r["breakdown"]
     for k in ("sampling", "reward_scoring", "reference_logprobs", "policy_fwd_bwd", "optimizer"):
         x = b[k]
         print(f"{k:22s}{x['s']:8.3f}{x['useful_gflop']:11.1f}{x['executed_gflop']:10.1f}"
-              f"{x['useful_gflops_per_s']:13.1f}{100 * x['useful_frac_of_peak']:8.1f}")
+              f"{x['useful_gflops_per_s']:13.1f}{100 * x['useful_frac_of_peak']:8.1f}"
+              + (f"   MFU {100 * x['mfu_nominal']:.1f}% of {r['settings']['nominal_peak_tflops']} TFLOP/s"
+                 if x["mfu_nominal"] is not None else ""))
     print(f"{'sum of pieces':22s}{b['sum_of_pieces_s']:8.3f}   (fused step {j['median_s']:.3f}; policy fwd only "
           f"{b['policy_fwd_only_s']:.3f}; LM head fwd+bwd {b['lm_head_fwd_bwd_s']:.3f})")
     if t and "parts_median_s" in t:
@@ -292,6 +311,7 @@ def main(argv=None):
     s.add_argument("--prompt-len", type=int, default=64)
     s.add_argument("--new-tokens", type=int, default=53)
     s.add_argument("--repeats", type=int, default=5)
+    s.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     s.add_argument("--out", type=Path)
     t = sub.add_parser("train", help="jodpo's online DPO step vs TRL's OnlineDPOTrainer step")
     t.add_argument("--batch", type=int, default=8, help="prompts per step (two completions each)")
@@ -310,6 +330,10 @@ def main(argv=None):
     t.add_argument("--trl-gradient-checkpointing", action="store_true",
                    help="TRL with its own default (gradient checkpointing on, so generate runs without a KV cache); "
                         "jodpo stays without rematerialisation: an out-of-the-box comparison, not a like-for-like one")
+    t.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="parameters and compute of both sides (and of the matmul peak)")
+    t.add_argument("--nominal-peak-tflops", type=float,
+                   help="the device's nominal dense peak in --dtype (e.g. 989 for an H100/H200 SXM in bf16): adds MFU")
     t.add_argument("--fixture", type=Path, help="build (or reuse) the fixture here instead of a temporary dir")
     t.add_argument("--out", type=Path)
     args = ap.parse_args(argv)

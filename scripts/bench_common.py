@@ -51,16 +51,30 @@ def _timed(fn) -> float:
 # --------------------------------------------------------------------------------------------------
 
 
-def compare_sampler(path: Path, ids: np.ndarray, T: int, repeats: int) -> dict:
-    """jodpo.sample vs HF generate on ``ids`` (no padding, no EOS: every row makes T tokens), alternated."""
+def torch_device():
+    """The torch side's device: the GPU where torch sees one (as jax uses its default backend), else the CPU."""
+    import torch
+
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _sync(torch):
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def compare_sampler(path: Path, ids: np.ndarray, T: int, repeats: int, dtype: str = "float32") -> dict:
+    """jodpo.sample vs HF generate on ``ids`` (no padding, no EOS: every row makes T tokens), alternated; both
+    in ``dtype`` on their default device (jax's backend; torch's GPU if it sees one)."""
     import jax
     import torch
     from transformers import AutoModelForCausalLM
 
     import jodpo
 
-    model, params = jodpo.load_model(str(path))
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model, params = jodpo.load_model(str(path), dtype=dtype)
+    dev = torch_device()
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(dev).eval()
     B, P = ids.shape
     mask = np.ones_like(ids)
     cfg = jodpo.SamplingConfig(max_new_tokens=T, temperature=TEMPERATURE, pad_token_id=0)
@@ -71,7 +85,7 @@ def compare_sampler(path: Path, ids: np.ndarray, T: int, repeats: int) -> dict:
         assert int(out.mask.sum()) == B * T
         out.tokens.block_until_ready()
 
-    t_ids, t_mask = torch.tensor(ids, dtype=torch.long), torch.tensor(mask)
+    t_ids, t_mask = torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(mask, device=dev)
 
     def run_hf(i):
         torch.manual_seed(i)
@@ -79,6 +93,7 @@ def compare_sampler(path: Path, ids: np.ndarray, T: int, repeats: int) -> dict:
             out = hf.generate(input_ids=t_ids, attention_mask=t_mask, do_sample=True, temperature=TEMPERATURE,
                               top_k=0, top_p=1.0, max_new_tokens=T, min_new_tokens=T, pad_token_id=0,
                               eos_token_id=None, use_cache=True)
+        _sync(torch)
         assert out.shape == (B, P + T)
 
     compile_s = _timed(lambda: run_jodpo(0))
@@ -88,7 +103,8 @@ def compare_sampler(path: Path, ids: np.ndarray, T: int, repeats: int) -> dict:
         times["jodpo"].append(_timed(lambda: run_jodpo(i)))
         times["hf"].append(_timed(lambda: run_hf(i)))
     med = {k: statistics.median(v) for k, v in times.items()}
-    return {"batch": B, "prompt_len": P, "new_tokens": T, "repeats": repeats,
+    return {"batch": B, "prompt_len": P, "new_tokens": T, "repeats": repeats, "dtype": dtype,
+            "devices": {"jodpo": str(jax.devices()[0]), "hf_generate": str(dev)},
             "jodpo_compile_plus_first_s": compile_s, "jodpo_s": med["jodpo"], "hf_generate_s": med["hf"],
             "jodpo_tokens_per_s": B * T / med["jodpo"], "hf_generate_tokens_per_s": B * T / med["hf"],
             "speedup": med["hf"] / med["jodpo"], "all_times": times}
@@ -263,11 +279,17 @@ def _median_time(fn, repeats: int, name: str | None = None) -> float:
     return statistics.median(_timed(fn) for _ in range(repeats))
 
 
-def _jax_matmul_peak(repeats: int = 5, n: int = 2048) -> float:
+def peak_size(on_gpu: bool) -> int:
+    """The square matmul the peak is measured on: 2048 on a CPU, 8192 on a GPU (where 2048 is too small to fill it)."""
+    return 8192 if on_gpu else 2048
+
+
+def _jax_matmul_peak(dtype: str = "float32", repeats: int = 5) -> float:
     import jax
 
-    a = jax.random.normal(jax.random.key(0), (n, n), np.float32)
-    b = jax.random.normal(jax.random.key(1), (n, n), np.float32)
+    n = peak_size(jax.default_backend() == "gpu")
+    a = jax.random.normal(jax.random.key(0), (n, n), dtype)
+    b = jax.random.normal(jax.random.key(1), (n, n), dtype)
     mm = jax.jit(lambda x, y: x @ y)
     return 2 * n ** 3 / _median_time(lambda: mm(a, b).block_until_ready(), repeats) / 1e9
 

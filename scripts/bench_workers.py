@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 from bench_common import (FIRST_CALL_S, LR, MAX_LENGTH, MISSING_EOS_PENALTY, ROOT, TEMPERATURE, TRL_BETA, Channel,
-                          _jax_matmul_peak, _maxrss_mib, _median_time, _rss_mib)
+                          _jax_matmul_peak, _maxrss_mib, _median_time, _rss_mib, _sync, peak_size, torch_device)
 
 
 def worker_jodpo(spec: dict, ch: Channel):
@@ -28,9 +28,9 @@ def worker_jodpo(spec: dict, ch: Channel):
     t0 = time.perf_counter()
     fx, B, T = Path(spec["fixture"]), spec["batch"], spec["new_tokens"]
     tok = jodpo.load_tokenizer(str(fx / "policy"))
-    model, ref = jodpo.load_model(str(fx / "policy"))
-    model = model.replace(remat="none")  # fp32, no gradient checkpointing (as the TRL side)
-    rm, rm_params = jodpo.load_model(str(fx / "reward"), task="reward")
+    model, ref = jodpo.load_model(str(fx / "policy"), dtype=spec["dtype"])
+    model = model.replace(remat="none")  # no gradient checkpointing (as the TRL side)
+    rm, rm_params = jodpo.load_model(str(fx / "reward"), task="reward", dtype=spec["dtype"])
     eos = tuple(dict.fromkeys([*model.eos_token_ids, tok.eos_token_id]))  # as jodpo.train: model + tokenizer
     data = D.prepare_prompts(Dataset.from_dict({"prompt": json.loads((fx / "prompts.json").read_text())}), tok,
                              MAX_LENGTH)
@@ -65,9 +65,10 @@ def worker_jodpo(spec: dict, ch: Channel):
                     peak_rss_mib=_maxrss_mib(), rss_mib=_rss_mib())
             last, k = (ids, mask, samples), k + 1
         elif cmd == "rss":
-            ch.send(peak_rss_mib=_maxrss_mib(), torch_loaded="torch" in sys.modules)
+            ch.send(peak_rss_mib=_maxrss_mib(), torch_loaded="torch" in sys.modules,
+                    device=str(jax.devices()[0]), device_peak_mib=_jax_device_peak_mib(jax))
         elif cmd == "peak":
-            ch.send(matmul_peak_gflops=_jax_matmul_peak())
+            ch.send(matmul_peak_gflops=_jax_matmul_peak(spec["dtype"]))
         elif cmd == "breakdown":
             ch.send(**_jodpo_breakdown(jax, jnp, ts, cfg, state, ref, rm_params, *last, spec["repeats"],
                                        completion_logprobs, online_dpo_loss))
@@ -76,25 +77,31 @@ def worker_jodpo(spec: dict, ch: Channel):
     ch.send(bye=True)
 
 
+def _jax_device_peak_mib(jax) -> float | None:
+    """Peak memory on the accelerator (None on the CPU, whose memory is the process's RSS)."""
+    stats = jax.devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
+    return stats["peak_bytes_in_use"] / 2 ** 20 if stats and "peak_bytes_in_use" in stats else None
+
+
 def _jodpo_breakdown(jax, jnp, ts, cfg, state, ref, rm_params, ids, mask, samples, repeats, completion_logprobs,
                      online_dpo_loss) -> dict:
     """The step's pieces, each under its own jit, on the last step's inputs."""
     block = jax.block_until_ready
     model, eos = cfg.model, cfg.sampling.eos_token_ids
-    twice = lambda x: jnp.concatenate([x[0], x[0]], 0)
-    ids2, mask2, toks, tmask = twice(ids), twice(mask), samples.tokens[0], samples.mask[0]
+    # As the step: the [B, P] prompts shared by their two completions [2B, C] (each prompt runs once).
+    ids1, mask1, toks, tmask = ids[0], mask[0], samples.tokens[0], samples.mask[0]
     out = {"sampling_s": _median_time(lambda: block(ts.jit_sample_completions(cfg, state, ids, mask)), repeats,
                                       "sampling")}
     rewards = ts.jit_score_completions(cfg, rm_params, ids, mask, samples)
     out["reward_scoring_s"] = _median_time(
         lambda: block(ts.jit_score_completions(cfg, rm_params, ids, mask, samples)), repeats, "reward_scoring")
     ref_lp = jax.jit(lambda p, *x: completion_logprobs(model, p, *x, max_length=cfg.max_length))
-    out["reference_logprobs_s"] = _median_time(lambda: block(ref_lp(ref, ids2, mask2, toks, tmask)), repeats,
+    out["reference_logprobs_s"] = _median_time(lambda: block(ref_lp(ref, ids1, mask1, toks, tmask)), repeats,
                                                  "reference_logprobs")
-    lp = ref_lp(ref, ids2, mask2, toks, tmask)
+    lp = ref_lp(ref, ids1, mask1, toks, tmask)
 
     def loss(params, lp):
-        return online_dpo_loss(model, params, None, ids2, mask2, toks, tmask, rewards[0], beta=TRL_BETA,
+        return online_dpo_loss(model, params, None, ids1, mask1, toks, tmask, rewards[0], beta=TRL_BETA,
                                loss_type="sigmoid", missing_eos_penalty=MISSING_EOS_PENALTY, eos_token_ids=eos,
                                max_length=cfg.max_length, ref_logprobs=lp)
 
@@ -103,7 +110,7 @@ def _jodpo_breakdown(jax, jnp, ts, cfg, state, ref, rm_params, ids, mask, sample
     out["policy_fwd_only_s"] = _median_time(lambda: block(fwd_only(state.params, lp)), repeats, "policy_fwd_only")
     (_, metrics), grads = fwd_bwd(state.params, lp)
     # The LM head + log-softmax alone (forward and backward) at the completion positions.
-    h = jnp.zeros((ids2.shape[0], toks.shape[1], model.hidden_size), jnp.float32) + 0.01
+    h = jnp.zeros((toks.shape[0], toks.shape[1], model.hidden_size), model.dtype) + 0.01
     w = state.params["lm_head"]
 
     def head(w, h):
@@ -120,7 +127,7 @@ def _jodpo_breakdown(jax, jnp, ts, cfg, state, ref, rm_params, ids, mask, sample
         st[0] = block(apply(cfg, st[0], grads, metrics)[0])
 
     out["optimizer_s"] = _median_time(opt, repeats, "optimizer")
-    return out | {"first_call_s": dict(FIRST_CALL_S)}
+    return out | {"first_call_s": dict(FIRST_CALL_S), "prompt_rows": int(ids1.shape[0])}
 
 
 def worker_trl(spec: dict, ch: Channel):
@@ -132,14 +139,15 @@ def worker_trl(spec: dict, ch: Channel):
     t0 = time.perf_counter()
     fx = Path(spec["fixture"])
     tok = AutoTokenizer.from_pretrained(fx / "policy")
-    policy = AutoModelForCausalLM.from_pretrained(fx / "policy", dtype=torch.float32)
-    rm = AutoModelForSequenceClassification.from_pretrained(fx / "reward", dtype=torch.float32, num_labels=1)
+    dtype, dev = getattr(torch, spec["dtype"]), torch_device()
+    policy = AutoModelForCausalLM.from_pretrained(fx / "policy", dtype=dtype)
+    rm = AutoModelForSequenceClassification.from_pretrained(fx / "reward", dtype=dtype, num_labels=1)
     out_dir = tempfile.mkdtemp(prefix="bench-trl-")  # save_strategy "no": stays empty; removed on quit
     args = OnlineDPOConfig(
         output_dir=out_dir, per_device_train_batch_size=spec["batch"],
         gradient_accumulation_steps=1, max_new_tokens=spec["new_tokens"], temperature=TEMPERATURE, beta=TRL_BETA,
         loss_type="sigmoid", missing_eos_penalty=MISSING_EOS_PENALTY, max_length=MAX_LENGTH, learning_rate=LR,
-        bf16=False, fp16=False, gradient_checkpointing=spec["trl_gradient_checkpointing"], use_cpu=True,
+        bf16=False, fp16=False, gradient_checkpointing=spec["trl_gradient_checkpointing"], use_cpu=dev.type == "cpu",
         report_to=[], logging_steps=10 ** 6, max_steps=10 ** 6, save_strategy="no", disable_tqdm=True, seed=0,
         dataloader_num_workers=0)
     prompts = Dataset.from_dict({"prompt": json.loads((fx / "prompts.json").read_text())})
@@ -151,6 +159,7 @@ def worker_trl(spec: dict, ch: Channel):
         def wrapper(*a, **k):
             t = time.perf_counter()
             out = fn(*a, **k)
+            _sync(torch)
             parts[name] = parts.get(name, 0.0) + time.perf_counter() - t
             if name == "generate":
                 seen.update(prompt_width=int(out[0].shape[1]), prompt_tokens=int(out[1].sum()),
@@ -187,10 +196,12 @@ def worker_trl(spec: dict, ch: Channel):
         def on_step_begin(self, *a, **k):
             while (cmd := ch.read()) != "step":
                 if cmd == "rss":
-                    ch.send(peak_rss_mib=_maxrss_mib())
+                    ch.send(peak_rss_mib=_maxrss_mib(), device=str(dev), device_peak_mib=(
+                        torch.cuda.max_memory_allocated() / 2 ** 20 if dev.type == "cuda" else None))
                 elif cmd == "peak":
-                    x, y = torch.randn(2048, 2048), torch.randn(2048, 2048)
-                    ch.send(matmul_peak_gflops=2 * 2048 ** 3 / _median_time(lambda: torch.mm(x, y), 5) / 1e9)
+                    n = peak_size(dev.type == "cuda")
+                    x, y = (torch.randn(n, n, dtype=dtype, device=dev) for _ in range(2))
+                    ch.send(matmul_peak_gflops=2 * n ** 3 / _median_time(lambda: (torch.mm(x, y), _sync(torch)), 5) / 1e9)
                 elif cmd == "quit":
                     import shutil
 
@@ -204,6 +215,7 @@ def worker_trl(spec: dict, ch: Channel):
             self.t = time.perf_counter()
 
         def on_step_end(self, *a, **k):
+            _sync(torch)
             end = time.perf_counter()
             parts["clip_optimizer_zero_grad"] = end - parts.pop("training_step_end")
             ch.send(s=end - self.t, parts=dict(parts), peak_rss_mib=_maxrss_mib(), rss_mib=_rss_mib(), **seen)

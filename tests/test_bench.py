@@ -80,6 +80,7 @@ def test_breakdown_and_flops(result):
     assert fl["reference_logprobs"]["trl"] > fl["reference_logprobs"]["jodpo"] * 0.9  # LM head over the prompt
     assert fl["lm_head_over_prompt_trl"] > 0 and fl["step"]["useful"] < fl["step"]["jodpo"]
     assert set(b["first_call_s"]) >= set(pieces)
+    assert b["prompt_rows"] == result["settings"]["batch"]  # the step's shared-prompt path, not a prompt per row
 
 
 def test_flop_count_by_hand():
@@ -111,3 +112,24 @@ def test_sampler_and_targets(result):
     assert m["cpus"] >= 1 and m["jax"] and m["trl"] and m["torch"]
     assert result["command"].startswith("python scripts/bench.py train")
     assert set(result["cores_taken_by_others_share"]) >= {"steps", "breakdown", "sampler"}
+
+
+def test_bfloat16_jodpo_only(tmp_path):
+    """--dtype bfloat16 --no-trl (the accelerator recipe's flags) on the tiny model: bf16 throughout, MFU against
+    the nominal peak given, and no TRL fields."""
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench.py"), "train", "--hidden", "64", "--layers", "1",
+           "--heads", "4", "--vocab", "512", "--prompts", "16", "--prompt-len", str(P), "--new-tokens", str(T),
+           "--batch", str(B), "--warmup", "1", "--steps", "1", "--repeats", "1", "--sample-repeats", "1",
+           "--no-trl", "--dtype", "bfloat16", "--nominal-peak-tflops", "2.5", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r = json.loads(out.read_text())
+    assert r["settings"]["dtype"] == "bfloat16" and "bfloat16" in r["model"] and r["sampler"]["dtype"] == "bfloat16"
+    assert r["trl"] is None and r["ratio_time_jodpo_over_trl"] is None and r["memory"]["trl_peak_rss_mib"] is None
+    assert r["memory"]["devices"] == {"jodpo": "cpu:0"} and r["memory"]["device_peak_mib"] == {"jodpo": None}
+    for k in ("sampling", "reward_scoring", "reference_logprobs", "policy_fwd_bwd"):
+        x = r["breakdown"][k]
+        assert x["mfu_nominal"] == pytest.approx(x["useful_gflops_per_s"] / 2500), k
+    assert r["targets"]["step_time_at_most_a_third_of_trl"] is None and r["jodpo"]["recompiles_after_first"] == 0
+    assert "MFU" in proc.stdout
