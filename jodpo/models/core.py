@@ -57,11 +57,35 @@ class Model:
     eos_token_ids: tuple[int, ...] = ()
     dtype: str = "float32"  # compute dtype; log-softmax and attention softmax stay in float32
     remat: str = "none"  # "none" | "full" | "dots": rematerialisation of the layer body
+    # How float32 dots are computed (jax.lax.Precision names): "highest" is true float32 on every backend,
+    # "high"/"default" let GPUs use TF32 and TPUs fewer bf16 passes. bfloat16 compute ignores it (see einsum).
+    precision: str = "highest"
     # The source config.json (for export); not part of the identity of the compiled function.
     hf_config: str = dataclasses.field(default="{}", compare=False, repr=False)
 
+    def __post_init__(self):
+        try:
+            jax.lax.Precision(self.precision)
+        except ValueError:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}") from None
+
     def replace(self, **changes) -> "Model":
         return dataclasses.replace(self, **changes)
+
+
+# jax's names for the precision of float32 dots; "highest" = "float32", "high" = "tensorfloat32" (TF32 on GPUs,
+# 3 bf16 passes on TPUs), "default" = "bfloat16" = "fastest" (TF32 on GPUs, 1 bf16 pass on TPUs).
+PRECISIONS = ("highest", "high", "default", "float32", "tensorfloat32", "bfloat16", "fastest")
+
+
+def einsum(model: Model, spec: str, *operands: jax.Array, **kwargs) -> jax.Array:
+    """``jnp.einsum`` under the model's precision policy: every dot of the models (so of the sampler, the
+    scorers and the losses) goes through here. float32 operands get ``model.precision`` (``"highest"``: the
+    same float32 products on a CPU, a GPU that would otherwise use TF32, and a TPU that would use one bf16
+    pass); bfloat16 operands are exact in any mode and keep the backend's fast path."""
+    f32 = any(jnp.dtype(op.dtype) == jnp.float32 for op in operands)
+    precision = jax.lax.Precision(model.precision) if f32 else None
+    return jnp.einsum(spec, *operands, precision=precision, **kwargs)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -192,17 +216,17 @@ def _rope_tables(model: Model, positions_BL: jax.Array) -> tuple[jax.Array, jax.
 def _mlp(model: Model, p: Params, x_BLD: jax.Array) -> jax.Array:
     dt = x_BLD.dtype
     act = _ACTIVATIONS[model.activation]
-    up = jnp.einsum("bld,df->blf", x_BLD, p["up"].astype(dt))
+    up = einsum(model, "bld,df->blf", x_BLD, p["up"].astype(dt))
     if model.mlp_bias:
         up = up + p["up_bias"].astype(dt)
     if model.gated_mlp:
-        gate = jnp.einsum("bld,df->blf", x_BLD, p["gate"].astype(dt))
+        gate = einsum(model, "bld,df->blf", x_BLD, p["gate"].astype(dt))
         if model.mlp_bias:
             gate = gate + p["gate_bias"].astype(dt)
         h = act(gate) * up
     else:
         h = act(up)
-    out = jnp.einsum("blf,fd->bld", h, p["down"].astype(dt))
+    out = einsum(model, "blf,fd->bld", h, p["down"].astype(dt))
     if model.mlp_bias:
         out = out + p["down_bias"].astype(dt)
     return out
@@ -211,9 +235,9 @@ def _mlp(model: Model, p: Params, x_BLD: jax.Array) -> jax.Array:
 def _qkv(model: Model, p: Params, x_BLD, cos, sin):
     """Rotated queries [B, L, H, Dh] and keys, values [B, L, K, Dh] of the new tokens."""
     dt = x_BLD.dtype
-    q = jnp.einsum("bld,dhk->blhk", x_BLD, p["q"].astype(dt))
-    k = jnp.einsum("bld,dhk->blhk", x_BLD, p["k"].astype(dt))
-    v = jnp.einsum("bld,dhk->blhk", x_BLD, p["v"].astype(dt))
+    q = einsum(model, "bld,dhk->blhk", x_BLD, p["q"].astype(dt))
+    k = einsum(model, "bld,dhk->blhk", x_BLD, p["k"].astype(dt))
+    v = einsum(model, "bld,dhk->blhk", x_BLD, p["v"].astype(dt))
     if model.qkv_bias:
         q, k, v = q + p["q_bias"].astype(dt), k + p["k_bias"].astype(dt), v + p["v_bias"].astype(dt)
     return _rope(model, q, cos, sin), _rope(model, k, cos, sin), v
@@ -227,11 +251,11 @@ def _attention(model: Model, q_BLHD, k_BKSD, v_BKSD, attend_BLS) -> jax.Array:
     B, L, H, Dh = q_BLHD.shape
     K = model.num_kv_heads
     q_BLKGD = q_BLHD.reshape(B, L, K, H // K, Dh)  # head h reads kv head h // G, as transformers' repeat_kv
-    scores = jnp.einsum("blkgd,bksd->bkgls", q_BLKGD, k_BKSD.astype(dt), preferred_element_type=jnp.float32)
+    scores = einsum(model, "blkgd,bksd->bkgls", q_BLKGD, k_BKSD.astype(dt), preferred_element_type=jnp.float32)
     scores = scores * (Dh ** -0.5)
     scores = jnp.where(attend_BLS[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-    return jnp.einsum("bkgls,bksd->blkgd", probs, v_BKSD.astype(dt)).reshape(B, L, H, Dh)
+    return einsum(model, "bkgls,bksd->blkgd", probs, v_BKSD.astype(dt)).reshape(B, L, H, Dh)
 
 
 def _block(model: Model, p: Params, xs, rope, attention) -> tuple:
@@ -243,7 +267,7 @@ def _block(model: Model, p: Params, xs, rope, attention) -> tuple:
     outs = attention(*zip(*qkv))
     new = []
     for x, a in zip(xs, outs):
-        attn = jnp.einsum("blhk,hkd->bld", a, p["attn"]["o"].astype(x.dtype))
+        attn = einsum(model, "blhk,hkd->bld", a, p["attn"]["o"].astype(x.dtype))
         if model.out_bias:
             attn = attn + p["attn"]["o_bias"].astype(x.dtype)
         if model.parallel_residual:
@@ -434,6 +458,23 @@ def prefixed_hidden_states(model: Model, params: Params, prefix_ids_BP: jax.Arra
          jnp.take(params["embed"], suffix_ids_NC, axis=0).astype(dt))
     h_prefix, h_suffix = _run_layers(model, params, x, block)
     return jnp.concatenate([tile(h_prefix), h_suffix], 1)
+
+
+_NORMS = ("ln1", "ln2", "final_norm")
+
+
+def compute_params(model: Model, params: Params) -> Params:
+    """``params`` with every weight the forward casts to the compute dtype already cast (the norms stay as
+    they are: LayerNorm reads its scale and bias in float32). The forward then computes exactly the same numbers
+    and converts nothing; the sampler does this once per call, rather than on every decode step."""
+    dt = jnp.dtype(model.dtype)
+
+    def cast(path, x):
+        if any(getattr(k, "key", None) in _NORMS for k in path) or not jnp.issubdtype(x.dtype, jnp.floating):
+            return x
+        return x.astype(dt)
+
+    return jax.tree_util.tree_map_with_path(cast, params)
 
 
 def split_layers(params: Params) -> Params:

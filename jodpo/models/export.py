@@ -176,7 +176,9 @@ def verify_export(model: Model, params: Params, out: str | Path, dtype: str = "f
     out = Path(out)
     rounded = jax.tree.map(lambda x: np.asarray(x, np.float32).astype(DTYPES[dtype]).astype(np.float32), params)
     model2, params2 = load_model(str(out), model.task, jnp.float32)
-    f32 = model.replace(dtype="float32", remat="none")
+    # Like with like: transformers computes in float32 on the CPU, so jodpo's side does too, whatever the default
+    # backend (a GPU would otherwise use TF32) and whatever precision the run trained with.
+    f32 = model.replace(dtype="float32", remat="none", precision="highest")
     if model2 != f32:
         raise ExportMismatch(f"{out}: config.json describes a different model than the one exported")
     bad = [jax.tree_util.keystr(p) for (p, a), b in zip(jax.tree.leaves_with_path(rounded), jax.tree.leaves(params2))
@@ -195,10 +197,11 @@ def verify_export(model: Model, params: Params, out: str | Path, dtype: str = "f
     hf = cls.from_pretrained(out, dtype=torch.float32).eval()
     with torch.no_grad():
         theirs = hf(input_ids=torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask)).logits.numpy()
-    if model.task == "causal_lm":
-        ours = np.asarray(logits(f32, rounded, ids, mask))
-    else:
-        ours, theirs = np.asarray(reward_scores(f32, rounded, ids, mask)), theirs[:, 0]
+    with jax.default_device(jax.devices("cpu")[0]):
+        if model.task == "causal_lm":
+            ours = np.asarray(logits(f32, rounded, ids, mask))
+        else:
+            ours, theirs = np.asarray(reward_scores(f32, rounded, ids, mask)), theirs[:, 0]
     err = float(np.max(np.abs(ours - theirs)) / max(1.0, float(np.max(np.abs(ours)))))
     if not err <= rtol:
         raise ExportMismatch(f"{out}: transformers' {cls.__name__} gives logits {err:.2e} (relative) away from "

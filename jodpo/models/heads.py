@@ -5,13 +5,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jodpo.models.core import Model, Params, hidden_states, prefixed_hidden_states
+from jodpo.models.core import Model, Params, einsum, hidden_states, prefixed_hidden_states
 
 
 def lm_head(model: Model, params: Params, h_BXD: jax.Array) -> jax.Array:
     """Float32 logits of hidden states of any leading shape ``[..., D] -> [..., V]``."""
     w_VD = params["embed"] if model.tie_embeddings else params["lm_head"]
-    return jnp.einsum("...d,vd->...v", h_BXD, w_VD.astype(h_BXD.dtype), preferred_element_type=jnp.float32)
+    return einsum(model, "...d,vd->...v", h_BXD, w_VD.astype(h_BXD.dtype), preferred_element_type=jnp.float32)
 
 
 def logits(model: Model, params: Params, input_ids: jax.Array, attention_mask: jax.Array) -> jax.Array:
@@ -35,7 +35,7 @@ def last_token_index(model: Model, input_ids: jax.Array, attention_mask: jax.Arr
 def _value_at_last(model: Model, params: Params, h_BLD, input_ids, attention_mask) -> jax.Array:
     last = last_token_index(model, input_ids, attention_mask)
     h_BD = jnp.take_along_axis(h_BLD, last[:, None, None], axis=1)[:, 0]
-    return jnp.einsum("bd,dk->bk", h_BD, params["score"].astype(h_BD.dtype),
+    return einsum(model, "bd,dk->bk", h_BD, params["score"].astype(h_BD.dtype),
                       preferred_element_type=jnp.float32)[:, 0]
 
 
