@@ -85,6 +85,13 @@ class TrainConfig:
     num_sample_generations: int = _f(10, "times a table of sample completions is printed over the run")
     bf16: bool = _f(True, "bfloat16 compute with float32 master weights and float32 log-softmax")
     gradient_checkpointing: bool = _f(True, "rematerialise each layer in the backward pass")
+    deterministic: bool = _f(False, "deterministic GPU kernels (XLA's deterministic ops): bitwise resume on a GPU, "
+                                    "at some speed; CPUs and TPUs are deterministic anyway")
+    compilation_cache_dir: str | None = _f("auto", "persistent XLA compilation cache, so a restarted run skips its "
+                                                  "compiles (auto: $JODPO_CACHE/xla, default ~/.cache/jodpo/xla; "
+                                                  "None: off)")
+    matmul_precision: str = _f("highest", "float32 dots: highest (float32 on every backend, as torch) | high | default "
+                                          "(TF32 on GPUs, fewer bf16 passes on TPUs: faster); bf16 compute ignores it")
     # --- jodpo's own
     remat: str = _f("auto", "auto (from gradient_checkpointing) | none | full | dots")
     prompt_buckets: tuple[int, ...] = _f((), "padded prompt lengths (default: powers of two up to max_prompt_length)")
@@ -131,6 +138,10 @@ def _check(c: TrainConfig) -> None:
     sizes = (c.mesh_data, c.mesh_fsdp, c.mesh_tensor)
     if sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):
         raise ConfigError(f"mesh_data, mesh_fsdp, mesh_tensor must be >= 1, with at most one -1; got {sizes}")
+    from jodpo.models.core import PRECISIONS
+
+    if c.matmul_precision not in PRECISIONS:
+        raise ConfigError(f"matmul_precision must be one of {PRECISIONS}, got {c.matmul_precision!r}")
     if c.remat not in ("auto", "none", "full", "dots"):
         raise ConfigError(f"remat must be auto, none, full or dots, got {c.remat!r}")
     if not c.save_steps > 0:

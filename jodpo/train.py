@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jodpo import backend
 from jodpo import data as D
 from jodpo import sharding as S
 from jodpo import train_step as ts
@@ -117,8 +118,11 @@ def _check_same_config(out: Path, cfg: TrainConfig) -> None:
     saved = out / "config.json"
     if not saved.exists():
         return
-    old, new = json.loads(saved.read_text()), json.loads(json.dumps(cfg.to_dict()))
-    changed = sorted(k for k in new if old.get(k) != new[k] and k != "output_dir")  # a moved directory is fine
+    new = json.loads(json.dumps(cfg.to_dict()))
+    # a field added to jodpo after the run started reads as its default (which is what the run used)
+    old = json.loads(json.dumps(TrainConfig().to_dict())) | json.loads(saved.read_text())
+    moved = ("output_dir", "compilation_cache_dir")  # where things are kept is not what the run computes
+    changed = sorted(k for k in new if old.get(k) != new[k] and k not in moved)
     if changed:
         detail = ", ".join(f"{k}: {old.get(k)!r} -> {new[k]!r}" for k in changed[:6])
         raise ConfigError(f"{out} holds a run with a different config ({detail}); resume with the saved config, "
@@ -294,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     debug = "--debug" in argv
     try:
         cfg, args = parse_args(argv)
+        backend.configure(cfg)  # XLA flags and the compilation cache, before jax starts its backends
         init_distributed(args)
         train(cfg, allow_config_change=args.allow_config_change)
     except Stopped as e:
@@ -304,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"jodpo.train: error: {e}", file=sys.stderr)
         return 1
-    except (ConfigError, D.DataError, CheckpointError, ValueError, FileNotFoundError) as e:
+    except (ConfigError, D.DataError, CheckpointError, ValueError, FileNotFoundError) as e:  # BackendError too
         if debug:
             raise
         print(f"jodpo.train: error: {e}", file=sys.stderr)

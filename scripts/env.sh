@@ -2,9 +2,14 @@
 # Run a command inside jodpo's virtual environment, creating and installing it first when needed.
 #   bash scripts/env.sh python -m jodpo.train --config tiny.py
 # JODPO_EXTRAS=test also installs the test references (pytest, torch CPU, trl).
+# JODPO_NO_INSTALL=1 runs the command in the current environment instead (nothing created or installed).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
+if [ "${JODPO_NO_INSTALL:-}" = 1 ]; then
+  # Use the Python environment already on PATH as it is (e.g. a GPU machine whose jax has CUDA; docs/gpu.md).
+  exec "$@"
+fi
 venv="${JODPO_VENV:-$root/.venv}"
 extras="${JODPO_EXTRAS:-}"
 py="${PYTHON:-python3}"

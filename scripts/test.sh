@@ -3,7 +3,7 @@
 # Fails when no test ran (pytest's exit code 5).
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-JODPO_EXTRAS=test bash "$root/scripts/env.sh" python -m pytest "$root/tests" "$@"
+JODPO_EXTRAS=test bash "$root/scripts/env.sh" python3 -m pytest "$root/tests" "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then echo "[jodpo] no tests ran: failing" >&2; exit 1; fi
 exit "$rc"

@@ -4,10 +4,37 @@ import tempfile
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ["JODPO_CACHE"] = tempfile.mkdtemp(prefix="jodpo-cache-")  # the tiny world is built fresh per session
+# With a GPU as jax's default backend, the suite's runs are reproducible (its resume tests compare bitwise), here
+# and in every subprocess; the flag does nothing on a CPU. tests/test_gpu.py checks the `deterministic` field
+# itself without it.
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_gpu_deterministic_ops=true".strip()
 
 import pytest
 
 from tests import hf_fixtures
+
+
+def pytest_addoption(parser):
+    parser.addoption("--gpu-tests-on-cpu", action="store_true",
+                     help="also run the tests marked gpu when jax's default backend is not a GPU (to check the tests)")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: checks that mean something only with a GPU as jax's default backend "
+                                       "(precision, export at scale, determinism, bf16); skipped elsewhere")
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu_items = [item for item in items if "gpu" in item.keywords]
+    if not gpu_items or config.getoption("--gpu-tests-on-cpu"):
+        return
+    import jax
+
+    if jax.default_backend() != "gpu":
+        skip = pytest.mark.skip(reason=f"needs a GPU as jax's default backend (this one is {jax.default_backend()}); "
+                                       "docs/performance.md says how to run the suite on one")
+        for item in gpu_items:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

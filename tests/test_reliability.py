@@ -2,7 +2,6 @@
 SIGTERM saves the current step and exits 0; a partial save left by a crash is ignored; NaN/Inf updates are
 skipped and K in a row stop the run; a non-finite state is never saved."""
 import json
-import os
 import re
 import shutil
 import signal
@@ -18,7 +17,7 @@ from safetensors.numpy import load_file, save_file
 
 from jodpo import train
 from jodpo.checkpoint import restore_params
-from tests import hf_fixtures
+from tests import hf_fixtures, subproc
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,9 +34,9 @@ def _assert_same_as(reference: Path, out: Path) -> None:
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # bitwise
 
 
-def _start(out: Path, *extra: str) -> subprocess.Popen:
+def _start(out: Path, *extra: str, env: dict | None = None) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "jodpo.train", "--config", "tiny.py", f"--config.output_dir={out}", *extra]
-    return subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE,
+    return subprocess.Popen(cmd, cwd=ROOT, env=env or subproc.env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
 

@@ -2,7 +2,6 @@
 (2, 2, 2) and (8, 1, 1)) and as 2 processes x 4 devices (jax.distributed on 127.0.0.1, gloo) that equal the
 1-device run step for step; checkpoints move between 1 and 8 devices in both directions."""
 import json
-import os
 import shutil
 import socket
 import subprocess
@@ -19,7 +18,7 @@ import jodpo
 from jodpo import sharding as S
 from jodpo import train
 from jodpo.checkpoint import restore_params
-from tests import hf_fixtures
+from tests import hf_fixtures, subproc
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPARED = ("loss", "logps/chosen", "logps/rejected", "objective/scores", "objective/kl", "rewards/margins",
@@ -124,8 +123,8 @@ def _run_8_devices(jobs: list[list[str]]) -> list[bool]:
         "for argv in json.loads(sys.argv[1]):\n"
         "    assert train.main(argv + ['--debug']) == 0, argv\n"
         "print('SPLIT', json.dumps(seen))\n")
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", PYTHONPATH=str(ROOT))
-    done = subprocess.run([sys.executable, "-c", code, json.dumps(jobs)], capture_output=True, text=True, env=env,
+    done = subprocess.run([sys.executable, "-c", code, json.dumps(jobs)], capture_output=True, text=True,
+                          env=subproc.cpu_env(8),
                           timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.split("SPLIT ")[-1])
@@ -166,8 +165,7 @@ def test_two_processes_of_four_devices_equal_the_1_device_run(runs, checkpoints)
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = root / "two_processes"
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", PYTHONPATH=str(ROOT),
-               JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo")
+    env = subproc.cpu_env(4, JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo")
     procs = [subprocess.Popen([sys.executable, "-m", "jodpo.train", *_argv(out, checkpoints, data, 1),
                                "--coordinator_address", f"127.0.0.1:{port}", "--num_processes", "2",
                                "--process_id", str(i), "--debug"], env=env, stdout=subprocess.PIPE,

@@ -1,0 +1,75 @@
+"""jodpo.backend: deterministic GPU kernels and the persistent compilation cache, set up before jax starts;
+and the run's precision reaching every model it builds."""
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jodpo import backend, run
+from jodpo.config import TrainConfig
+from tests import hf_fixtures, subproc
+
+
+def test_deterministic_sets_xla_flags_before_jax_starts():
+    code = ("import os, jax\n"
+            "from jodpo import backend\n"
+            "from jodpo.config import TrainConfig\n"
+            "backend.configure(TrainConfig(deterministic=True, compilation_cache_dir=None))\n"
+            "flags = os.environ['XLA_FLAGS'].split()\n"
+            "assert '--xla_force_host_platform_device_count=2' in flags and backend.DETERMINISTIC_FLAG in flags\n"
+            "assert jax.device_count() == 2\n"  # XLA read the flags after: the device count proves it
+            "backend.configure(TrainConfig(deterministic=True, compilation_cache_dir=None))\n"
+            "assert os.environ['XLA_FLAGS'].split() == flags\n"  # idempotent, and harmless once started on a CPU
+            "print('OK')\n")
+    env = subproc.cpu_env(2)
+    env["XLA_FLAGS"] = " ".join(f for f in env["XLA_FLAGS"].split() if "deterministic" not in f)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert done.returncode == 0 and "OK" in done.stdout, done.stderr[-3000:]
+
+
+@pytest.fixture
+def cache_hits():
+    hits = []
+
+    def listen(event, **_):
+        if event == "/jax/compilation_cache/cache_hits":
+            hits.append(event)
+
+    jax.monitoring.register_event_listener(listen)
+    yield hits
+    jax.monitoring.unregister_event_listener(listen)
+    backend.set_compilation_cache(None)
+
+
+def _compile_fresh():
+    """A new jitted function each time (no in-memory cache hit), the same program each time."""
+    return jax.jit(lambda x: jnp.tanh(x @ x.T).sum()).lower(jnp.ones((64, 64))).compile()
+
+
+def test_the_compilation_cache_keeps_programs_across_processes(tmp_path, cache_hits):
+    assert backend.set_compilation_cache(str(tmp_path / "xla"), min_compile_time_secs=0) == tmp_path / "xla"
+    _compile_fresh()
+    written = list((tmp_path / "xla").iterdir())
+    assert written and not cache_hits
+    backend.set_compilation_cache(str(tmp_path / "xla"), min_compile_time_secs=0)  # as a new process would
+    _compile_fresh()
+    assert len(cache_hits) == 1
+    assert backend.set_compilation_cache(None) is None  # off: nothing read or written
+    _compile_fresh()
+    assert len(cache_hits) == 1 and sorted((tmp_path / "xla").iterdir()) == sorted(written)
+
+
+def test_auto_cache_dir_follows_jodpo_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("JODPO_CACHE", str(tmp_path))
+    assert backend.default_cache_dir() == tmp_path / "xla"
+
+
+def test_the_run_builds_every_model_with_its_precision(checkpoints, tmp_path):
+    data = hf_fixtures.prompt_dataset(tmp_path / "data")
+    cfg = TrainConfig(model_name_or_path=str(checkpoints["llama"]["causal_lm"]),
+                      reward_model_path=str(checkpoints["llama"]["reward"]), dataset_name=str(data),
+                      max_new_tokens=4, max_length=160, max_prompt_length=128, matmul_precision="high")
+    built = run.build(cfg)
+    assert built.step_cfg.model.precision == "high" and built.step_cfg.reward_model.precision == "high"
