@@ -126,3 +126,11 @@ def test_online_dpo_loss_is_jittable_and_takes_one_prompt_row_per_pair(checkpoin
     assert float(loss_b) == pytest.approx(math.log(2), rel=1e-5)  # policy == reference: z = 0
     assert float(loss_b) == pytest.approx(float(loss_2b), rel=1e-6)
     assert float(m_b["objective/kl"]) == 0.0 and float(m_b["rewards/accuracies"]) == 0.0
+
+
+def test_accuracies_count_the_pairs_whose_margin_is_positive():
+    S, S_ref = jnp.array([1.0, -2.0, 0.5, 3.0, 0.0, 4.0]), jnp.array([0.0, 0.0, 0.0, 0.0, 0.0, 1.0])
+    chosen, rejected = jnp.array([0, 1, 4]), jnp.array([2, 3, 5])  # margins 0.05, -0.5, 0.3 (x beta 0.1)
+    _, m = losses.preference_loss(S, S_ref, jnp.ones(6), chosen, rejected, beta=0.1)
+    assert float(m["rewards/accuracies"]) == pytest.approx(2 / 3)
+    np.testing.assert_allclose(float(m["rewards/margins"]), (0.05 - 0.5 + 0.3) / 3, rtol=1e-6)
