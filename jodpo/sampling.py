@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jodpo.models.core import Cache, Model, Params, hidden_states, init_cache, split_layers
+from jodpo.models.core import Cache, Model, Params, compute_params, hidden_states, init_cache, split_layers
 from jodpo.models.heads import lm_head
 
 
@@ -192,7 +192,9 @@ def sample(model: Model, params: Params, prompt_ids: jax.Array, prompt_mask: jax
     B, P = prompt_ids.shape
     T = config.max_new_tokens
     cache = init_cache(model, B, P + T, per_layer=True)
-    params = split_layers(params)  # once per call: the decode steps then slice no weights
+    # Once per call, not on every decode step: the weights in the compute dtype (float32 master weights of a bf16
+    # run are converted here, not 53 times a step) and split per layer (the decode steps then slice nothing).
+    params = split_layers(compute_params(model, params))
     h, cache = hidden_states(model, params, prompt_ids, prompt_mask, cache)
     logits = lm_head(model, params, h[:, -1])
     seen = None

@@ -12,8 +12,8 @@ data: the pairs come from the dataset. The policy is never sampled or updated wi
 within one window the parameters do not change, so sampling every micro-batch first is the same as
 interleaving.
 
-Randomness: step ``t`` uses ``fold_in(state.rng, t)`` and micro-batch ``a`` folds in ``a``, so a resumed run
-draws exactly the numbers an uninterrupted one would.
+Randomness: step ``t`` samples its whole window with ``fold_in(state.rng, t)``, so a resumed run draws exactly the
+numbers an uninterrupted one would.
 """
 from __future__ import annotations
 
@@ -147,16 +147,18 @@ def current_beta(cfg: StepConfig, step: jax.Array) -> jax.Array:
 
 
 def sample_completions(cfg: StepConfig, state: TrainState, prompt_ids: jax.Array, prompt_mask: jax.Array) -> Samples:
-    """Two completions per prompt: ``Samples`` of shape [A, 2B, T], block layout within each micro-batch."""
+    """Two completions per prompt: ``Samples`` of shape [A, 2B, T], block layout within each micro-batch.
+
+    The A micro-batches of a window are sampled in one call (the parameters do not change within a window): one
+    decode loop of 2AB rows instead of A loops of 2B rows, which on an accelerator, where a decode step's time
+    hardly depends on its rows, is A times fewer steps. Prompts go in prompt-major order (row b * A + a), so a
+    batch split over devices along B stays split the same way."""
+    A, B, P = prompt_ids.shape
     key = jax.random.fold_in(state.rng, state.step)
-
-    def one(a_and_prompts):
-        a, ids_BP, mask_BP = a_and_prompts  # one prefill per prompt, its cache copied for the second completion
-        return sample(cfg.model, state.params, ids_BP, mask_BP, jax.random.fold_in(key, a), cfg.sampling,
-                      num_samples=2)
-
-    A = prompt_ids.shape[0]
-    return jax.lax.map(one, (jnp.arange(A), prompt_ids, prompt_mask))
+    flat = lambda x: x.transpose(1, 0, 2).reshape(B * A, P)  # noqa: E731
+    out = sample(cfg.model, state.params, flat(prompt_ids), flat(prompt_mask), key, cfg.sampling, num_samples=2)
+    # rows s * AB + b * A + a -> [a, s * B + b]
+    return jax.tree.map(lambda x: x.reshape(2, B, A, -1).transpose(2, 0, 1, 3).reshape(A, 2 * B, -1), out)
 
 
 def score_completions(cfg: StepConfig, rm_params: Params, prompt_ids: jax.Array, prompt_mask: jax.Array,

@@ -223,3 +223,47 @@ def test_bucket_errors_and_config_validation():
     with pytest.raises(ValueError, match="top_p"):
         jodpo.SamplingConfig(top_p=0.0)
     assert hash(jodpo.SamplingConfig(eos_token_ids=[1, 2])) == hash(jodpo.SamplingConfig(eos_token_ids=(1, 2)))
+
+
+def _loop_converts(jaxpr, inside=False) -> list:
+    """Shapes of the float32 -> other-dtype converts of 2-D or larger arrays inside while loops of ``jaxpr``."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    found = []
+    for eqn in jaxpr.eqns:
+        if inside and eqn.primitive.name == "convert_element_type":
+            a = eqn.invars[0].aval
+            if a.dtype == jnp.float32 and a.ndim >= 2 and eqn.params["new_dtype"] != jnp.float32:
+                found.append(a.shape)
+        for v in eqn.params.values():
+            for sub in (v if isinstance(v, (tuple, list)) else (v,)):
+                if hasattr(sub, "eqns") or hasattr(getattr(sub, "jaxpr", None), "eqns"):
+                    found += _loop_converts(sub, inside or eqn.primitive.name == "while")
+    return found
+
+
+def test_decode_loop_converts_no_weights(checkpoints):
+    """bf16 compute on float32 master weights: the weights are cast once per sampling call, before the decode
+    loop, not on each of its steps (which would read every weight twice and convert it, max_new_tokens times)."""
+    model, params = jodpo.load_model(str(checkpoints["llama"]["causal_lm"]))
+    model = model.replace(dtype="bfloat16")
+    ids, mask = hf_fixtures.padded_batch(np.random.default_rng(0), [5, 3], model.pad_token_id, "left")
+    config = jodpo.SamplingConfig(max_new_tokens=4, eos_token_ids=(5,), pad_token_id=model.pad_token_id)
+    weights = {x.shape[1:] for x in jax.tree.leaves(params["layers"])} | {x.shape for x in jax.tree.leaves(params)}
+    jaxpr = jax.make_jaxpr(lambda p: jodpo.sample(model, p, ids, mask, jax.random.key(0), config, 2))(params)
+    converts = _loop_converts(jaxpr)
+    assert not [s for s in converts if s in weights], converts
+    # the check sees converts in loops: the plain forward in a loop converts its weights on every step
+    looped = jax.make_jaxpr(lambda p: jax.lax.while_loop(lambda c: c[0] < 2, lambda c: (
+        c[0] + 1, c[1] + jodpo.logits(model, p, ids, mask).sum()), (0, 0.0)))(params)
+    assert [s for s in _loop_converts(looped) if s in weights]
+
+
+def test_compute_params_change_no_number(checkpoints):
+    for family in ("neox", "llama"):  # LayerNorm (float32 scale and bias) and RMSNorm
+        model, params = jodpo.load_model(str(checkpoints[family]["causal_lm"]))
+        model = model.replace(dtype="bfloat16")
+        ids, mask = hf_fixtures.padded_batch(np.random.default_rng(1), [6, 4], model.pad_token_id, "left")
+        cast = core.compute_params(model, params)
+        assert cast["embed"].dtype == jnp.bfloat16 and jax.tree.leaves(cast["final_norm"])[0].dtype == jnp.float32
+        np.testing.assert_array_equal(np.asarray(jodpo.logits(model, params, ids, mask)),
+                                      np.asarray(jodpo.logits(model, cast, ids, mask)))
