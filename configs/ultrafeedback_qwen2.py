@@ -18,4 +18,5 @@ def get_config() -> TrainConfig:
         missing_eos_penalty=1.0,
         eval_steps=500,
         dataset_test_split="test",
+        save_total_limit=2,  # 12 bytes a parameter each (float32 weights + Adam): about 6 GB for 0.5B
     )

@@ -39,6 +39,7 @@ class Run:
     total_steps: int
     save_every: int
     steps: ts.JittedSteps | None = None  # set by ``train`` once the state's shardings are known
+    eval_reference_scores: np.ndarray | None = None  # rewards of the eval set's references, once per run
 
     def put(self, x: np.ndarray) -> jax.Array:
         """A batch array [A, B, ...] (the same on every process) placed with B split over data x fsdp."""

@@ -53,22 +53,20 @@ def online_step(run: Run, state, idx: np.ndarray):
                                                              ids, mask)
         return state, metrics, (idx, samples, raw)
     samples = run.steps.sample_completions(run.step_cfg, state, ids, mask)
-    raw = score_samples(run, run.train, idx, samples)
+    tokens, tmask = S.to_host(samples.tokens), S.to_host(samples.mask)
+    raw = score_samples(run, run.train, _twice_per_micro_batch(list(idx), A), tokens.reshape(-1, tokens.shape[-1]),
+                        tmask.reshape(-1, tmask.shape[-1])).reshape(A, -1)
     state, metrics = run.steps.update(run.step_cfg, state, run.ref_params, ids, mask, samples, run.put(raw))
     return state, metrics, (idx, samples, raw)
 
 
-def score_samples(run: Run, data: D.PromptData, idx, samples) -> np.ndarray:
-    """f32[A, 2B] rewards of sampled completions, on the host (functions, other tokenizers, chat data); every
-    process scores the whole batch, so every process holds the same rewards."""
-    tokens, tmask = S.to_host(samples.tokens), S.to_host(samples.mask)
-    A = tokens.shape[0]
-    rows = _twice_per_micro_batch(list(idx), A)
+def score_samples(run: Run, data: D.PromptData, rows: list, tokens: np.ndarray, tmask: np.ndarray) -> np.ndarray:
+    """f32[N] rewards of N sampled completions ``[N, T]`` of the prompts ``rows``, on the host (functions, other
+    tokenizers, chat data); every process scores the whole batch, so every process holds the same rewards."""
     prompts = [data.prompts[i] for i in rows]
     columns = {k: [v[i] for i in rows] for k, v in data.columns.items()}
-    completion_ids = [t[m > 0].tolist() for t, m in zip(tokens.reshape(-1, tokens.shape[-1]),
-                                                         tmask.reshape(-1, tmask.shape[-1]))]
-    return run.rewards.score(prompts, _decode(run.tokenizer, tokens), completion_ids, columns).reshape(A, -1)
+    completion_ids = [t[m > 0].tolist() for t, m in zip(tokens, tmask)]
+    return run.rewards.score(prompts, _decode(run.tokenizer, tokens), completion_ids, columns)
 
 
 def offline_step(run: Run, state, idx: np.ndarray):
@@ -81,31 +79,51 @@ def offline_step(run: Run, state, idx: np.ndarray):
     return state, metrics, None
 
 
-def evaluate(run: Run, state) -> dict:
-    """Sample on the eval prompts and score them; with reference completions, the win rate against them."""
-    data = run.eval
+def _eval_batches(run: Run):
+    """Index arrays of the evaluation batches: as many whole multiples of the data-parallel size as the set has
+    (build() turns evaluation off for a set smaller than the data-parallel size)."""
     dp = S.data_parallel_size(run.mesh)
-    # a small eval set still gets evaluated: as many whole multiples of the data-parallel size as it has
-    # (build() turns evaluation off for a set smaller than the data-parallel size)
-    B = min(run.cfg.per_device_eval_batch_size * dp, len(data) // dp * dp)
-    scores, wins = [], []
-    for start in range(0, len(data) - B + 1, B):
-        idx = np.arange(start, start + B)
-        ids, mask = map(run.put, D.prompt_batch([data.ids[i] for i in idx], 1, run.buckets,
+    B = min(run.cfg.per_device_eval_batch_size * dp, len(run.eval) // dp * dp)
+    return [np.arange(start, start + B) for start in range(0, len(run.eval) - B + 1, B)]
+
+
+def _reference_scores(run: Run, batches) -> np.ndarray | None:
+    """The rewards of the evaluation set's reference completions: the rewards are frozen, so they are computed
+    at the first evaluation and kept for the run."""
+    data = run.eval
+    if data.references is None:
+        return None
+    if run.eval_reference_scores is None:
+        run.eval_reference_scores = np.concatenate([
+            run.rewards.score([data.prompts[i] for i in idx], [data.references[i] for i in idx], None,
+                              {k: [v[i] for i in idx] for k, v in data.columns.items()}) for idx in batches])
+    return run.eval_reference_scores
+
+
+def evaluate(run: Run, state) -> dict:
+    """One completion per evaluation prompt, scored; with reference completions, the win rate against them. The
+    batches have the training buckets' shapes, so each shape compiles once for the whole run."""
+    batches = _eval_batches(run)
+    # Every evaluation draws with the same key (step -1, never a training step): scores at different steps differ
+    # by the policy, not by the draw.
+    eval_state = state.replace(step=jnp.int32(-1))
+    scores = []
+    for idx in batches:
+        ids, mask = map(run.put, D.prompt_batch([run.eval.ids[i] for i in idx], 1, run.buckets,
                                                 run.step_cfg.sampling.pad_token_id))
-        # Every evaluation draws with the same key (step -1, never a training step): scores at different steps
-        # differ by the policy, not by the draw.
-        samples = run.steps.sample_completions(run.step_cfg, state.replace(step=jnp.int32(-1)), ids, mask)
-        s = score_samples(run, data, idx, samples)[0, :B]  # the first completion of each prompt
-        scores.append(s)
-        if data.references is not None:
-            prompts = [data.prompts[i] for i in idx]
-            ref = run.rewards.score(prompts, [data.references[i] for i in idx], None,
-                                    {k: [v[i] for i in idx] for k, v in data.columns.items()})
-            wins.append(s > ref)
-    out = {"eval/objective/scores": float(np.mean(np.concatenate(scores)))} if scores else {}
-    if wins:
-        out["eval/win_rate"] = float(np.mean(np.concatenate(wins)))
+        samples = run.steps.sample_completions(run.step_cfg, eval_state, ids, mask, 1)
+        if run.rewards.on_device:  # as in training: the reward model reads the token ids on the device
+            s = S.to_host(run.steps.score_completions(run.step_cfg, run.rewards.params, ids, mask, samples))[0]
+        else:
+            s = score_samples(run, run.eval, list(idx), S.to_host(samples.tokens)[0], S.to_host(samples.mask)[0])
+        scores.append(np.asarray(s, np.float32))
+    if not scores:
+        return {}
+    scores = np.concatenate(scores)
+    out = {"eval/objective/scores": float(np.mean(scores))}
+    references = _reference_scores(run, batches)
+    if references is not None:
+        out["eval/win_rate"] = float(np.mean(scores > references))
     return out
 
 

@@ -146,24 +146,28 @@ def current_beta(cfg: StepConfig, step: jax.Array) -> jax.Array:
     return jnp.asarray(cfg.beta, jnp.float32)[jnp.minimum(epoch, len(cfg.beta) - 1)]
 
 
-def sample_completions(cfg: StepConfig, state: TrainState, prompt_ids: jax.Array, prompt_mask: jax.Array) -> Samples:
-    """Two completions per prompt: ``Samples`` of shape [A, 2B, T], block layout within each micro-batch.
+def sample_completions(cfg: StepConfig, state: TrainState, prompt_ids: jax.Array, prompt_mask: jax.Array,
+                       num_samples: int = 2) -> Samples:
+    """``num_samples`` completions per prompt (two for a step, one for evaluation): ``Samples`` of shape
+    [A, num_samples * B, T], block layout within each micro-batch.
 
     The A micro-batches of a window are sampled in one call (the parameters do not change within a window): one
     decode loop of 2AB rows instead of A loops of 2B rows, which on an accelerator, where a decode step's time
     hardly depends on its rows, is A times fewer steps. Prompts go in prompt-major order (row b * A + a), so a
     batch split over devices along B stays split the same way."""
     A, B, P = prompt_ids.shape
+    n = num_samples
     key = jax.random.fold_in(state.rng, state.step)
     flat = lambda x: x.transpose(1, 0, 2).reshape(B * A, P)  # noqa: E731
-    out = sample(cfg.model, state.params, flat(prompt_ids), flat(prompt_mask), key, cfg.sampling, num_samples=2)
+    out = sample(cfg.model, state.params, flat(prompt_ids), flat(prompt_mask), key, cfg.sampling, num_samples=n)
     # rows s * AB + b * A + a -> [a, s * B + b]
-    return jax.tree.map(lambda x: x.reshape(2, B, A, -1).transpose(2, 0, 1, 3).reshape(A, 2 * B, -1), out)
+    return jax.tree.map(lambda x: x.reshape(n, B, A, -1).transpose(2, 0, 1, 3).reshape(A, n * B, -1), out)
 
 
 def score_completions(cfg: StepConfig, rm_params: Params, prompt_ids: jax.Array, prompt_mask: jax.Array,
                       samples: Samples) -> jax.Array:
-    """f32[A, 2B] raw reward-model scores from token ids (the reward model shares the policy tokenizer)."""
+    """f32[A, nB] raw reward-model scores of ``[A, nB, T]`` samples from token ids (the reward model shares the
+    policy tokenizer)."""
     eos = cfg.sampling.eos_token_ids
 
     def one(x):
@@ -270,7 +274,7 @@ def jit_steps(state_sharding=None, metrics_sharding=None) -> JittedSteps:
 
     step = dict(static_argnums=0, donate_argnums=1)
     return JittedSteps(
-        sample_completions=jax.jit(sample_completions, static_argnums=0),
+        sample_completions=jax.jit(sample_completions, static_argnums=(0, 4)),
         score_completions=jax.jit(score_completions, static_argnums=0),
         update=jax.jit(update, **step, out_shardings=out()),
         online_step=jax.jit(online_step, **step, out_shardings=out(None, None)),
