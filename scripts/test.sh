@@ -3,7 +3,12 @@
 # Fails when no test ran (pytest's exit code 5).
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-JODPO_EXTRAS=test bash "$root/scripts/env.sh" python3 -m pytest "$root/tests" "$@"
+# Two pytest workers (pytest-xdist, one test file each at a time) when it is installed: most of the suite's time
+# is XLA compiling, one core each. JODPO_TEST_WORKERS=1 runs it in one process.
+workers="${JODPO_TEST_WORKERS:-2}"
+JODPO_EXTRAS=test bash "$root/scripts/env.sh" bash -c '
+  if [ "$0" -gt 1 ] && python3 -c "import xdist" 2>/dev/null; then set -- -n "$0" --dist loadfile "$@"; fi
+  exec python3 -m pytest "$@"' "$workers" "$root/tests" "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then echo "[jodpo] no tests ran: failing" >&2; exit 1; fi
 exit "$rc"

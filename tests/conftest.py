@@ -32,7 +32,7 @@ def pytest_collection_modifyitems(config, items):
 
     if jax.default_backend() != "gpu":
         skip = pytest.mark.skip(reason=f"needs a GPU as jax's default backend (this one is {jax.default_backend()}); "
-                                       "docs/performance.md says how to run the suite on one")
+                                       "docs/gpu.md says how to run the suite on one")
         for item in gpu_items:
             item.add_marker(skip)
 

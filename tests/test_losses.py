@@ -129,7 +129,7 @@ def test_online_dpo_loss_is_jittable_and_takes_one_prompt_row_per_pair(checkpoin
 
 
 def test_accuracies_count_the_pairs_whose_margin_is_positive():
-    S, S_ref = jnp.array([1.0, -2.0, 0.5, 3.0, 0.0, 4.0]), jnp.array([0.0, 0.0, 0.0, 0.0, 0.0, 1.0])
+    S, S_ref = jnp.array([1.0, -2.0, 0.5, 3.0, 6.0, 4.0]), jnp.array([0.0, 0.0, 0.0, 0.0, 0.0, 1.0])
     chosen, rejected = jnp.array([0, 1, 4]), jnp.array([2, 3, 5])  # margins 0.05, -0.5, 0.3 (x beta 0.1)
     _, m = losses.preference_loss(S, S_ref, jnp.ones(6), chosen, rejected, beta=0.1)
     assert float(m["rewards/accuracies"]) == pytest.approx(2 / 3)
