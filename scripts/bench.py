@@ -5,11 +5,17 @@
   python scripts/bench.py train [--steps 5] [--warmup 2] [--no-trl] [--trl-gradient-checkpointing]
                                 [--dtype float32|bfloat16] [--nominal-peak-tflops X]
                                 [--fixture DIR] [--out F.json]  (shapes: --hidden --layers --heads --vocab ...)
+  python scripts/bench.py program [--steps 12] [--save-steps 5] [--eval-steps 4] [--no-trl]
+                                  [--dtype bfloat16|float32] [--out F.json]  (same shape flags; scripts/bench_program.py)
 
 ``sample``: jodpo's sampler vs transformers' ``generate`` (KV cache on) on the same random
 Pythia-70m-shaped GPT-NeoX (hidden 512, 6 layers, 8 heads, vocab 50304), batch and lengths, fp32 on the
 CPU. The two alternate, so both see the same machine; the median of ``--repeats`` runs is reported.
 No EOS is set, so every row generates all the new tokens in both.
+
+``program``: the real program ``python -m jodpo.train --config tldr.py`` on the same fixture, its per-step rate
+against its own fused step's, saves, evaluations and loading included, and TRL's ``train()`` side by side
+(scripts/bench_program.py says how each number is measured).
 
 ``train``: jodpo's real online DPO step (``train_step.jit_online_step``: sample two completions per prompt,
 score them on device with the reward model, update) vs TRL 1.16's ``OnlineDPOTrainer`` step on one fixture
@@ -29,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import statistics
@@ -38,10 +43,11 @@ import tempfile
 import time
 from pathlib import Path
 
+import bench_program
 import numpy as np
-from bench_common import (LR, MISSING_EOS_PENALTY, PYTHIA_70M, TEMPERATURE, TRL_BETA, _fwd,  # noqa: F401 (tests)
+from bench_common import (LR, MISSING_EOS_PENALTY, PYTHIA_70M, TEMPERATURE, TRL_BETA, _cpu_seconds, _fwd,  # noqa: F401
                           build_fixture, build_pythia_70m_shaped, compare_sampler, step_flops)
-from bench_workers import Channel, Worker, worker_jodpo, worker_trl
+from bench_workers import Channel, Worker, worker_jodpo, worker_trl, worker_trl_program
 
 
 def bench_sample(args) -> dict:
@@ -56,28 +62,6 @@ def bench_sample(args) -> dict:
 # --------------------------------------------------------------------------------------------------
 # train: the parent
 # --------------------------------------------------------------------------------------------------
-
-
-def _cpu_seconds(pids) -> tuple[float, float]:
-    """(CPU seconds not available to this benchmark: other programs' plus the hypervisor's steal (a VM's
-    cores are shared with its host), CPU seconds of this benchmark's processes) so far, from /proc."""
-    import resource
-
-    tck = os.sysconf("SC_CLK_TCK")
-    try:
-        f = open("/proc/stat").readline().split()[1:]
-    except OSError:
-        return math.nan, 0.0
-    busy = sum(int(f[i]) for i in (0, 1, 2, 5, 6, 7)) / tck  # user nice system irq softirq steal
-    ru, rc = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    ours = ru.ru_utime + ru.ru_stime + rc.ru_utime + rc.ru_stime  # workers already waited for
-    for pid in pids:
-        try:
-            st = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-            ours += (int(st[11]) + int(st[12])) / tck  # utime, stime of a live worker
-        except OSError:
-            pass
-    return busy, ours
 
 
 def bench_train(args) -> dict:
@@ -300,8 +284,12 @@ def machine() -> dict:
 
 
 def main(argv=None):
+    if argv is None and len(sys.argv) > 1 and sys.argv[1] == "_program":  # python -m jodpo.train, with its peak memory
+        return bench_program.child(sys.argv[2], sys.argv[3:])
     if argv is None and len(sys.argv) > 1 and sys.argv[1] == "_worker":
         side, spec = sys.argv[2], json.loads(sys.argv[3])
+        if side == "trl_program":
+            return worker_trl_program(spec)
         ch = Channel()
         return {"jodpo": worker_jodpo, "trl": worker_trl}[side](spec, ch)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -336,11 +324,13 @@ def main(argv=None):
                    help="the device's nominal dense peak in --dtype (e.g. 989 for an H100/H200 SXM in bf16): adds MFU")
     t.add_argument("--fixture", type=Path, help="build (or reuse) the fixture here instead of a temporary dir")
     t.add_argument("--out", type=Path)
+    bench_program.add_parser(sub, dict(vocab=PYTHIA_70M["vocab_size"], hidden=PYTHIA_70M["hidden_size"],
+                                       layers=PYTHIA_70M["num_hidden_layers"], heads=PYTHIA_70M["num_attention_heads"]))
     args = ap.parse_args(argv)
-    result = {"sample": bench_sample, "train": bench_train}[args.what](args)
+    result = {"sample": bench_sample, "train": bench_train, "program": bench_program.bench_program}[args.what](args)
     result["machine"] = machine()
     result["command"] = "python scripts/bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    (print_sample if args.what == "sample" else print_train)(result)
+    {"sample": print_sample, "train": print_train, "program": bench_program.print_program}[args.what](result)
     if args.out:
         args.out.write_text(json.dumps(result, indent=2))
     return result

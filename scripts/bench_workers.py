@@ -26,24 +26,28 @@ def worker_jodpo(spec: dict, ch: Channel):
     from jodpo.losses import completion_logprobs, online_dpo_loss
 
     t0 = time.perf_counter()
-    fx, B, T = Path(spec["fixture"]), spec["batch"], spec["new_tokens"]
-    tok = jodpo.load_tokenizer(str(fx / "policy"))
-    model, ref = jodpo.load_model(str(fx / "policy"), dtype=spec["dtype"])
-    model = model.replace(remat="none")  # no gradient checkpointing (as the TRL side)
-    rm, rm_params = jodpo.load_model(str(fx / "reward"), task="reward", dtype=spec["dtype"])
-    eos = tuple(dict.fromkeys([*model.eos_token_ids, tok.eos_token_id]))  # as jodpo.train: model + tokenizer
-    data = D.prepare_prompts(Dataset.from_dict({"prompt": json.loads((fx / "prompts.json").read_text())}), tok,
-                             MAX_LENGTH)
-    P = max(len(x) for x in data.ids)  # one prompt bucket: the longest prompt (fixed shape, no recompiles)
-    cfg = ts.StepConfig(
-        model=model, optimizer=ts.OptimizerConfig(learning_rate=LR, total_steps=10 ** 6),
-        sampling=jodpo.SamplingConfig(max_new_tokens=T, temperature=TEMPERATURE, eos_token_ids=eos,
-                                      pad_token_id=tok.pad_token_id),
-        beta=TRL_BETA, loss_type="sigmoid", missing_eos_penalty=MISSING_EOS_PENALTY, max_length=MAX_LENGTH,
-        reward_model=rm)
-    state = ts.init_state(cfg, ref, jax.random.key(0))
-    batch = lambda k: D.prompt_batch([data.ids[i] for i in D.batch_indices(len(data), B, 0, k)], 1, (P,),
-                                     tok.pad_token_id)
+    if "train_argv" in spec:  # scripts/bench.py program: the program's own settings, built as the program does
+        tok, cfg, state, ref, rm_params, batch = _program_setup(jax, D, ts, spec["train_argv"])
+        eos, P = cfg.sampling.eos_token_ids, batch(0)[0].shape[-1]
+    else:
+        fx, B, T = Path(spec["fixture"]), spec["batch"], spec["new_tokens"]
+        tok = jodpo.load_tokenizer(str(fx / "policy"))
+        model, ref = jodpo.load_model(str(fx / "policy"), dtype=spec["dtype"])
+        model = model.replace(remat="none")  # no gradient checkpointing (as the TRL side)
+        rm, rm_params = jodpo.load_model(str(fx / "reward"), task="reward", dtype=spec["dtype"])
+        eos = tuple(dict.fromkeys([*model.eos_token_ids, tok.eos_token_id]))  # as jodpo.train: model + tokenizer
+        data = D.prepare_prompts(Dataset.from_dict({"prompt": json.loads((fx / "prompts.json").read_text())}), tok,
+                                 MAX_LENGTH)
+        P = max(len(x) for x in data.ids)  # one prompt bucket: the longest prompt (fixed shape, no recompiles)
+        cfg = ts.StepConfig(
+            model=model, optimizer=ts.OptimizerConfig(learning_rate=LR, total_steps=10 ** 6),
+            sampling=jodpo.SamplingConfig(max_new_tokens=T, temperature=TEMPERATURE, eos_token_ids=eos,
+                                          pad_token_id=tok.pad_token_id),
+            beta=TRL_BETA, loss_type="sigmoid", missing_eos_penalty=MISSING_EOS_PENALTY, max_length=MAX_LENGTH,
+            reward_model=rm)
+        state = ts.init_state(cfg, ref, jax.random.key(0))
+        batch = lambda k: D.prompt_batch([data.ids[i] for i in D.batch_indices(len(data), B, 0, k)], 1, (P,),
+                                         tok.pad_token_id)
     ch.send(ready=True, load_s=time.perf_counter() - t0, eos_token_ids=list(eos), prompt_width=P,
             peak_rss_mib=_maxrss_mib())
     k, last = 0, None
@@ -75,6 +79,25 @@ def worker_jodpo(spec: dict, ch: Channel):
         else:
             ch.send(error=f"unknown command {cmd!r}")
     ch.send(bye=True)
+
+
+def _program_setup(jax, D, ts, train_argv: list[str]):
+    """The fused step exactly as ``python -m jodpo.train <train_argv>`` runs it: the config parsed by the program,
+    models, data, buckets and step config from ``jodpo.run.build``, the state from ``init_state`` with the run's
+    seed, step k's prompts by ``batch_indices`` (accumulation window [A, B, P], the program's prompt buckets)."""
+    from jodpo.run import build
+    from jodpo.train import parse_args
+
+    tcfg, _ = parse_args(train_argv)
+    run = build(tcfg)
+    state = ts.init_state(run.step_cfg, run.policy_params, jax.random.PRNGKey(tcfg.seed))
+    pad, A = run.step_cfg.sampling.pad_token_id, tcfg.gradient_accumulation_steps
+
+    def batch(k):
+        idx = D.batch_indices(len(run.train), run.global_batch, tcfg.seed, k)
+        return D.prompt_batch([run.train.ids[i] for i in idx], A, run.buckets, pad)
+
+    return run.tokenizer, run.step_cfg, state, run.ref_params, run.rewards.params, batch
 
 
 def _jax_device_peak_mib(jax) -> float | None:
@@ -222,6 +245,59 @@ def worker_trl(spec: dict, ch: Channel):
 
     trainer.add_callback(Driver())
     trainer.train()
+
+
+def worker_trl_program(spec: dict):
+    """TRL 1.16's real loop run to its end: ``OnlineDPOTrainer(...).train()`` for ``steps`` optimizer steps, with
+    checkpoints every ``save_steps`` and logging every step; a callback writes wall-clock times (``time.time()``,
+    comparable with the parent's) of train begin, each step's end and each save to ``spec["events"]``. TRL 1.16's
+    evaluation crashes on a prompt-only dataset, so the loop runs with ``eval_strategy="no"`` and one
+    ``trainer.evaluate()`` is tried after training, its error (or time) recorded."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, TrainerCallback
+    from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
+
+    ev = {"imported": time.time(), "step_end": [], "save": []}
+    fx, dev = Path(spec["fixture"]), torch_device()
+    tok = AutoTokenizer.from_pretrained(fx / "policy")
+    policy = AutoModelForCausalLM.from_pretrained(fx / "policy", dtype=torch.float32)  # bf16: autocast, as jodpo's
+    rm = AutoModelForSequenceClassification.from_pretrained(fx / "reward", dtype=torch.float32, num_labels=1)
+    args = OnlineDPOConfig(
+        output_dir=spec["output_dir"], per_device_train_batch_size=spec["batch"], per_device_eval_batch_size=spec["batch"],
+        gradient_accumulation_steps=spec["accumulation"], max_new_tokens=spec["new_tokens"], temperature=TEMPERATURE,
+        beta=TRL_BETA, loss_type="sigmoid", missing_eos_penalty=MISSING_EOS_PENALTY, max_length=MAX_LENGTH,
+        learning_rate=LR, warmup_steps=0.1, bf16=spec["dtype"] == "bfloat16", fp16=False, gradient_checkpointing=True,
+        use_cpu=dev.type == "cpu", report_to=[], logging_steps=1, max_steps=spec["steps"], save_strategy="steps",
+        save_steps=spec["save_steps"], eval_strategy="no", disable_tqdm=True, seed=42, dataloader_num_workers=0)
+    rows = lambda f: Dataset.from_list([{"prompt": json.loads(x)["prompt"]} for x in open(f)])
+    trainer = OnlineDPOTrainer(model=policy, ref_model=None, reward_funcs=rm, reward_processing_classes=tok, args=args,
+                               processing_class=tok, train_dataset=rows(spec["train_file"]))
+
+    class Clock(TrainerCallback):
+        def on_train_begin(self, *a, **k):
+            ev["train_begin"] = time.time()
+            ev["gradient_checkpointing"] = bool(policy.is_gradient_checkpointing)
+
+        def on_step_end(self, args, state, *a, **k):
+            _sync(torch)
+            ev["step_end"].append((time.time(), state.global_step))
+
+        def on_save(self, args, state, *a, **k):
+            ev["save"].append((time.time(), state.global_step))
+
+    trainer.add_callback(Clock())
+    trainer.train()
+    ev.update(train_end=time.time(), peak_rss_mib=_maxrss_mib(), device=str(dev),
+              device_peak_mib=torch.cuda.max_memory_allocated() / 2 ** 20 if dev.type == "cuda" else None,
+              checkpoints=sorted(int(p.name.split("-")[1]) for p in Path(spec["output_dir"]).glob("checkpoint-*")))
+    t = time.time()
+    try:
+        trainer.evaluate(rows(spec["eval_file"]))
+        ev["eval_s"] = time.time() - t
+    except Exception as e:  # noqa: BLE001 (TRL 1.16: ValueError from the policy's forward in prediction_step)
+        ev["eval_error"] = f"{type(e).__name__}: {e}"
+    Path(spec["events"]).write_text(json.dumps(ev))
 
 
 class Worker:
