@@ -92,6 +92,8 @@ class TrainConfig:
                                                   "None: off)")
     matmul_precision: str = _f("highest", "float32 dots: highest (float32 on every backend, as torch) | high | default "
                                           "(TF32 on GPUs, fewer bf16 passes on TPUs: faster); bf16 compute ignores it")
+    attn_implementation: str = _f("xla", "attention of the forwards and the prefill: xla (any backend) | cudnn "
+                                         "(cuDNN flash attention: an NVIDIA GPU and bf16 compute)")
     # --- jodpo's own
     remat: str = _f("auto", "auto (from gradient_checkpointing) | none | full | dots")
     prompt_buckets: tuple[int, ...] = _f((), "padded prompt lengths (default: powers of two up to max_prompt_length)")
@@ -142,6 +144,13 @@ def _check(c: TrainConfig) -> None:
 
     if c.matmul_precision not in PRECISIONS:
         raise ConfigError(f"matmul_precision must be one of {PRECISIONS}, got {c.matmul_precision!r}")
+    from jodpo.models.core import ATTENTIONS
+
+    if c.attn_implementation not in ATTENTIONS:
+        raise ConfigError(f"attn_implementation must be one of {ATTENTIONS}, got {c.attn_implementation!r}")
+    if c.attn_implementation == "cudnn" and not c.bf16:
+        raise ConfigError("attn_implementation='cudnn' needs bf16=True (cuDNN's flash attention has no float32 "
+                          "kernel); use 'xla' for float32 compute")
     if c.remat not in ("auto", "none", "full", "dots"):
         raise ConfigError(f"remat must be auto, none, full or dots, got {c.remat!r}")
     if not c.save_steps > 0:

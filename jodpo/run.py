@@ -67,7 +67,11 @@ def build(cfg: TrainConfig) -> Run:
         _, policy_params = load_model(cfg.model_name_or_path, "causal_lm", cfg.param_dtype,
                                       revision=cfg.model_revision, mesh=mesh)
     remat = cfg.remat if cfg.remat != "auto" else ("full" if cfg.gradient_checkpointing else "none")
-    model = model.replace(dtype="bfloat16" if cfg.bf16 else "float32", remat=remat, precision=cfg.matmul_precision)
+    if cfg.attn_implementation == "cudnn" and jax.default_backend() != "gpu":
+        raise ConfigError(f"attn_implementation='cudnn' needs an NVIDIA GPU, and jax's backend is "
+                          f"{jax.default_backend()}: use 'xla'")
+    model = model.replace(dtype="bfloat16" if cfg.bf16 else "float32", remat=remat, precision=cfg.matmul_precision,
+                          attention=cfg.attn_implementation)
     eos = tuple(dict.fromkeys([*model.eos_token_ids, *([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None
                                                        else [])]))
     pad = tokenizer.pad_token_id
@@ -94,7 +98,7 @@ def build(cfg: TrainConfig) -> Run:
         rm_params, rm_tok, shared = None, None, False
         if cfg.reward_model_path:
             rm, rm_params = load_model(cfg.reward_model_path, "reward", cfg.frozen_param_dtype, mesh=mesh)
-            rm = rm.replace(dtype=model.dtype, precision=model.precision)
+            rm = rm.replace(dtype=model.dtype, precision=model.precision, attention=model.attention)
             rm_tok = load_tokenizer(cfg.reward_model_path)
             rm_tok.padding_side = "right"
             shared = _same_tokenizer(tokenizer, rm_tok)

@@ -195,7 +195,7 @@ def sample(model: Model, params: Params, prompt_ids: jax.Array, prompt_mask: jax
     # Once per call, not on every decode step: the weights in the compute dtype (float32 master weights of a bf16
     # run are converted here, not 53 times a step) and split per layer (the decode steps then slice nothing).
     params = split_layers(compute_params(model, params))
-    h, cache = hidden_states(model, params, prompt_ids, prompt_mask, cache)
+    h, cache = hidden_states(model, params, prompt_ids, prompt_mask, cache, empty_cache=True)
     logits = lm_head(model, params, h[:, -1])
     seen = None
     if config.repetition_penalty != 1.0:

@@ -36,10 +36,18 @@ def test_overrides_are_typed():
 
 @pytest.mark.parametrize("field,value,match", [("beta", 0.0, "beta must be > 0"), ("learning_rate", -1.0, "learning_rate"),
                                                ("loss_type", "dpo", "unknown loss_type"),
-                                               ("per_device_train_batch_size", 0, "per_device_train_batch_size")])
+                                               ("per_device_train_batch_size", 0, "per_device_train_batch_size"),
+                                               ("attn_implementation", "flash", "attn_implementation must be one of"),
+                                               ("matmul_precision", "tf32", "matmul_precision must be one of")])
 def test_bad_values_are_refused(field, value, match):
     with pytest.raises(C.ConfigError, match=match):
         C.TrainConfig(**{field: value})
+
+
+def test_cudnn_attention_needs_bf16():
+    C.TrainConfig(attn_implementation="cudnn", bf16=True)
+    with pytest.raises(C.ConfigError, match="attn_implementation='cudnn' needs bf16=True"):
+        C.TrainConfig(attn_implementation="cudnn", bf16=False)
 
 
 def test_max_new_tokens_at_least_max_length_warns():

@@ -129,3 +129,27 @@ def test_bfloat16_paths_stay_close_to_float32(checkpoints):
     a, b = step("float32"), step("bfloat16")
     assert all(np.isfinite(v) for v in b.values()), b
     assert b["skipped_update"] == 0 and abs(b["loss"] - a["loss"]) < 0.05, (a["loss"], b["loss"])
+
+
+def test_cudnn_attention_equals_xla(checkpoints):
+    """attn_implementation="cudnn" (cuDNN flash attention, bf16) gives the logits and the gradients of "xla" within
+    bf16's resolution, on left-padded prompts, the shared-prompt forward and the sampler's prefill."""
+    impl = "cudnn" if ON_GPU else "xla"  # --gpu-tests-on-cpu: checks the test itself, xla against xla
+    model, params = jodpo.load_model(str(checkpoints["llama"]["causal_lm"]))
+    model = model.replace(dtype="bfloat16")
+    rng = np.random.default_rng(0)
+    ids, mask = hf_fixtures.padded_batch(rng, [40, 17, 33, 8], model.pad_token_id, "left")
+    comp, cmask = hf_fixtures.padded_batch(rng, [9, 4, 12, 1, 5, 7, 12, 3], model.pad_token_id, "right")
+
+    def outputs(m):
+        lp = lambda p: jnp.sum(jodpo.completion_logprobs(m, p, ids, mask, comp, cmask))  # noqa: E731
+        samples = jodpo.sample(m, params, ids, mask, jax.random.key(0),
+                               jodpo.SamplingConfig(max_new_tokens=4, temperature=0.0, eos_token_ids=(0,)))
+        return jodpo.logits(m, params, ids, mask), jax.grad(lp)(params), samples.logprobs[:, 0]  # the prefill's
+
+    a, b = outputs(model), outputs(model.replace(attention=impl))
+    real = mask.astype(bool)
+    assert np.abs(np.asarray(a[0]) - np.asarray(b[0]))[real].max() <= 0.05 * np.abs(np.asarray(a[0])[real]).max()
+    for x, y in zip(jax.tree.leaves(a[1]), jax.tree.leaves(b[1])):
+        assert np.abs(np.asarray(x) - np.asarray(y)).max() <= 0.05 * (np.abs(np.asarray(x)).max() or 1.0)
+    np.testing.assert_allclose(np.asarray(b[2]), np.asarray(a[2]), atol=0.1)

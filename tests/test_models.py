@@ -79,9 +79,13 @@ def test_kv_cache_decoding_equals_full_forward(checkpoints, family, per_layer):
     full_mask = np.concatenate([pmask, np.ones_like(new)], 1)
     full = np.asarray(jodpo.logits(model, stacked, full_ids, full_mask))
 
-    step = jax.jit(core.hidden_states, static_argnums=0)
+    step = jax.jit(core.hidden_states, static_argnums=0, static_argnames="empty_cache")
     cache = core.init_cache(model, 3, prompt.shape[1] + steps, per_layer=per_layer)
-    h, cache = step(model, params, prompt, pmask, cache)
+    # The prefill attends among the prompt's tokens (the forward's kernel) or over the whole empty slab: same.
+    h_slab, _ = step(model, params, prompt, pmask, cache)
+    h, cache = step(model, params, prompt, pmask, cache, empty_cache=True)
+    real = pmask.astype(bool)
+    np.testing.assert_allclose(np.asarray(h)[real], np.asarray(h_slab)[real], rtol=1e-5, atol=1e-5)
     got = [heads.lm_head(model, params, h)[:, -1]]
     for t in range(steps - 1):
         h, cache = step(model, params, new[:, t:t + 1], np.ones((3, 1), np.int32), cache)
@@ -90,6 +94,44 @@ def test_kv_cache_decoding_equals_full_forward(checkpoints, family, per_layer):
     want = full[:, prompt.shape[1] - 1: prompt.shape[1] - 1 + steps]
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
     assert int(cache["index"]) == full_ids.shape[1] - 1
+
+
+@pytest.mark.parametrize("dtype, tol", [("float32", 2e-6), ("bfloat16", 1e-2)])
+def test_fused_attention_equals_jodpos_own(dtype, tol):
+    """jax.nn.dot_product_attention with jodpo's masks (left padding, causality, a window, grouped kv heads,
+    rows that see no key) equals the einsum attention the decode steps use: values and gradients."""
+    model = core.Model(family="llama", task="causal_lm", vocab_size=8, hidden_size=16, num_layers=1, num_heads=4,
+                       num_kv_heads=2, head_dim=8, mlp_dim=8, norm="rmsnorm", norm_eps=1e-6, activation="silu",
+                       gated_mlp=True, mlp_bias=False, qkv_bias=False, out_bias=False, parallel_residual=False,
+                       rotary_dim=8, inv_freq=(1.0,) * 4, tie_embeddings=False, dtype=dtype)
+    rng = np.random.default_rng(4)
+    B, L, S = 3, 5, 7
+    q = jnp.asarray(rng.normal(size=(B, L, 4, 8)), dtype)
+    k, v = (jnp.asarray(rng.normal(size=(B, S, 2, 8)), dtype) for _ in range(2))
+    key_mask = np.ones((B, S), bool)
+    key_mask[0, :3] = False  # left padding: the first query rows see nothing
+    key_mask[2, 5:] = False
+    dist = (np.arange(L)[:, None] + S - L) - np.arange(S)[None]
+    attend = jnp.asarray(key_mask[:, None, :] & (dist >= 0) & (dist < 4))  # causal, window 4
+    assert not attend[0, 0].any()
+
+    def own(q, k, v):
+        return core._attention(model, q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), attend)
+
+    def fused(q, k, v):
+        return core._fused_attention(model, q, k, v, attend)
+
+    want, got = own(q, k, v), fused(q, k, v)
+    assert got.dtype == want.dtype == jnp.dtype(dtype)
+    f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731
+    np.testing.assert_allclose(f32(got), f32(want), rtol=tol, atol=tol)
+    w = jnp.asarray(rng.normal(size=want.shape), jnp.float32)
+    grads = [jax.grad(lambda *a, f=f: jnp.sum(f(*a).astype(jnp.float32) * w), argnums=(0, 1, 2))(q, k, v)
+             for f in (own, fused)]
+    for a, b in zip(*grads):
+        np.testing.assert_allclose(f32(b), f32(a), rtol=tol, atol=tol * float(np.abs(f32(a)).max()))
+    with pytest.raises(ValueError, match="attention must be one of"):
+        model.replace(attention="flash")
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -60,6 +60,10 @@ class Model:
     # How float32 dots are computed (jax.lax.Precision names): "highest" is true float32 on every backend,
     # "high"/"default" let GPUs use TF32 and TPUs fewer bf16 passes. bfloat16 compute ignores it (see einsum).
     precision: str = "highest"
+    # Attention of the cache-free forwards (training, scoring, reference) and the prefill, through
+    # jax.nn.dot_product_attention: "xla" (any backend) or "cudnn" (cuDNN flash attention on NVIDIA GPUs, bf16/fp16
+    # compute). The decode steps' attention over the cache is always jodpo's own (one query: bandwidth-bound).
+    attention: str = "xla"
     # The source config.json (for export); not part of the identity of the compiled function.
     hf_config: str = dataclasses.field(default="{}", compare=False, repr=False)
 
@@ -68,6 +72,8 @@ class Model:
             jax.lax.Precision(self.precision)
         except ValueError:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}") from None
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"attention must be one of {ATTENTIONS}, got {self.attention!r}")
 
     def replace(self, **changes) -> "Model":
         return dataclasses.replace(self, **changes)
@@ -76,6 +82,7 @@ class Model:
 # jax's names for the precision of float32 dots; "highest" = "float32", "high" = "tensorfloat32" (TF32 on GPUs,
 # 3 bf16 passes on TPUs), "default" = "bfloat16" = "fastest" (TF32 on GPUs, 1 bf16 pass on TPUs).
 PRECISIONS = ("highest", "high", "default", "float32", "tensorfloat32", "bfloat16", "fastest")
+ATTENTIONS = ("xla", "cudnn")
 
 
 def einsum(model: Model, spec: str, *operands: jax.Array, **kwargs) -> jax.Array:
@@ -258,6 +265,19 @@ def _attention(model: Model, q_BLHD, k_BKSD, v_BKSD, attend_BLS) -> jax.Array:
     return einsum(model, "bkgls,bksd->blkgd", probs, v_BKSD.astype(dt)).reshape(B, L, H, Dh)
 
 
+def _fused_attention(model: Model, q_BLHD, k_BSKD, v_BSKD, attend_BLS) -> jax.Array:
+    """``_attention`` through ``jax.nn.dot_product_attention`` (``model.attention`` picks XLA or cuDNN's flash
+    attention), for keys and values as the projections make them, token-major ``[B, S, K, Dh]``. The mask
+    carries left padding, causality, sliding windows and the shared-prompt layout, so one kernel serves every
+    forward; a query that sees no key (a pad slot) gets a finite, ignored value, as in ``_attention``. float32
+    dots get ``model.precision`` (jax reads the default precision when it traces them, the backward's too)."""
+    dt = q_BLHD.dtype
+    impl = None if model.attention == "xla" else model.attention
+    with jax.default_matmul_precision(model.precision if dt == jnp.float32 else None):
+        return jax.nn.dot_product_attention(q_BLHD, k_BSKD.astype(dt), v_BSKD.astype(dt), mask=attend_BLS[:, None],
+                                            implementation=impl)
+
+
 def _block(model: Model, p: Params, xs, rope, attention) -> tuple:
     """One decoder layer over groups of tokens ``xs`` (a tuple of ``[B_i, L_i, D]``, with their ``(cos, sin)``
     tables in ``rope``). ``attention(qs, ks, vs)`` gets the groups' queries ``[B_i, L_i, H, Dh]``, keys and
@@ -277,10 +297,6 @@ def _block(model: Model, p: Params, xs, rope, attention) -> tuple:
             x = x + _mlp(model, p["mlp"], _norm(model, p["ln2"], x))
         new.append(x)
     return tuple(new)
-
-
-def _head_major(k_BLKD):
-    return k_BLKD.transpose(0, 2, 1, 3)
 
 
 _REMAT_POLICIES = {
@@ -337,11 +353,13 @@ def _run_layers(model: Model, params: Params, x, block):
 
 
 def hidden_states(model: Model, params: Params, tokens_BL: jax.Array, mask_BL: jax.Array,
-                  cache: Cache | None = None) -> tuple[jax.Array, Cache | None]:
+                  cache: Cache | None = None, *, empty_cache: bool = False) -> tuple[jax.Array, Cache | None]:
     """Final-normed hidden states ``[B, L, D]`` (compute dtype) and the updated cache.
 
     ``mask_BL`` marks real tokens (1) and padding (0). With ``cache``, the tokens are appended at
     ``cache["index"]`` and attend to every earlier real slot; their positions continue each row's count.
+    ``empty_cache=True`` promises the cache holds nothing yet (a prefill): the tokens then attend among
+    themselves with the forward's kernel (``Model.attention``) instead of over the whole cache slab.
     """
     dt = jnp.dtype(model.dtype)
     B, L = tokens_BL.shape
@@ -362,14 +380,20 @@ def hidden_states(model: Model, params: Params, tokens_BL: jax.Array, mask_BL: j
     k_slot_S = jnp.arange(S, dtype=jnp.int32)
     dist_LS = q_slot_L[:, None] - k_slot_S[None, :]
     attend_BLS = kv_mask_BS[:, None, :] & (dist_LS >= 0)[None]
+    dist_LL = jnp.arange(L)[:, None] - jnp.arange(L)[None, :]
+    attend_BLL = mask_BL[:, None, :] & (dist_LL >= 0)[None]  # among the new tokens only
     windows = _windows(model)
 
     def block(x, p, window, write):
         """One layer; ``write(k, v)`` puts the new keys/values in the cache and returns the slabs to attend
-        over (the new ones themselves when there is no cache)."""
-        attend = attend_BLS & (dist_LS < window)[None]
-        return _block(model, p, (x,), ((cos, sin),),
-                      lambda q, k, v: (_attention(model, q[0], *write(k[0], v[0]), attend),))[0]
+        over, or None when the new tokens attend among themselves only (no cache, or an empty one)."""
+        def attention(q, k, v):
+            slabs = write(k[0], v[0])
+            if slabs is None:
+                return (_fused_attention(model, q[0], k[0], v[0], attend_BLL & (dist_LL < window)[None]),)
+            return (_attention(model, q[0], *slabs, attend_BLS & (dist_LS < window)[None]),)
+
+        return _block(model, p, (x,), ((cos, sin),), attention)[0]
 
     split = isinstance(params["layers"], (tuple, list))
     if split != (cache is not None and isinstance(cache["k"], (tuple, list))):
@@ -377,10 +401,7 @@ def hidden_states(model: Model, params: Params, tokens_BL: jax.Array, mask_BL: j
                          "stacked params with a stacked cache or none")
     xs = None if split else (params["layers"], jnp.asarray(windows), jnp.arange(model.num_layers, dtype=jnp.int32))
     if cache is None:
-        def no_cache(k, v):
-            return _head_major(k), _head_major(v)
-
-        return _run_layers(model, params, x, lambda x, p, window: block(x, p, window, no_cache)), None
+        return _run_layers(model, params, x, lambda x, p, window: block(x, p, window, lambda k, v: None)), None
 
     # The cache rides in the scan carry and is updated in place: only the new tokens' slots are written,
     # instead of every layer's whole slab being copied through the scan's inputs and outputs.
@@ -394,7 +415,7 @@ def hidden_states(model: Model, params: Params, tokens_BL: jax.Array, mask_BL: j
             v = v.transpose(0, 2, 1, 3)[None].astype(v_cache.dtype)
             k_cache = jax.lax.dynamic_update_slice(k_cache, k, (i, 0, 0, start, 0))
             v_cache = jax.lax.dynamic_update_slice(v_cache, v, (i, 0, 0, start, 0))
-            return k_cache[i], v_cache[i]
+            return None if empty_cache else (k_cache[i], v_cache[i])
 
         x = block(x, p, window, write)
         return (x, k_cache, v_cache), None
@@ -409,7 +430,7 @@ def hidden_states(model: Model, params: Params, tokens_BL: jax.Array, mask_BL: j
                                                         (0, 0, start, 0))
                 v_new[i] = jax.lax.dynamic_update_slice(v_new[i], v.transpose(0, 2, 1, 3).astype(v_new[i].dtype),
                                                         (0, 0, start, 0))
-                return k_new[i], v_new[i]
+                return None if empty_cache else (k_new[i], v_new[i])
 
             x = block(x, p, int(windows[i]), write)
         k_new, v_new = tuple(k_new), tuple(v_new)
@@ -447,10 +468,10 @@ def prefixed_hidden_states(model: Model, params: Params, prefix_ids_BP: jax.Arra
         attend_s = kv_mask_NS[:, None, :] & ((dist_CS >= 0) & (dist_CS < window))[None]
 
         def attention(q, k, v):
-            kp, vp = _head_major(k[0]), _head_major(v[0])
-            k_all = jnp.concatenate([tile(kp), _head_major(k[1])], 2)
-            v_all = jnp.concatenate([tile(vp), _head_major(v[1])], 2)
-            return (_attention(model, q[0], kp, vp, attend_p), _attention(model, q[1], k_all, v_all, attend_s))
+            k_all = jnp.concatenate([tile(k[0]), k[1]], 1)
+            v_all = jnp.concatenate([tile(v[0]), v[1]], 1)
+            return (_fused_attention(model, q[0], k[0], v[0], attend_p),
+                    _fused_attention(model, q[1], k_all, v_all, attend_s))
 
         return _block(model, p, x, rope, attention)
 
