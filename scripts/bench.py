@@ -7,6 +7,8 @@
                                 [--fixture DIR] [--out F.json]  (shapes: --hidden --layers --heads --vocab ...)
   python scripts/bench.py program [--steps 12] [--save-steps 5] [--eval-steps 4] [--no-trl]
                                   [--dtype bfloat16|float32] [--out F.json]  (same shape flags; scripts/bench_program.py)
+  python scripts/bench.py memory [--batch 8] [--accumulation 2] [--prompt-len 128] [--dtype bfloat16|float32]
+                                 [--remat full|none|dots] [--out F.json]  (same shape flags; scripts/bench_memory.py)
 
 ``sample``: jodpo's sampler vs transformers' ``generate`` (KV cache on) on the same random
 Pythia-70m-shaped GPT-NeoX (hidden 512, 6 layers, 8 heads, vocab 50304), batch and lengths, fp32 on the
@@ -16,6 +18,9 @@ No EOS is set, so every row generates all the new tokens in both.
 ``program``: the real program ``python -m jodpo.train --config tldr.py`` on the same fixture, its per-step rate
 against its own fused step's, saves, evaluations and loading included, and TRL's ``train()`` side by side
 (scripts/bench_program.py says how each number is measured).
+
+``memory``: the fused step's device memory (and its pieces') from XLA's compiled ``memory_analysis()``, at any
+shape, without weights or an accelerator (scripts/bench_memory.py).
 
 ``train``: jodpo's real online DPO step (``train_step.jit_online_step``: sample two completions per prompt,
 score them on device with the reward model, update) vs TRL 1.16's ``OnlineDPOTrainer`` step on one fixture
@@ -43,6 +48,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import bench_memory
 import bench_program
 import numpy as np
 from bench_common import (LR, MISSING_EOS_PENALTY, PYTHIA_70M, TEMPERATURE, TRL_BETA, _cpu_seconds, _fwd,  # noqa: F401
@@ -72,7 +78,7 @@ def bench_train(args) -> dict:
         dims = build_fixture(fx, args)
         fixture_s = time.perf_counter() - t
         spec = dict(fixture=str(fx), batch=args.batch, new_tokens=args.new_tokens, repeats=args.repeats, dtype=args.dtype,
-                    trl_gradient_checkpointing=args.trl_gradient_checkpointing)
+                    trl_gradient_checkpointing=args.trl_gradient_checkpointing, attention=args.attention)
         sides = ["jodpo"] + ([] if args.no_trl else ["trl"])
         workers = {s: Worker(s, spec, Path(tmp) / f"{s}.log") for s in sides}
         phases, t = {"fixture": fixture_s}, time.perf_counter()
@@ -187,7 +193,7 @@ def summarize(args, dims, fixture_s, ready, runs, rss, parts, torch_peak, sample
                          steps=args.steps, repeats=args.repeats, temperature=TEMPERATURE, beta=TRL_BETA,
                          loss_type="sigmoid", missing_eos_penalty=MISSING_EOS_PENALTY, learning_rate=LR,
                          trl_gradient_checkpointing=args.trl_gradient_checkpointing, dtype=args.dtype,
-                         nominal_peak_tflops=args.nominal_peak_tflops,
+                         attention=args.attention, nominal_peak_tflops=args.nominal_peak_tflops,
                          eos_token_ids=ready["jodpo"]["eos_token_ids"], fixture_build_s=fixture_s),
         "jodpo": j, "trl": trl, "trl_worker": ready.get("trl"),
         "ratio_time_jodpo_over_trl": j["median_s"] / trl["median_s"] if trl else None,
@@ -322,15 +328,21 @@ def main(argv=None):
                    help="parameters and compute of both sides (and of the matmul peak)")
     t.add_argument("--nominal-peak-tflops", type=float,
                    help="the device's nominal dense peak in --dtype (e.g. 989 for an H100/H200 SXM in bf16): adds MFU")
+    t.add_argument("--attention", choices=("xla", "cudnn"), default="xla",
+                   help="jodpo's attention kernel (Model.attention; cudnn: NVIDIA GPUs, bf16)")
     t.add_argument("--fixture", type=Path, help="build (or reuse) the fixture here instead of a temporary dir")
     t.add_argument("--out", type=Path)
     bench_program.add_parser(sub, dict(vocab=PYTHIA_70M["vocab_size"], hidden=PYTHIA_70M["hidden_size"],
                                        layers=PYTHIA_70M["num_hidden_layers"], heads=PYTHIA_70M["num_attention_heads"]))
+    bench_memory.add_parser(sub, dict(vocab=PYTHIA_70M["vocab_size"], hidden=PYTHIA_70M["hidden_size"],
+                                      layers=PYTHIA_70M["num_hidden_layers"], heads=PYTHIA_70M["num_attention_heads"]))
     args = ap.parse_args(argv)
-    result = {"sample": bench_sample, "train": bench_train, "program": bench_program.bench_program}[args.what](args)
+    result = {"sample": bench_sample, "train": bench_train, "program": bench_program.bench_program,
+              "memory": bench_memory.bench_memory}[args.what](args)
     result["machine"] = machine()
     result["command"] = "python scripts/bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    {"sample": print_sample, "train": print_train, "program": bench_program.print_program}[args.what](result)
+    {"sample": print_sample, "train": print_train, "program": bench_program.print_program,
+     "memory": bench_memory.print_memory}[args.what](result)
     if args.out:
         args.out.write_text(json.dumps(result, indent=2))
     return result

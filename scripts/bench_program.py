@@ -70,6 +70,9 @@ def add_parser(sub, defaults: dict):
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16",
                    help="compute dtype (bf16: float32 weights, bf16 compute, both sides)")
     p.add_argument("--no-trl", action="store_true", help="jodpo only")
+    p.add_argument("--attention", choices=("xla", "cudnn"), default="xla", help="jodpo's attn_implementation")
+    p.add_argument("--deterministic", action="store_true",
+                   help="jodpo with deterministic=True (XLA's deterministic GPU ops): run with and without to cost it")
     p.add_argument("--cache-dir", type=Path, help="XLA compilation cache of the program (default: a fresh one)")
     p.add_argument("--fixture", type=Path, help="build (or reuse) the fixture here instead of a temporary dir")
     p.add_argument("--out", type=Path)
@@ -102,6 +105,10 @@ def train_argv(fx: Path, a, out_dir: Path, cache_dir: Path) -> list[str]:
              gradient_checkpointing=True, logging_steps=1, num_sample_generations=0)
     if "compilation_cache_dir" in FIELDS:
         o["compilation_cache_dir"] = cache_dir
+    if a.attention != "xla":
+        o["attn_implementation"] = a.attention
+    if a.deterministic:
+        o["deterministic"] = True
     return ["--config", "tldr.py", *(f"--config.{k}={v}" for k, v in o.items())]
 
 

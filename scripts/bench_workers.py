@@ -33,8 +33,9 @@ def worker_jodpo(spec: dict, ch: Channel):
         fx, B, T = Path(spec["fixture"]), spec["batch"], spec["new_tokens"]
         tok = jodpo.load_tokenizer(str(fx / "policy"))
         model, ref = jodpo.load_model(str(fx / "policy"), dtype=spec["dtype"])
-        model = model.replace(remat="none")  # no gradient checkpointing (as the TRL side)
+        model = model.replace(remat="none", attention=spec["attention"])  # no gradient checkpointing (as TRL)
         rm, rm_params = jodpo.load_model(str(fx / "reward"), task="reward", dtype=spec["dtype"])
+        rm = rm.replace(attention=spec["attention"])
         eos = tuple(dict.fromkeys([*model.eos_token_ids, tok.eos_token_id]))  # as jodpo.train: model + tokenizer
         data = D.prepare_prompts(Dataset.from_dict({"prompt": json.loads((fx / "prompts.json").read_text())}), tok,
                                  MAX_LENGTH)
@@ -89,6 +90,10 @@ def _program_setup(jax, D, ts, train_argv: list[str]):
     from jodpo.train import parse_args
 
     tcfg, _ = parse_args(train_argv)
+    if tcfg.deterministic:  # as the program (not its compilation cache: the cold run must find it empty)
+        from jodpo.backend import set_deterministic
+
+        set_deterministic()
     run = build(tcfg)
     state = ts.init_state(run.step_cfg, run.policy_params, jax.random.PRNGKey(tcfg.seed))
     pad, A = run.step_cfg.sampling.pad_token_id, tcfg.gradient_accumulation_steps

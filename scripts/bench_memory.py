@@ -1,0 +1,131 @@
+"""``bench.py memory``: what the fused online step holds on the device, read from XLA's compiled
+``memory_analysis()`` at any shape without allocating it (compiling a Pythia-1B-shaped step needs no GPU and no
+weights: the models are built from a ``config.json`` alone, the arrays are ``jax.ShapeDtypeStruct``s).
+
+For the step and each of its pieces (sampling, reward scoring, the update) it reports XLA's argument, output,
+aliased (donated and reused) and temporary bytes, and the peak they imply (arguments + outputs - aliased +
+temporaries), next to the arithmetic of the big residents: the policy, its gradient and Adam moments, the frozen
+reference and reward model, the KV cache and the LM head's logits. The numbers are the CPU compiler's buffer
+assignment; a GPU's differs in its fusions, not in what is resident.
+"""
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from pathlib import Path
+
+from bench_common import PYTHIA_70M
+
+MiB = 2 ** 20
+
+
+def _models(a, tmp: Path):
+    from transformers import GPTNeoXConfig
+
+    from jodpo.models.loading import model_from_dir
+
+    cfg = dict(PYTHIA_70M, vocab_size=a.vocab, hidden_size=a.hidden, num_hidden_layers=a.layers,
+               num_attention_heads=a.heads, intermediate_size=4 * a.hidden, eos_token_id=0, bos_token_id=0,
+               pad_token_id=1)
+    out = []
+    for task in ("causal_lm", "reward"):
+        d = tmp / task
+        d.mkdir()
+        arch = "GPTNeoXForCausalLM" if task == "causal_lm" else "GPTNeoXForSequenceClassification"
+        GPTNeoXConfig(**cfg, num_labels=1, architectures=[arch]).to_json_file(d / "config.json")
+        out.append(model_from_dir(d, task, "float32"))
+    return out
+
+
+def _analysis(compiled) -> dict:
+    m = compiled.memory_analysis()
+    r = {k: getattr(m, f"{k}_size_in_bytes") / MiB for k in ("argument", "output", "alias", "temp")}
+    r["peak"] = r["argument"] + r["output"] - r["alias"] + r["temp"]
+    return {f"{k}_mib": round(v, 1) for k, v in r.items()}
+
+
+def bench_memory(a) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    import jodpo
+    from jodpo import train_step as ts
+    from jodpo.models import core
+
+    with tempfile.TemporaryDirectory() as tmp:
+        policy, rm = _models(a, Path(tmp))
+    compute = "bfloat16" if a.dtype == "bfloat16" else "float32"
+    model = policy.replace(dtype=compute, remat=a.remat, attention=a.attention)
+    rm = rm.replace(dtype=compute, attention=a.attention)
+    cfg = ts.StepConfig(model=model, sampling=jodpo.SamplingConfig(max_new_tokens=a.new_tokens, temperature=0.7,
+                                                                   eos_token_ids=(0,), pad_token_id=1),
+                        optimizer=ts.OptimizerConfig(learning_rate=5e-7, total_steps=1000), beta=0.1,
+                        missing_eos_penalty=1.0, max_length=512, reward_model=rm)
+    pdt, fdt = jnp.dtype(a.param_dtype), jnp.dtype(a.frozen_param_dtype)
+    params = core.param_shapes(model, pdt)
+    ref, rm_params = core.param_shapes(model, fdt), core.param_shapes(rm, fdt)
+    state = jax.eval_shape(lambda p: ts.init_state(cfg, p, jax.random.key(0)), params)
+    A, B, P, T = a.accumulation, a.batch, a.prompt_len, a.new_tokens
+    ids = jax.ShapeDtypeStruct((A, B, P), jnp.int32)
+    samples = jax.eval_shape(lambda s, i: ts.sample_completions(cfg, s, i, i), state, ids)
+    rewards = jax.ShapeDtypeStruct((A, 2 * B), jnp.float32)
+
+    pieces, compile_s = {}, {}
+    for name, fn, args in (
+            ("online_step", ts.jit_online_step, (cfg, state, ref, rm_params, ids, ids)),
+            ("sample_completions", ts.jit_sample_completions, (cfg, state, ids, ids)),
+            ("score_completions", ts.jit_score_completions, (cfg, rm_params, ids, ids, samples)),
+            ("update", ts.jit_update, (cfg, state, ref, ids, ids, samples, rewards))):
+        t = time.perf_counter()
+        pieces[name] = _analysis(fn.lower(*args).compile())
+        compile_s[name] = round(time.perf_counter() - t, 1)
+
+    n = sum(x.size for x in jax.tree.leaves(params))
+    n_rm = sum(x.size for x in jax.tree.leaves(rm_params))
+    cb = jnp.dtype(compute).itemsize
+    rows = 2 * A * B  # the sampler's decode rows: two completions of every prompt of the window
+    resident = {
+        "policy_params_mib": n * pdt.itemsize / MiB,
+        "adam_moments_mib": 2 * n * pdt.itemsize / MiB,
+        "gradient_mib": n * pdt.itemsize / MiB,
+        "reference_params_mib": n * fdt.itemsize / MiB,
+        "reward_model_params_mib": n_rm * fdt.itemsize / MiB,
+        "sampler_weights_in_compute_dtype_mib": (n * cb / MiB) if cb != pdt.itemsize else 0.0,
+        "kv_cache_mib": 2 * a.layers * rows * (P + T) * a.hidden * cb / MiB,
+        "lm_head_logits_per_micro_batch_mib": 2 * B * T * a.vocab * 4 / MiB,
+    }
+    return {"benchmark": "memory",
+            "model": f"GPT-NeoX, hidden {a.hidden}, {a.layers} layers, {a.heads} heads, vocab {a.vocab}",
+            "settings": dict(batch=B, accumulation=A, prompt_len=P, new_tokens=T, dtype=a.dtype, remat=a.remat,
+                             param_dtype=a.param_dtype, frozen_param_dtype=a.frozen_param_dtype,
+                             attention=a.attention, backend=jax.default_backend()),
+            "parameters": n, "reward_model_parameters": n_rm,
+            "resident": {k: round(v, 1) for k, v in resident.items()}, "compiled": pieces, "compile_s": compile_s}
+
+
+def print_memory(r: dict) -> None:
+    print(f"{r['model']}; {json.dumps(r['settings'])}")
+    print(f"parameters: policy {r['parameters'] / 1e9:.3f} B, reward model {r['reward_model_parameters'] / 1e9:.3f} B")
+    for k, v in r["resident"].items():
+        print(f"  {k:<40} {v:>10.1f} MiB")
+    print(f"{'XLA memory_analysis (MiB)':<22} {'argument':>10} {'output':>10} {'aliased':>10} {'temp':>10} {'peak':>10}")
+    for name, m in r["compiled"].items():
+        print(f"{name:<22} {m['argument_mib']:>10.1f} {m['output_mib']:>10.1f} {m['alias_mib']:>10.1f} "
+              f"{m['temp_mib']:>10.1f} {m['peak_mib']:>10.1f}")
+
+
+def add_parser(sub, defaults: dict) -> None:
+    p = sub.add_parser("memory", help="the fused step's device memory from XLA's memory_analysis (no weights)")
+    for k in ("vocab", "hidden", "layers", "heads"):
+        p.add_argument(f"--{k}", type=int, default=defaults[k])
+    p.add_argument("--batch", type=int, default=8, help="prompts per micro-batch")
+    p.add_argument("--accumulation", type=int, default=2, help="gradient_accumulation_steps")
+    p.add_argument("--prompt-len", type=int, default=128, help="the prompt bucket (tldr.py's ~70 tokens: 128)")
+    p.add_argument("--new-tokens", type=int, default=53)
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16", help="compute dtype")
+    p.add_argument("--param-dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--frozen-param-dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--remat", choices=("none", "full", "dots"), default="full")
+    p.add_argument("--attention", choices=("xla", "cudnn"), default="xla")
+    p.add_argument("--out", type=Path)
