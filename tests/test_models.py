@@ -98,8 +98,9 @@ def test_kv_cache_decoding_equals_full_forward(checkpoints, family, per_layer):
 
 @pytest.mark.parametrize("dtype, tol", [("float32", 2e-6), ("bfloat16", 1e-2)])
 def test_fused_attention_equals_jodpos_own(dtype, tol):
-    """jax.nn.dot_product_attention with jodpo's masks (left padding, causality, a window, grouped kv heads,
-    rows that see no key) equals the einsum attention the decode steps use: values and gradients."""
+    """The forwards' attention (token-major keys) and jax.nn.dot_product_attention called as the cuDNN path calls
+    it (its XLA twin here), with jodpo's masks (left padding, causality, a window, grouped kv heads, rows that see
+    no key), equal the einsum attention the decode steps use: values and gradients."""
     model = core.Model(family="llama", task="causal_lm", vocab_size=8, hidden_size=16, num_layers=1, num_heads=4,
                        num_kv_heads=2, head_dim=8, mlp_dim=8, norm="rmsnorm", norm_eps=1e-6, activation="silu",
                        gated_mlp=True, mlp_bias=False, qkv_bias=False, out_bias=False, parallel_residual=False,
@@ -121,15 +122,19 @@ def test_fused_attention_equals_jodpos_own(dtype, tol):
     def fused(q, k, v):
         return core._fused_attention(model, q, k, v, attend)
 
-    want, got = own(q, k, v), fused(q, k, v)
-    assert got.dtype == want.dtype == jnp.dtype(dtype)
+    def library(q, k, v):
+        return core._library_attention(model, q, k, v, attend, "xla")
+
+    want = own(q, k, v)
     f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731
-    np.testing.assert_allclose(f32(got), f32(want), rtol=tol, atol=tol)
     w = jnp.asarray(rng.normal(size=want.shape), jnp.float32)
-    grads = [jax.grad(lambda *a, f=f: jnp.sum(f(*a).astype(jnp.float32) * w), argnums=(0, 1, 2))(q, k, v)
-             for f in (own, fused)]
-    for a, b in zip(*grads):
-        np.testing.assert_allclose(f32(b), f32(a), rtol=tol, atol=tol * float(np.abs(f32(a)).max()))
+    grad = lambda f: jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32) * w), argnums=(0, 1, 2))(q, k, v)  # noqa
+    for f in (fused, library):
+        got = f(q, k, v)
+        assert got.dtype == want.dtype == jnp.dtype(dtype)
+        np.testing.assert_allclose(f32(got), f32(want), rtol=tol, atol=tol)
+        for a, b in zip(grad(own), grad(f)):
+            np.testing.assert_allclose(f32(b), f32(a), rtol=tol, atol=tol * float(np.abs(f32(a)).max()))
     with pytest.raises(ValueError, match="attention must be one of"):
         model.replace(attention="flash")
 
