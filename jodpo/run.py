@@ -57,6 +57,9 @@ def _same_tokenizer(a, b) -> bool:
 def build(cfg: TrainConfig) -> Run:
     if not cfg.model_name_or_path:
         raise ConfigError("model_name_or_path is empty: give a local HF checkpoint directory or a hub id")
+    if cfg.attn_implementation == "cudnn" and jax.default_backend() != "gpu":
+        raise ConfigError(f"attn_implementation='cudnn' needs an NVIDIA GPU, and jax's backend is "
+                          f"{jax.default_backend()}: use 'xla'")
     mesh = S.make_mesh(cfg.mesh_data, cfg.mesh_fsdp, cfg.mesh_tensor)
     dp = S.data_parallel_size(mesh)
     tokenizer = load_tokenizer(cfg.model_name_or_path, cfg.model_revision)
@@ -67,9 +70,6 @@ def build(cfg: TrainConfig) -> Run:
         _, policy_params = load_model(cfg.model_name_or_path, "causal_lm", cfg.param_dtype,
                                       revision=cfg.model_revision, mesh=mesh)
     remat = cfg.remat if cfg.remat != "auto" else ("full" if cfg.gradient_checkpointing else "none")
-    if cfg.attn_implementation == "cudnn" and jax.default_backend() != "gpu":
-        raise ConfigError(f"attn_implementation='cudnn' needs an NVIDIA GPU, and jax's backend is "
-                          f"{jax.default_backend()}: use 'xla'")
     model = model.replace(dtype="bfloat16" if cfg.bf16 else "float32", remat=remat, precision=cfg.matmul_precision,
                           attention=cfg.attn_implementation)
     eos = tuple(dict.fromkeys([*model.eos_token_ids, *([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None

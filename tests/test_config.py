@@ -44,10 +44,18 @@ def test_bad_values_are_refused(field, value, match):
         C.TrainConfig(**{field: value})
 
 
-def test_cudnn_attention_needs_bf16():
-    C.TrainConfig(attn_implementation="cudnn", bf16=True)
+def test_cudnn_attention_needs_bf16_and_a_gpu():
+    cfg = C.TrainConfig(model_name_or_path="/no/such/model", attn_implementation="cudnn", bf16=True)
     with pytest.raises(C.ConfigError, match="attn_implementation='cudnn' needs bf16=True"):
         C.TrainConfig(attn_implementation="cudnn", bf16=False)
+    import jax
+
+    from jodpo.run import build
+
+    if jax.default_backend() == "gpu":
+        pytest.skip("a GPU is jax's backend: cudnn is allowed here")
+    with pytest.raises(C.ConfigError, match=f"needs an NVIDIA GPU, and jax's backend is {jax.default_backend()}"):
+        build(cfg)  # before anything is loaded (the model path does not exist)
 
 
 def test_max_new_tokens_at_least_max_length_warns():

@@ -97,7 +97,7 @@ def test_kv_cache_decoding_equals_full_forward(checkpoints, family, per_layer):
 
 
 @pytest.mark.parametrize("dtype, tol", [("float32", 2e-6), ("bfloat16", 1e-2)])
-def test_fused_attention_equals_jodpos_own(dtype, tol):
+def test_forward_attention_equals_jodpos_own(dtype, tol):
     """The forwards' attention (token-major keys) and jax.nn.dot_product_attention called as the cuDNN path calls
     it (its XLA twin here), with jodpo's masks (left padding, causality, a window, grouped kv heads, rows that see
     no key), equal the einsum attention the decode steps use: values and gradients."""
@@ -120,7 +120,7 @@ def test_fused_attention_equals_jodpos_own(dtype, tol):
         return core._attention(model, q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), attend)
 
     def fused(q, k, v):
-        return core._fused_attention(model, q, k, v, attend)
+        return core._forward_attention(model, q, k, v, attend)
 
     def library(q, k, v):
         return core._library_attention(model, q, k, v, attend, "xla")
