@@ -42,7 +42,7 @@ def _analysis(compiled) -> dict:
     m = compiled.memory_analysis()
     r = {k: getattr(m, f"{k}_size_in_bytes") / MiB for k in ("argument", "output", "alias", "temp")}
     r["peak"] = r["argument"] + r["output"] - r["alias"] + r["temp"]
-    return {f"{k}_mib": round(v, 1) for k, v in r.items()}
+    return {f"{k}_mib": round(v, 3) for k, v in r.items()}
 
 
 def bench_memory(a) -> dict:
@@ -101,7 +101,7 @@ def bench_memory(a) -> dict:
                              param_dtype=a.param_dtype, frozen_param_dtype=a.frozen_param_dtype,
                              attention=a.attention, backend=jax.default_backend()),
             "parameters": n, "reward_model_parameters": n_rm,
-            "resident": {k: round(v, 1) for k, v in resident.items()}, "compiled": pieces, "compile_s": compile_s}
+            "resident": {k: round(v, 3) for k, v in resident.items()}, "compiled": pieces, "compile_s": compile_s}
 
 
 def print_memory(r: dict) -> None:

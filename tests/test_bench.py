@@ -236,24 +236,25 @@ def test_memory_analysis_of_the_step(tmp_path):
     """bench.py memory on a tiny shape: XLA's numbers for the step and its pieces, the residents' arithmetic, and
     the donated state aliased (updated in place, not held twice)."""
     out = tmp_path / "memory.json"
-    cmd = [sys.executable, str(ROOT / "scripts" / "bench.py"), "memory", "--hidden", "64", "--layers", "2", "--heads",
-           "4", "--vocab", "512", "--batch", "2", "--prompt-len", "16", "--new-tokens", "4", "--out", str(out)]
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench.py"), "memory", "--hidden", "64", "--layers", "1", "--heads",
+           "4", "--vocab", "512", "--batch", "2", "--prompt-len", "16", "--new-tokens", "4", "--dtype", "float32",
+           "--out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "memory_analysis" in proc.stdout
     r = json.loads(out.read_text())
     n = r["parameters"]
     # GPT-NeoX: embed + head (untied) 2 V D; per layer 12 D^2 weights, 9 D biases, two layer norms 4 D; final norm
-    D, V, L = 64, 512, 2
+    D, V, L = 64, 512, 1
     assert n == 2 * V * D + L * (12 * D * D + 13 * D) + 2 * D
     res = r["resident"]
-    assert res["policy_params_mib"] == round(n * 4 / 2 ** 20, 1)
-    assert res["adam_moments_mib"] == round(8 * n / 2 ** 20, 1)
-    assert res["kv_cache_mib"] == round(2 * L * (2 * 2 * 2) * (16 + 4) * D * 2 / 2 ** 20, 1)
+    assert res["policy_params_mib"] == round(n * 4 / 2 ** 20, 3)
+    assert res["adam_moments_mib"] == round(8 * n / 2 ** 20, 3)
+    assert res["kv_cache_mib"] == round(2 * L * (2 * 2 * 2) * (16 + 4) * D * 4 / 2 ** 20, 3)  # float32 compute
     step = r["compiled"]["online_step"]
     state_mib = (4 + 8) * n / 2 ** 20  # parameters + two Adam moments, float32
     assert step["alias_mib"] >= 0.99 * state_mib  # the donated state is reused for the new one
     frozen = res["reference_params_mib"] + res["reward_model_params_mib"]
-    assert step["argument_mib"] >= state_mib + frozen - 0.2  # the state, the reference and the reward model
+    assert step["argument_mib"] >= state_mib + frozen - 0.01  # the state, the reference and the reward model
     for m in r["compiled"].values():
-        assert abs(m["peak_mib"] - (m["argument_mib"] + m["output_mib"] - m["alias_mib"] + m["temp_mib"])) < 0.25
+        assert abs(m["peak_mib"] - (m["argument_mib"] + m["output_mib"] - m["alias_mib"] + m["temp_mib"])) < 0.01
