@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jodpo.models.core import Cache, Model, Params, compute_params, hidden_states, init_cache, split_layers
+from jodpo.models.core import Cache, Model, Params, hidden_states, init_cache
+from jodpo.models.params import compute_params, split_layers
 from jodpo.models.heads import lm_head
 
 

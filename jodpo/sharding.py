@@ -22,7 +22,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jodpo.models.core import Model, Params, param_specs
+from jodpo.models.core import Model, Params
+from jodpo.models.params import param_specs
 
 AXES = ("data", "fsdp", "tensor")
 BATCH = ("data", "fsdp")  # the mesh axes that split a batch

@@ -57,7 +57,7 @@ def write_world(root: Path, seed: int = 0) -> Path:
     """Write the tiny policy checkpoint (``root/model``) and prompts (``root/prompts.jsonl``, ``eval.jsonl``)."""
     from transformers import LlamaConfig
 
-    from jodpo.models.core import init_params
+    from jodpo.models.params import init_params
     from jodpo.models.export import save_hf
     from jodpo.models.families import model_from_hf_config
 

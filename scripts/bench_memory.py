@@ -51,7 +51,7 @@ def bench_memory(a) -> dict:
 
     import jodpo
     from jodpo import train_step as ts
-    from jodpo.models import core
+    from jodpo.models import params as params_mod
 
     with tempfile.TemporaryDirectory() as tmp:
         policy, rm = _models(a, Path(tmp))
@@ -63,8 +63,8 @@ def bench_memory(a) -> dict:
                         optimizer=ts.OptimizerConfig(learning_rate=5e-7, total_steps=1000), beta=0.1,
                         missing_eos_penalty=1.0, max_length=512, reward_model=rm)
     pdt, fdt = jnp.dtype(a.param_dtype), jnp.dtype(a.frozen_param_dtype)
-    params = core.param_shapes(model, pdt)
-    ref, rm_params = core.param_shapes(model, fdt), core.param_shapes(rm, fdt)
+    params = params_mod.param_shapes(model, pdt)
+    ref, rm_params = params_mod.param_shapes(model, fdt), params_mod.param_shapes(rm, fdt)
     state = jax.eval_shape(lambda p: ts.init_state(cfg, p, jax.random.key(0)), params)
     A, B, P, T = a.accumulation, a.batch, a.prompt_len, a.new_tokens
     ids = jax.ShapeDtypeStruct((A, B, P), jnp.int32)

@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 import jodpo
 from jodpo.models import core, heads
+from jodpo.models import params as mparams
 from tests import hf_fixtures
 
 FAMILIES = ["neox", "neox_seq", "llama", "llama_tied", "mistral", "qwen2"]
@@ -70,7 +71,7 @@ def test_reward_reads_last_non_pad_token_like_transformers():
 def test_kv_cache_decoding_equals_full_forward(checkpoints, family, per_layer):
     model, stacked = jodpo.load_model(str(checkpoints[family]["causal_lm"]))
     # per_layer is the sampler's layout: split weights, one cache buffer per layer, layers unrolled.
-    params = core.split_layers(stacked) if per_layer else stacked
+    params = mparams.split_layers(stacked) if per_layer else stacked
     rng = np.random.default_rng(2)
     prompt, pmask = hf_fixtures.padded_batch(rng, [7, 3, 5], model.pad_token_id, "left")
     steps = 6

@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 import jodpo
 from jodpo import sampling
 from jodpo.models import core, heads
+from jodpo.models import params as mparams
 from tests import hf_fixtures
 from tests.test_models import FAMILIES
 
@@ -147,7 +148,7 @@ def test_empirical_frequencies_match_filtered_distribution(filters):
                        num_kv_heads=1, head_dim=4, mlp_dim=8, norm="rmsnorm", norm_eps=1e-6, activation="silu",
                        gated_mlp=True, mlp_bias=False, qkv_bias=False, out_bias=False, parallel_residual=False,
                        rotary_dim=4, inv_freq=(1.0, 0.01), tie_embeddings=False)
-    params = core.init_params(model, jax.random.key(0), std=1.0)
+    params = mparams.init_params(model, jax.random.key(0), std=1.0)
     N = 40000
     ids, mask = np.full((N, 2), 3, np.int32), np.ones((N, 2), np.int32)
     cfg = jodpo.SamplingConfig(max_new_tokens=1, **filters)
@@ -263,7 +264,7 @@ def test_compute_params_change_no_number(checkpoints):
         model, params = jodpo.load_model(str(checkpoints[family]["causal_lm"]))
         model = model.replace(dtype="bfloat16")
         ids, mask = hf_fixtures.padded_batch(np.random.default_rng(1), [6, 4], model.pad_token_id, "left")
-        cast = core.compute_params(model, params)
+        cast = mparams.compute_params(model, params)
         assert cast["embed"].dtype == jnp.bfloat16 and jax.tree.leaves(cast["final_norm"])[0].dtype == jnp.float32
         np.testing.assert_array_equal(np.asarray(jodpo.logits(model, params, ids, mask)),
                                       np.asarray(jodpo.logits(model, cast, ids, mask)))

@@ -18,7 +18,8 @@ import ml_dtypes
 import numpy as np
 
 from jodpo.models import families
-from jodpo.models.core import Model, Params, _is_spec, param_specs
+from jodpo.models.core import Model, Params
+from jodpo.models.params import _is_spec, param_specs
 
 WEIGHT_PATTERNS = ["config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json"]
 TOKENIZER_PATTERNS = ["tokenizer*", "special_tokens_map.json", "vocab.*", "merges.txt", "*.model",

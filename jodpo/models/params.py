@@ -1,0 +1,115 @@
+"""The parameters of ``jodpo.models.core``'s decoder: their shapes and logical axis names in one table
+(``param_specs``, the one source of shapes, read by loading, export and sharding), random initialisation, and
+the per-call transforms the sampler applies (``compute_params``, ``split_layers``)."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jodpo.models.core import Model, Params
+
+
+# --------------------------------------------------------------------------------------------------
+# Parameters: shapes and logical axis names in one table.
+# --------------------------------------------------------------------------------------------------
+
+
+def param_specs(model: Model) -> dict:
+    """Nested dict of ``(shape, logical_axes)`` mirroring ``params``; the one source of shapes."""
+    D, N, H, K, Dh, F, V = (model.hidden_size, model.num_layers, model.num_heads, model.num_kv_heads,
+                            model.head_dim, model.mlp_dim, model.vocab_size)
+
+    def norm():
+        p = {"scale": ((N, D), ("layers", "embed"))}
+        if model.norm == "layernorm":
+            p["bias"] = ((N, D), ("layers", "embed"))
+        return p
+
+    attn = {
+        "q": ((N, D, H, Dh), ("layers", "embed", "heads", "head_dim")),
+        "k": ((N, D, K, Dh), ("layers", "embed", "kv_heads", "head_dim")),
+        "v": ((N, D, K, Dh), ("layers", "embed", "kv_heads", "head_dim")),
+        "o": ((N, H, Dh, D), ("layers", "heads", "head_dim", "embed")),
+    }
+    if model.qkv_bias:
+        attn["q_bias"] = ((N, H, Dh), ("layers", "heads", "head_dim"))
+        attn["k_bias"] = ((N, K, Dh), ("layers", "kv_heads", "head_dim"))
+        attn["v_bias"] = ((N, K, Dh), ("layers", "kv_heads", "head_dim"))
+    if model.out_bias:
+        attn["o_bias"] = ((N, D), ("layers", "embed"))
+    mlp = {"up": ((N, D, F), ("layers", "embed", "mlp")), "down": ((N, F, D), ("layers", "mlp", "embed"))}
+    if model.gated_mlp:
+        mlp["gate"] = ((N, D, F), ("layers", "embed", "mlp"))
+    if model.mlp_bias:
+        mlp["up_bias"] = ((N, F), ("layers", "mlp"))
+        mlp["down_bias"] = ((N, D), ("layers", "embed"))
+        if model.gated_mlp:
+            mlp["gate_bias"] = ((N, F), ("layers", "mlp"))
+    final = {k: (shape[1:], axes[1:]) for k, (shape, axes) in norm().items()}
+    specs = {
+        "embed": ((V, D), ("vocab", "embed")),
+        "layers": {"ln1": norm(), "ln2": norm(), "attn": attn, "mlp": mlp},
+        "final_norm": final,
+    }
+    if model.task == "causal_lm" and not model.tie_embeddings:
+        specs["lm_head"] = ((V, D), ("vocab", "embed"))  # HF's layout; also the faster one for decode dots
+    if model.task == "reward":
+        specs["score"] = ((D, 1), ("embed", None))
+    return specs
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], tuple)
+
+
+def param_axes(model: Model) -> dict:
+    """Logical axis names of every parameter (same tree as ``params``), for the sharding rules."""
+    return jax.tree.map(lambda s: s[1], param_specs(model), is_leaf=_is_spec)
+
+
+def param_shapes(model: Model, dtype=jnp.float32) -> dict:
+    """``jax.ShapeDtypeStruct`` of every parameter (same tree as ``params``)."""
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s[0], dtype), param_specs(model), is_leaf=_is_spec)
+
+
+def init_params(model: Model, rng: jax.Array, dtype=jnp.float32, std: float = 0.02) -> Params:
+    """Random parameters (normal(0, std) weights, unit norm scales, zero biases), as HF initialises."""
+    specs = param_specs(model)
+    leaves, treedef = jax.tree.flatten_with_path(specs, is_leaf=_is_spec)
+    keys = jax.random.split(rng, len(leaves))
+    out = []
+    for key, (path, (shape, _)) in zip(keys, leaves):
+        name = jax.tree_util.keystr(path)
+        if "bias" in name:
+            out.append(jnp.zeros(shape, dtype))
+        elif "scale" in name:
+            out.append(jnp.ones(shape, dtype))
+        else:
+            out.append((std * jax.random.normal(key, shape, jnp.float32)).astype(dtype))
+    return jax.tree.unflatten(treedef, out)
+
+
+_NORMS = ("ln1", "ln2", "final_norm")
+
+
+def compute_params(model: Model, params: Params) -> Params:
+    """``params`` with every weight the forward casts to the compute dtype already cast (the norms stay as
+    they are: LayerNorm reads its scale and bias in float32). The forward then computes exactly the same numbers
+    and converts nothing; the sampler does this once per call, rather than on every decode step."""
+    dt = jnp.dtype(model.dtype)
+
+    def cast(path, x):
+        if any(getattr(k, "key", None) in _NORMS for k in path) or not jnp.issubdtype(x.dtype, jnp.floating):
+            return x
+        return x.astype(dt)
+
+    return jax.tree_util.tree_map_with_path(cast, params)
+
+
+def split_layers(params: Params) -> Params:
+    """``params`` with the stacked layers split into a tuple of per-layer dicts, for unrolled decoding
+    with a per-layer cache (``init_cache(..., per_layer=True)``): a decode step then slices no weights
+    and no cache slabs. Costs one copy of the layer weights; do it once per sampling call."""
+    layers = params["layers"]
+    n = jax.tree.leaves(layers)[0].shape[0]
+    return {**params, "layers": tuple(jax.tree.map(lambda a: a[i], layers) for i in range(n))}
