@@ -32,6 +32,13 @@ class TrainConfig:
     reward_model_path: str | None = _f(None, "reward model (*ForSequenceClassification, num_labels=1): dir or hub id")
     reward_funcs: tuple[str, ...] = _f((), "reward functions as 'module:function' import paths (TRL's callables)")
     reward_weights: tuple[float, ...] | None = _f(None, "weights of the rewards (model first, then functions)")
+    judge: str | None = _f(None, "a pairwise judge instead of rewards: 'module:function' / 'module:Class' (TRL's "
+                                 "BasePairwiseJudge.judge), or a causal LM (dir or hub id) asked which is better")
+    judge_prompt: str | None = _f(None, "the LLM judge's prompt with {prompt}, {response0}, {response1}, or a file "
+                                        "holding it (None: TRL's default pairwise prompt)")
+    judge_answer_tokens: tuple[str, ...] = _f(("0", "1"), "the LLM judge's answers naming completion 0 and 1 (one "
+                                                          "token each); read from their logits")
+    judge_both_orders: bool = _f(True, "the LLM judge reads each pair in both orders and averages (position bias)")
     model_revision: str | None = _f(None, "hub revision (branch, tag or commit) of the policy")
     # --- data
     dataset_name: str = _f("", "hub dataset id, or a local file/directory (json, jsonl, parquet, csv)")
@@ -151,6 +158,16 @@ def _check(c: TrainConfig) -> None:
     if c.attn_implementation == "cudnn" and not c.bf16:
         raise ConfigError("attn_implementation='cudnn' needs bf16=True (cuDNN's flash attention has no float32 "
                           "kernel); use 'xla' for float32 compute")
+    if c.judge is not None:
+        others = [n for n in ("reward_model_path", "reward_funcs", "reward_weights") if getattr(c, n)]
+        if others:
+            raise ConfigError(f"judge and {', '.join(others)} are both set: a run pairs its completions by a judge or "
+                              "by rewards (as TRL enforces); unset one")
+        if c.missing_eos_penalty is not None or c.non_eos_penalty:
+            raise ConfigError("missing_eos_penalty and non_eos_penalty change rewards, and a judge gives none (TRL "
+                              "applies them only with rewards); unset them, or use a reward model")
+        if len(c.judge_answer_tokens) != 2 or c.judge_answer_tokens[0] == c.judge_answer_tokens[1]:
+            raise ConfigError(f"judge_answer_tokens must be two different strings, got {c.judge_answer_tokens!r}")
     if c.remat not in ("auto", "none", "full", "dots"):
         raise ConfigError(f"remat must be auto, none, full or dots, got {c.remat!r}")
     if not c.save_steps > 0:

@@ -104,7 +104,14 @@ def prepare_prompts(ds, tokenizer, max_prompt_length: int) -> PromptData:
                          "prompts")
     columns = {c: list(ds[c]) for c in ds.column_names if c != "prompt"}
     refs = columns.get("completion")
-    return PromptData(prompts, ids, columns, [str(r) for r in refs] if refs is not None else None)
+    return PromptData(prompts, ids, columns, [_reference_text(r) for r in refs] if refs is not None else None)
+
+
+def _reference_text(completion) -> str:
+    """A reference completion as text: chat data's completion messages give their contents."""
+    if isinstance(completion, list):
+        return "".join(str(m["content"]) for m in completion)
+    return str(completion)
 
 
 @dataclasses.dataclass

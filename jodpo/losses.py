@@ -145,30 +145,39 @@ def check_loss_options(loss_type: str, o: LossOptions) -> None:
         raise ValueError("loss_type='exo_pair' needs 0 < label_smoothing < 1 (TRL suggests 1e-3)")
 
 
+def _mean(x: jax.Array, weights: jax.Array | None) -> jax.Array:
+    """The mean of ``x``, or its ``weights``-weighted mean (0 when every weight is 0)."""
+    if weights is None:
+        return x.mean()
+    return (x * weights).sum() / jnp.maximum(weights.sum(), 1e-30)
+
+
 def preference_loss(S: jax.Array, S_ref: jax.Array, lengths: jax.Array, chosen: jax.Array, rejected: jax.Array, *,
-                    beta, loss_type: str = "sigmoid", options: LossOptions = LossOptions()):
+                    beta, loss_type: str = "sigmoid", options: LossOptions = LossOptions(),
+                    weights: jax.Array | None = None):
     """The pairwise loss and its metrics from summed log-probs of N sequences and (chosen, rejected) rows.
 
     Args:
       S, S_ref: f32[N] summed completion log-probs under the policy and the reference.
       lengths: f32[N] completion lengths (for length-normalised losses).
       chosen, rejected: i32[B] row indices of each pair.
+      weights: f32[B] per-pair weights (a judge's pairs without a verdict weigh 0), or None: every pair alike.
     Returns:
-      ``(loss, metrics)``: the mean per-pair loss; ``rewards/*`` and ``logps/*`` as TRL logs them.
+      ``(loss, metrics)``: the (weighted) mean per-pair loss; ``rewards/*`` and ``logps/*`` as TRL logs them.
     """
     pair = Pair(chosen=S[chosen] - S_ref[chosen], rejected=S[rejected] - S_ref[rejected],
                 chosen_len=lengths[chosen], rejected_len=lengths[rejected])
-    loss = get_loss(loss_type)(pair, beta, options).mean()
+    loss = _mean(get_loss(loss_type)(pair, beta, options), weights)
     chosen_rewards, rejected_rewards = beta * pair.chosen, beta * pair.rejected
     margins = chosen_rewards - rejected_rewards
     metrics = {
         "loss": loss,
-        "rewards/chosen": chosen_rewards.mean(),
-        "rewards/rejected": rejected_rewards.mean(),
-        "rewards/margins": margins.mean(),
-        "rewards/accuracies": (margins > 0).astype(jnp.float32).mean(),
-        "logps/chosen": S[chosen].mean(),
-        "logps/rejected": S[rejected].mean(),
+        "rewards/chosen": _mean(chosen_rewards, weights),
+        "rewards/rejected": _mean(rejected_rewards, weights),
+        "rewards/margins": _mean(margins, weights),
+        "rewards/accuracies": _mean((margins > 0).astype(jnp.float32), weights),
+        "logps/chosen": _mean(S[chosen], weights),
+        "logps/rejected": _mean(S[rejected], weights),
         "beta": jnp.asarray(beta, jnp.float32),
     }
     return loss, jax.tree.map(jax.lax.stop_gradient, metrics)
@@ -193,19 +202,24 @@ def online_dpo_loss(model: Model, params: Params, ref_params: Params, prompt_ids
                     prompt_mask: jax.Array, completion_ids: jax.Array, completion_mask: jax.Array,
                     rewards: jax.Array, *, beta, loss_type: str = "sigmoid", missing_eos_penalty=None,
                     eos_token_ids=(), penalty_reward_value=None, max_length: int | None = None,
-                    options: LossOptions = LossOptions(), ref_logprobs: jax.Array | None = None):
+                    options: LossOptions = LossOptions(), ref_logprobs: jax.Array | None = None,
+                    judged: bool = False):
     """The online DPO loss of one batch and TRL's metrics; differentiable in ``params``.
 
     Args:
       prompt_ids, prompt_mask: i32[B, P], shared by both completions (each prompt's forward runs once), or
         i32[2B, P] in block layout.
       completion_ids, completion_mask: i32[2B, C], block layout, padding after the first EOS.
-      rewards: f32[2B], raw (before any EOS penalty).
+      rewards: f32[2B], raw (before any EOS penalty); with ``judged``, a judge's verdicts instead
+        (``jodpo.judges.pair_scores``: p for completion 0, 1 - p for completion 1, NaN for no verdict).
       beta: the KL strength (a scalar, may be traced).
       missing_eos_penalty: subtracted from the reward of completions without EOS (TRL).
       penalty_reward_value: if given, *replaces* the reward of completions without EOS (open-instruct's
         ``non_eos_penalty``).
       ref_logprobs: f32[2B, C] reference log-probs when already computed (else from ``ref_params``).
+      judged: the pairs come from a judge (TRL's ``judge``): no EOS penalty, pairs without a verdict weigh 0, and
+        the metrics of scores (``objective/scores``, ``scores_margin``, ``rlhf_reward``) give way to
+        ``objective/judge_confidence`` and ``objective/judge_abstained``.
     Returns:
       ``(loss, metrics)`` with TRL's metric names; KL and entropy are masked to the completion.
     """
@@ -214,21 +228,31 @@ def online_dpo_loss(model: Model, params: Params, ref_params: Params, prompt_ids
     S, S_ref = _summed_logprobs(model, params, ref_params, prompt_ids, prompt_mask, completion_ids, completion_mask,
                                 max_length, ref_logprobs)
     has_eos = contains_eos(completion_ids, completion_mask, eos_token_ids)
-    scores = apply_eos_penalty(rewards.astype(jnp.float32), has_eos, missing_eos_penalty, penalty_reward_value)
+    scores = rewards.astype(jnp.float32)
+    if not judged:
+        scores = apply_eos_penalty(scores, has_eos, missing_eos_penalty, penalty_reward_value)
     chosen, rejected = pair_indices(scores)
     length = completion_mask.sum(-1).astype(jnp.float32)
+    p_first = scores[:scores.shape[0] // 2]
+    weights = jnp.isfinite(p_first).astype(jnp.float32) if judged else None
     loss, metrics = preference_loss(S, S_ref, length, chosen, rejected, beta=beta, loss_type=loss_type,
-                                    options=options)
+                                    options=options, weights=weights)
     kl = jax.lax.stop_gradient(S - S_ref)  # per sequence, masked to the completion (TRL 1.16 also sums padding)
     S = jax.lax.stop_gradient(S)
-    return loss, metrics | {
+    metrics |= {
         "objective/kl": kl.mean(),
         "objective/entropy": -S.mean(),
         "objective/non_score_reward": (-beta * kl).mean(),
+        "val/contain_eos_token": has_eos.astype(jnp.float32).mean(),
+    }
+    if judged:
+        confidence = jnp.maximum(p_first, 1.0 - p_first)
+        return loss, metrics | {"objective/judge_confidence": _mean(jnp.nan_to_num(confidence), weights),
+                                "objective/judge_abstained": 1.0 - weights.mean()}
+    return loss, metrics | {
         "objective/rlhf_reward": (scores - beta * kl).mean(),
         "objective/scores": scores.mean(),
         "objective/scores_margin": (scores[chosen] - scores[rejected]).mean(),
-        "val/contain_eos_token": has_eos.astype(jnp.float32).mean(),
     }
 
 

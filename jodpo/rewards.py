@@ -135,17 +135,22 @@ def call_reward_functions(fns: Sequence[RewardFn], prompts, completions, complet
 # --------------------------------------------------------------------------------------------------
 
 
-def import_reward_function(spec: str) -> RewardFn:
-    """``'package.module:function'`` -> the function (TRL's callable reward)."""
+def import_object(spec: str, what: str = "reward function"):
+    """``'package.module:name'`` -> the object (a reward function, a judge)."""
     import importlib
 
     module, _, name = spec.partition(":")
     if not module or not name:
-        raise ValueError(f"reward function {spec!r}: write it as 'module.path:function'")
+        raise ValueError(f"{what} {spec!r}: write it as 'module.path:name'")
     try:
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as e:
-        raise ValueError(f"reward function {spec!r} cannot be imported: {e}") from e
+        raise ValueError(f"{what} {spec!r} cannot be imported: {e}") from e
+
+
+def import_reward_function(spec: str) -> RewardFn:
+    """``'package.module:function'`` -> the function (TRL's callable reward)."""
+    return import_object(spec, "reward function")
 
 
 class RewardSet:

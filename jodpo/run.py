@@ -13,6 +13,7 @@ from jax.sharding import Mesh
 from jodpo import data as D
 from jodpo import sharding as S
 from jodpo import train_step as ts
+from jodpo import judges as J
 from jodpo.config import ConfigError, TrainConfig
 from jodpo.losses import LossOptions
 from jodpo.models import load_model, load_tokenizer
@@ -30,7 +31,8 @@ class Run:
     mesh: Mesh
     policy_params: dict  # the policy's starting parameters (the reference's own arrays when the dtypes agree)
     ref_params: dict
-    rewards: RewardSet | None
+    rewards: RewardSet | None  # None with a judge, and for offline DPO
+    judge: J.LLMJudge | J.CallableJudge | None
     train: D.PromptData | D.PreferenceData
     eval: D.PromptData | None
     buckets: tuple[int, ...]
@@ -93,8 +95,14 @@ def build(cfg: TrainConfig) -> Run:
                           "evaluation rows.", stacklevel=2)
             evaluation = None
 
-    rewards, rm = None, None
-    if not offline:
+    rewards, rm, judge = None, None, None
+    if not offline and cfg.judge:
+        judge = _load_judge(cfg, model, mesh)
+        if evaluation is not None and evaluation.references is None:
+            warnings.warn("with a judge, evaluation needs reference completions to judge against (a 'completion' "
+                          "column); the evaluation set has none, so evaluation is off", stacklevel=2)
+            evaluation = None
+    elif not offline:
         rm_params, rm_tok, shared = None, None, False
         if cfg.reward_model_path:
             rm, rm_params = load_model(cfg.reward_model_path, "reward", cfg.frozen_param_dtype, mesh=mesh)
@@ -124,7 +132,21 @@ def build(cfg: TrainConfig) -> Run:
         loss_options=LossOptions(cfg.label_smoothing, cfg.discopop_tau, cfg.ipo_length_normalized),
         missing_eos_penalty=cfg.missing_eos_penalty,
         penalty_reward_value=cfg.penalty_reward_value if cfg.non_eos_penalty else None, max_length=cfg.max_length,
-        reward_model=rm if rewards is not None and rewards.on_device else None)
+        reward_model=rm if rewards is not None and rewards.on_device else None, judged=judge is not None)
     save_every = int(cfg.save_steps) if cfg.save_steps >= 1 else max(1, math.ceil(total * cfg.save_steps))
-    return Run(cfg, tokenizer, step_cfg, mesh, policy_params, ref_params, rewards, train, evaluation,
+    return Run(cfg, tokenizer, step_cfg, mesh, policy_params, ref_params, rewards, judge, train, evaluation,
                cfg.prompt_buckets or D.default_buckets(cfg.max_prompt_length), global_batch, spe, total, save_every)
+
+
+def _load_judge(cfg: TrainConfig, policy, mesh) -> J.LLMJudge | J.CallableJudge:
+    """A callable judge from its import path, or a causal LM as an LLM judge: frozen, in frozen_param_dtype, computing
+    as the policy does, its parameters sharded over the mesh like the reward model's."""
+    if J.is_import_path(cfg.judge):
+        return J.import_judge(cfg.judge)
+    model, params = load_model(cfg.judge, "causal_lm", cfg.frozen_param_dtype, mesh=mesh)
+    model = model.replace(dtype=policy.dtype, precision=policy.precision, attention=policy.attention)
+    try:
+        return J.LLMJudge(model, params, load_tokenizer(cfg.judge), J.read_template(cfg.judge_prompt),
+                          cfg.judge_answer_tokens, cfg.judge_both_orders)
+    except J.JudgeError as e:
+        raise ConfigError(f"judge {cfg.judge!r}: {e}") from None

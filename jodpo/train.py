@@ -19,6 +19,7 @@ import numpy as np
 
 from jodpo import backend
 from jodpo import data as D
+from jodpo import judges as J
 from jodpo import sharding as S
 from jodpo import train_step as ts
 from jodpo.checkpoint import Checkpointer, SaveError, abstract_like
@@ -48,14 +49,17 @@ def online_step(run: Run, state, idx: np.ndarray):
     A = run.cfg.gradient_accumulation_steps
     ids, mask = map(run.put, D.prompt_batch([run.train.ids[i] for i in idx], A, run.buckets,
                                             run.step_cfg.sampling.pad_token_id))
-    if run.rewards.on_device:
+    if run.rewards is not None and run.rewards.on_device:
         state, metrics, samples, raw = run.steps.online_step(run.step_cfg, state, run.ref_params, run.rewards.params,
                                                              ids, mask)
         return state, metrics, (idx, samples, raw)
     samples = run.steps.sample_completions(run.step_cfg, state, ids, mask)
     tokens, tmask = S.to_host(samples.tokens), S.to_host(samples.mask)
-    raw = score_samples(run, run.train, _twice_per_micro_batch(list(idx), A), tokens.reshape(-1, tokens.shape[-1]),
-                        tmask.reshape(-1, tmask.shape[-1])).reshape(A, -1)
+    if run.judge is not None:
+        raw = judge_samples(run, idx, tokens)
+    else:
+        raw = score_samples(run, run.train, _twice_per_micro_batch(list(idx), A),
+                            tokens.reshape(-1, tokens.shape[-1]), tmask.reshape(-1, tmask.shape[-1])).reshape(A, -1)
     state, metrics = run.steps.update(run.step_cfg, state, run.ref_params, ids, mask, samples, run.put(raw))
     return state, metrics, (idx, samples, raw)
 
@@ -67,6 +71,18 @@ def score_samples(run: Run, data: D.PromptData, rows: list, tokens: np.ndarray, 
     columns = {k: [v[i] for i in rows] for k, v in data.columns.items()}
     completion_ids = [t[m > 0].tolist() for t, m in zip(tokens, tmask)]
     return run.rewards.score(prompts, _decode(run.tokenizer, tokens), completion_ids, columns)
+
+
+def judge_samples(run: Run, idx: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """f32[A, 2B] judge verdicts (``judges.pair_scores`` per micro-batch) of sampled ``[A, 2B, T]`` completions: the
+    whole window goes to the judge in one call."""
+    A, B = tokens.shape[0], tokens.shape[1] // 2
+    texts = np.asarray(_decode(run.tokenizer, tokens), object).reshape(A, 2, B)
+    prompts = [run.train.prompts[i] for i in idx]  # micro-batch a holds idx[a * B:(a + 1) * B]
+    if isinstance(prompts[0], list):  # chat data: the judge reads the completions as the assistant's messages
+        texts = np.vectorize(lambda c: [{"role": "assistant", "content": c}], otypes=[object])(texts)
+    p = run.judge.preferences(prompts, list(texts[:, 0].reshape(-1)), list(texts[:, 1].reshape(-1))).reshape(A, B)
+    return np.stack([J.pair_scores(row) for row in p])
 
 
 def offline_step(run: Run, state, idx: np.ndarray):
@@ -100,9 +116,21 @@ def _reference_scores(run: Run, batches) -> np.ndarray | None:
     return run.eval_reference_scores
 
 
+def _judge_against_references(run: Run, idx: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """f32[B]: the judge's probability that the dataset's reference beats the policy's completion (TRL's
+    judge_tldr puts the reference first too)."""
+    data = run.eval
+    prompts, references = [data.prompts[i] for i in idx], [data.references[i] for i in idx]
+    completions = _decode(run.tokenizer, tokens)
+    if isinstance(prompts[0], list):  # both as the assistant's messages
+        references, completions = ([[{"role": "assistant", "content": c}] for c in x] for x in (references, completions))
+    return run.judge.preferences(prompts, references, completions)
+
+
 def evaluate(run: Run, state) -> dict:
-    """One completion per evaluation prompt, scored; with reference completions, the win rate against them. The
-    batches have the training buckets' shapes, so each shape compiles once for the whole run."""
+    """One completion per evaluation prompt, scored; with reference completions, the win rate against them (by the
+    rewards, or by the judge: then the win rate is all there is). The batches have the training buckets' shapes, so
+    each shape compiles once for the whole run."""
     batches = _eval_batches(run)
     # Every evaluation draws with the same key (step -1, never a training step): scores at different steps differ
     # by the policy, not by the draw.
@@ -112,7 +140,9 @@ def evaluate(run: Run, state) -> dict:
         ids, mask = map(run.put, D.prompt_batch([run.eval.ids[i] for i in idx], 1, run.buckets,
                                                 run.step_cfg.sampling.pad_token_id))
         samples = run.steps.sample_completions(run.step_cfg, eval_state, ids, mask, 1)
-        if run.rewards.on_device:  # as in training: the reward model reads the token ids on the device
+        if run.judge is not None:  # the chance that the reference is the better one
+            s = _judge_against_references(run, idx, S.to_host(samples.tokens)[0])
+        elif run.rewards.on_device:  # as in training: the reward model reads the token ids on the device
             s = S.to_host(run.steps.score_completions(run.step_cfg, run.rewards.params, ids, mask, samples))[0]
         else:
             s = score_samples(run, run.eval, list(idx), S.to_host(samples.tokens)[0], S.to_host(samples.mask)[0])
@@ -120,6 +150,8 @@ def evaluate(run: Run, state) -> dict:
     if not scores:
         return {}
     scores = np.concatenate(scores)
+    if run.judge is not None:
+        return {"eval/win_rate": J.win_rate(scores)}
     out = {"eval/objective/scores": float(np.mean(scores))}
     references = _reference_scores(run, batches)
     if references is not None:

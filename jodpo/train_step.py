@@ -3,8 +3,8 @@
 One optimizer step covers an accumulation window of A micro-batches of B prompts, arrays shaped [A, B, ...]:
   1. ``sample_completions``: two completions per prompt from the current policy, rows in TRL's block layout;
   2. ``score_completions``: a reward model that shares the policy tokenizer scores the token ids on the
-     device; any other reward (another tokenizer, Python functions) is computed on the host between
-     ``sample_completions`` and ``update`` (the *split* path);
+     device; any other reward (another tokenizer, Python functions) or a pairwise judge (``jodpo.judges``) is
+     computed on the host between ``sample_completions`` and ``update`` (the *split* path);
   3. ``update``: per micro-batch loss and gradient (``lax.scan``), averaged over the window, then
      clip-by-global-norm + AdamW + the learning-rate schedule, in one optax chain.
 ``online_step`` is 1-3 fused in one jitted call (no host round trip). ``offline_step`` is DPO on preference
@@ -101,6 +101,7 @@ class StepConfig:
     penalty_reward_value: float | None = None
     max_length: int | None = None  # prompt + completion, left-truncating the prompt in the loss forward
     reward_model: Model | None = None  # scored on device by ``online_step`` (shared tokenizer)
+    judged: bool = False  # ``update``'s rewards are a judge's verdicts (``jodpo.judges.pair_scores``)
 
     def __post_init__(self):
         beta = (self.beta,) if isinstance(self.beta, (int, float)) else tuple(self.beta)
@@ -211,7 +212,8 @@ def apply_gradients(cfg: StepConfig, state: TrainState, grads: Params, metrics: 
 
 def update(cfg: StepConfig, state: TrainState, ref_params: Params, prompt_ids: jax.Array, prompt_mask: jax.Array,
            samples: Samples, rewards: jax.Array) -> tuple[TrainState, dict]:
-    """The optimizer step from sampled completions and their raw rewards f32[A, 2B]."""
+    """The optimizer step from sampled completions and their raw rewards f32[A, 2B] (or, with ``cfg.judged``, a
+    judge's verdicts in the same layout)."""
     beta = current_beta(cfg, state.step)
 
     def loss_fn(params, mb):
@@ -219,7 +221,7 @@ def update(cfg: StepConfig, state: TrainState, ref_params: Params, prompt_ids: j
         return online_dpo_loss(cfg.model, params, ref_params, ids, mask, tokens, tmask, r, beta=beta,
                                loss_type=cfg.loss_type, missing_eos_penalty=cfg.missing_eos_penalty,
                                eos_token_ids=cfg.sampling.eos_token_ids, penalty_reward_value=cfg.penalty_reward_value,
-                               max_length=cfg.max_length, options=cfg.loss_options)
+                               max_length=cfg.max_length, options=cfg.loss_options, judged=cfg.judged)
 
     grads, metrics = _accumulate(loss_fn, state.params,
                                  (prompt_ids, prompt_mask, samples.tokens, samples.mask, rewards.astype(jnp.float32)))

@@ -79,6 +79,12 @@ CASES = {  # name: (argv after --config CFG, the phrase the one-line message mus
                                                                                       "labels; a reward model needs "
                                                                                       "num_labels=1"),
     "vocabulary mismatch": (["--config.reward_model_path={bad}/small_vocab_rm"], "the reward model's embedding has only"),
+    "judge and a reward model": (["--config.judge={policy}"], "judge and reward_model_path are both set"),
+    "judge that cannot be imported": (["--config.reward_model_path=None", "--config.judge=no_such_module:judge"],
+                                      "judge 'no_such_module:judge' cannot be imported"),
+    "judge answers not one token each": (["--config.reward_model_path=None", "--config.judge={policy}",
+                                          "--config.judge_answer_tokens=['zero','one']"],
+                                         "tokens for the judge's tokenizer; give answers that are one token each"),
     "corrupt safetensors": (["--config.model_name_or_path={bad}/truncated"], "corrupt or truncated safetensors file"),
     "missing dataset": (["--config.dataset_name=/no/such/data.jsonl"], "dataset '/no/such/data.jsonl' not found"),
     "no prompt column": (["--config.dataset_name={bad}/no_prompt.jsonl"], "the dataset has no 'prompt' column"),
