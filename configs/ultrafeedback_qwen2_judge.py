@@ -1,22 +1,19 @@
-"""TRL's Online DPO quick start, judged on the device: Qwen2-0.5B-Instruct on UltraFeedback prompts (chat data), each
-pair of completions judged by an LLM (Qwen2.5-1.5B-Instruct with TRL's default pairwise prompt, read from the logits
-of its answers "0" and "1", both orders averaged) where TRL's example calls PairRMJudge. The paper behind online DPO
-(Guo et al. 2024) uses an LLM annotator the same way."""
-from jodpo.config import TrainConfig
+"""TRL's Online DPO quick start, judged on the device: ultrafeedback_qwen2.py (Qwen2-0.5B-Instruct on UltraFeedback
+prompts, chat data) with each pair of completions judged by an LLM where TRL's example calls PairRMJudge:
+Qwen2.5-1.5B-Instruct with TRL's default pairwise prompt, read from the logits of its answers "0" and "1", both
+orders averaged. The paper behind online DPO (Guo et al. 2024) uses an LLM annotator the same way.
+
+A judge gives no scores, so the reward model, its EOS penalty (TRL applies it to rewards only) and the evaluation
+go: trl-lib/ultrafeedback-prompt has no reference completions to judge the policy against."""
+from jodpo.config import load_config_file
 
 
-def get_config() -> TrainConfig:
-    return TrainConfig(
-        model_name_or_path="Qwen/Qwen2-0.5B-Instruct",
+def get_config():
+    return load_config_file("ultrafeedback_qwen2.py").replace(
+        reward_model_path=None,
+        missing_eos_penalty=None,
+        eval_steps=None,
         judge="Qwen/Qwen2.5-1.5B-Instruct",  # or 'my_module:MyJudge' (TRL's BasePairwiseJudge.judge shape)
-        judge_both_orders=True,  # two forwards of the judge per pair: position bias averaged out
-        dataset_name="trl-lib/ultrafeedback-prompt",
+        judge_both_orders=True,  # two rows of the judge's forward per pair: position bias averaged out
         output_dir="Qwen2-0.5B-Online-DPO-LLM-judge",
-        learning_rate=5.0e-7,
-        warmup_ratio=0.1,
-        per_device_train_batch_size=8,
-        gradient_accumulation_steps=2,
-        num_train_epochs=1,
-        max_new_tokens=64,
-        save_total_limit=2,  # 12 bytes a policy parameter each (float32 weights + Adam): about 6 GB for 0.5B
     )

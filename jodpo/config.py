@@ -40,6 +40,13 @@ class TrainConfig:
                                                           "token each); read from their logits")
     judge_both_orders: bool = _f(True, "the LLM judge reads each pair in both orders and averages (position bias)")
     model_revision: str | None = _f(None, "hub revision (branch, tag or commit) of the policy")
+    # --- LoRA (TRL's ModelConfig names; docs/config.md)
+    use_peft: bool = _f(False, "train LoRA adapters on the frozen policy; the reference is the policy with them off")
+    lora_r: int = _f(16, "LoRA rank")
+    lora_alpha: int = _f(32, "LoRA alpha: the adapters' update is scaled by lora_alpha / lora_r")
+    lora_dropout: float = _f(0.05, "recorded in the PEFT export; no effect in training (TRL's disable_dropout zeroes it)")
+    lora_target_modules: tuple[str, ...] | None = _f(None, "HF module names to adapt (None: PEFT's default per model "
+                                                           "type; ['all-linear']: every projection)")
     # --- data
     dataset_name: str = _f("", "hub dataset id, or a local file/directory (json, jsonl, parquet, csv)")
     dataset_config: str | None = _f(None, "the dataset's config (subset) name")
@@ -158,6 +165,9 @@ def _check(c: TrainConfig) -> None:
     if c.attn_implementation == "cudnn" and not c.bf16:
         raise ConfigError("attn_implementation='cudnn' needs bf16=True (cuDNN's flash attention has no float32 "
                           "kernel); use 'xla' for float32 compute")
+    if c.use_peft and (c.lora_r < 1 or not c.lora_alpha > 0 or not 0 <= c.lora_dropout < 1):
+        raise ConfigError(f"use_peft needs lora_r >= 1, lora_alpha > 0 and 0 <= lora_dropout < 1; got lora_r="
+                          f"{c.lora_r}, lora_alpha={c.lora_alpha}, lora_dropout={c.lora_dropout}")
     if c.judge is not None:
         others = [n for n in ("reward_model_path", "reward_funcs", "reward_weights") if getattr(c, n)]
         if others:

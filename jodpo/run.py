@@ -17,6 +17,7 @@ from jodpo import judges as J
 from jodpo.config import ConfigError, TrainConfig
 from jodpo.losses import LossOptions
 from jodpo.models import load_model, load_tokenizer
+from jodpo.models import lora
 from jodpo.rewards import RewardSet, check_shared_vocab, import_reward_function
 from jodpo.sampling import SamplingConfig
 
@@ -29,7 +30,8 @@ class Run:
     tokenizer: object
     step_cfg: ts.StepConfig
     mesh: Mesh
-    policy_params: dict  # the policy's starting parameters (the reference's own arrays when the dtypes agree)
+    policy_params: dict  # the policy's starting parameters (the reference's own arrays when the dtypes agree), or
+    # with LoRA its fresh adapters (the reference is then the base they ride on)
     ref_params: dict
     rewards: RewardSet | None  # None with a judge, and for offline DPO
     judge: J.LLMJudge | J.CallableJudge | None
@@ -42,6 +44,13 @@ class Run:
     save_every: int
     steps: ts.JittedSteps | None = None  # set by ``train`` once the state's shardings are known
     eval_reference_scores: np.ndarray | None = None  # rewards of the eval set's references, once per run
+    lora_targets: tuple[str, ...] = ()  # the adapted HF modules (use_peft)
+
+    def trainable_shardings(self):
+        """Shardings of what the optimizer trains: the policy's parameters, or its LoRA adapters."""
+        model = self.step_cfg.model
+        specs = lora.adapter_specs(model, self.lora_targets) if self.lora_targets else None
+        return S.param_shardings(model, self.mesh, specs)
 
     def put(self, x: np.ndarray) -> jax.Array:
         """A batch array [A, B, ...] (the same on every process) placed with B split over data x fsdp."""
@@ -67,8 +76,16 @@ def build(cfg: TrainConfig) -> Run:
     tokenizer = load_tokenizer(cfg.model_name_or_path, cfg.model_revision)
     model, ref_params = load_model(cfg.model_name_or_path, "causal_lm", cfg.frozen_param_dtype,
                                    revision=cfg.model_revision, mesh=mesh)
-    policy_params = ref_params
-    if cfg.param_dtype != cfg.frozen_param_dtype:  # read again, so neither copy is rounded through the other
+    policy_params, targets = ref_params, ()
+    if cfg.use_peft:  # the policy is the frozen base plus adapters; nothing else is trained or copied
+        model = model.replace(lora_rank=cfg.lora_r, lora_alpha=float(cfg.lora_alpha))
+        try:
+            targets = lora.resolve_targets(model, cfg.lora_target_modules)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        policy_params = lora.init_adapters(model, targets, jax.random.fold_in(jax.random.PRNGKey(cfg.seed), 1),
+                                           cfg.param_dtype)
+    elif cfg.param_dtype != cfg.frozen_param_dtype:  # read again, so neither copy is rounded through the other
         _, policy_params = load_model(cfg.model_name_or_path, "causal_lm", cfg.param_dtype,
                                       revision=cfg.model_revision, mesh=mesh)
     remat = cfg.remat if cfg.remat != "auto" else ("full" if cfg.gradient_checkpointing else "none")
@@ -135,7 +152,8 @@ def build(cfg: TrainConfig) -> Run:
         reward_model=rm if rewards is not None and rewards.on_device else None, judged=judge is not None)
     save_every = int(cfg.save_steps) if cfg.save_steps >= 1 else max(1, math.ceil(total * cfg.save_steps))
     return Run(cfg, tokenizer, step_cfg, mesh, policy_params, ref_params, rewards, judge, train, evaluation,
-               cfg.prompt_buckets or D.default_buckets(cfg.max_prompt_length), global_batch, spe, total, save_every)
+               cfg.prompt_buckets or D.default_buckets(cfg.max_prompt_length), global_batch, spe, total, save_every,
+               lora_targets=targets)
 
 
 def _load_judge(cfg: TrainConfig, policy, mesh) -> J.LLMJudge | J.CallableJudge:

@@ -193,9 +193,10 @@ def sample(model: Model, params: Params, prompt_ids: jax.Array, prompt_mask: jax
     B, P = prompt_ids.shape
     T = config.max_new_tokens
     cache = init_cache(model, B, P + T, per_layer=True)
-    # Once per call, not on every decode step: the weights in the compute dtype (float32 master weights of a bf16
-    # run are converted here, not 53 times a step) and split per layer (the decode steps then slice nothing).
-    params = split_layers(compute_params(model, params))
+    # Once per call, not on every decode step: the weights split per layer (the decode steps then slice nothing), any
+    # LoRA adapters merged into them, and in the compute dtype (float32 master weights of a bf16 run are converted
+    # here, not 53 times a step).
+    params = compute_params(model, split_layers(params))
     h, cache = hidden_states(model, params, prompt_ids, prompt_mask, cache, empty_cache=True)
     logits = lm_head(model, params, h[:, -1])
     seen = None

@@ -88,9 +88,11 @@ def spec_for(shape: tuple[int, ...], axes: tuple, mesh: Mesh) -> P:
     return P(*out)
 
 
-def param_shardings(model: Model, mesh: Mesh) -> Params:
-    """``NamedSharding`` of every parameter (same tree as ``params``)."""
-    return jax.tree.map(lambda s: NamedSharding(mesh, spec_for(s[0], s[1], mesh)), param_specs(model),
+def param_shardings(model: Model, mesh: Mesh, specs: dict | None = None) -> Params:
+    """``NamedSharding`` of every parameter (same tree as ``params``), or of the tree of ``(shape, axes)``
+    ``specs`` given (LoRA adapters: ``jodpo.models.lora.adapter_specs``)."""
+    return jax.tree.map(lambda s: NamedSharding(mesh, spec_for(s[0], s[1], mesh)),
+                        param_specs(model) if specs is None else specs,
                         is_leaf=lambda x: isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], tuple))
 
 

@@ -53,7 +53,7 @@ def online_step(run: Run, state, idx: np.ndarray):
         state, metrics, samples, raw = run.steps.online_step(run.step_cfg, state, run.ref_params, run.rewards.params,
                                                              ids, mask)
         return state, metrics, (idx, samples, raw)
-    samples = run.steps.sample_completions(run.step_cfg, state, ids, mask)
+    samples = run.steps.sample_completions(run.step_cfg, state, ids, mask, 2, run.ref_params)
     tokens, tmask = S.to_host(samples.tokens), S.to_host(samples.mask)
     if run.judge is not None:
         raw = judge_samples(run, idx, tokens)
@@ -139,7 +139,7 @@ def evaluate(run: Run, state) -> dict:
     for idx in batches:
         ids, mask = map(run.put, D.prompt_batch([run.eval.ids[i] for i in idx], 1, run.buckets,
                                                 run.step_cfg.sampling.pad_token_id))
-        samples = run.steps.sample_completions(run.step_cfg, eval_state, ids, mask, 1)
+        samples = run.steps.sample_completions(run.step_cfg, eval_state, ids, mask, 1, run.ref_params)
         if run.judge is not None:  # the chance that the reference is the better one
             s = _judge_against_references(run, idx, S.to_host(samples.tokens)[0])
         elif run.rewards.on_device:  # as in training: the reward model reads the token ids on the device
@@ -203,8 +203,7 @@ def train(cfg: TrainConfig, allow_config_change: bool = False) -> dict:
     run = build(cfg)
     key = jax.random.PRNGKey(cfg.seed)
     init = functools.partial(ts.init_state, run.step_cfg)
-    state_sharding = S.like_params(jax.eval_shape(init, run.policy_params, key),
-                                   S.param_shardings(run.step_cfg.model, run.mesh), run.mesh)
+    state_sharding = S.like_params(jax.eval_shape(init, run.policy_params, key), run.trainable_shardings(), run.mesh)
     run.steps = ts.jit_steps(state_sharding, S.replicated(run.mesh))
     state = jax.jit(init, out_shardings=state_sharding)(run.policy_params, key)
     run.policy_params = None  # the state holds the policy now

@@ -28,6 +28,7 @@ import optax
 
 from jodpo.losses import LossOptions, check_loss_options, dpo_loss, online_dpo_loss
 from jodpo.models.core import Model, Params
+from jodpo.models.lora import attach
 from jodpo.rewards import score_tokens
 from jodpo.sampling import Samples, SamplingConfig, sample
 
@@ -141,6 +142,13 @@ def init_state(cfg: StepConfig, params: Params, rng: jax.Array) -> TrainState:
                       opt_state=make_optimizer(cfg.optimizer).init(params), rng=rng)
 
 
+def policy_params(cfg: StepConfig, params: Params, base: Params) -> Params:
+    """The policy's parameters for a forward. With LoRA (``cfg.model.lora_rank > 0``) the trained ``params`` are
+    only the adapters, and they ride on ``base``, the frozen reference: the reference is the policy with its adapters
+    off, and no second copy of the model exists."""
+    return attach(base, params) if cfg.model.lora_rank else params
+
+
 def current_beta(cfg: StepConfig, step: jax.Array) -> jax.Array:
     """``beta[min(int(epoch), len - 1)]`` with epoch = steps done / steps per epoch (TRL crashes on a list)."""
     epoch = jnp.asarray(step, jnp.int32) // cfg.updates_per_epoch
@@ -148,9 +156,10 @@ def current_beta(cfg: StepConfig, step: jax.Array) -> jax.Array:
 
 
 def sample_completions(cfg: StepConfig, state: TrainState, prompt_ids: jax.Array, prompt_mask: jax.Array,
-                       num_samples: int = 2) -> Samples:
+                       num_samples: int = 2, ref_params: Params | None = None) -> Samples:
     """``num_samples`` completions per prompt (two for a step, one for evaluation): ``Samples`` of shape
-    [A, num_samples * B, T], block layout within each micro-batch.
+    [A, num_samples * B, T], block layout within each micro-batch. ``ref_params`` (the base model) is needed with
+    LoRA, where the state holds only the adapters.
 
     The A micro-batches of a window are sampled in one call (the parameters do not change within a window): one
     decode loop of 2AB rows instead of A loops of 2B rows, which on an accelerator, where a decode step's time
@@ -160,7 +169,9 @@ def sample_completions(cfg: StepConfig, state: TrainState, prompt_ids: jax.Array
     n = num_samples
     key = jax.random.fold_in(state.rng, state.step)
     flat = lambda x: x.transpose(1, 0, 2).reshape(B * A, P)  # noqa: E731
-    out = sample(cfg.model, state.params, flat(prompt_ids), flat(prompt_mask), key, cfg.sampling, num_samples=n)
+    if cfg.model.lora_rank and ref_params is None:
+        raise ValueError("with LoRA adapters sample_completions needs ref_params (the base model they ride on)")
+    out = sample(cfg.model, policy_params(cfg, state.params, ref_params), flat(prompt_ids), flat(prompt_mask), key, cfg.sampling, num_samples=n)
     # rows s * AB + b * A + a -> [a, s * B + b]
     return jax.tree.map(lambda x: x.reshape(n, B, A, -1).transpose(2, 0, 1, 3).reshape(A, n * B, -1), out)
 
@@ -218,8 +229,8 @@ def update(cfg: StepConfig, state: TrainState, ref_params: Params, prompt_ids: j
 
     def loss_fn(params, mb):
         ids, mask, tokens, tmask, r = mb
-        return online_dpo_loss(cfg.model, params, ref_params, ids, mask, tokens, tmask, r, beta=beta,
-                               loss_type=cfg.loss_type, missing_eos_penalty=cfg.missing_eos_penalty,
+        return online_dpo_loss(cfg.model, policy_params(cfg, params, ref_params), ref_params, ids, mask, tokens,
+                               tmask, r, beta=beta, loss_type=cfg.loss_type, missing_eos_penalty=cfg.missing_eos_penalty,
                                eos_token_ids=cfg.sampling.eos_token_ids, penalty_reward_value=cfg.penalty_reward_value,
                                max_length=cfg.max_length, options=cfg.loss_options, judged=cfg.judged)
 
@@ -235,7 +246,7 @@ def online_step(cfg: StepConfig, state: TrainState, ref_params: Params, rm_param
     if cfg.reward_model is None:
         raise ValueError("online_step scores on device and needs StepConfig.reward_model; with host rewards "
                          "call sample_completions, then update")
-    samples = sample_completions(cfg, state, prompt_ids, prompt_mask)
+    samples = sample_completions(cfg, state, prompt_ids, prompt_mask, 2, ref_params)
     rewards = score_completions(cfg, rm_params, prompt_ids, prompt_mask, samples)
     state, metrics = update(cfg, state, ref_params, prompt_ids, prompt_mask, samples, rewards)
     return state, metrics, samples, rewards
@@ -247,8 +258,9 @@ def offline_step(cfg: StepConfig, state: TrainState, ref_params: Params,
     beta = current_beta(cfg, state.step)
 
     def loss_fn(params, mb: PreferenceBatch):
-        return dpo_loss(cfg.model, params, ref_params, mb.prompt_ids, mb.prompt_mask, mb.chosen_ids, mb.chosen_mask,
-                        mb.rejected_ids, mb.rejected_mask, beta=beta, loss_type=cfg.loss_type,
+        return dpo_loss(cfg.model, policy_params(cfg, params, ref_params), ref_params, mb.prompt_ids, mb.prompt_mask,
+                        mb.chosen_ids, mb.chosen_mask, mb.rejected_ids, mb.rejected_mask, beta=beta,
+                        loss_type=cfg.loss_type,
                         max_length=cfg.max_length, options=cfg.loss_options)
 
     grads, metrics = _accumulate(loss_fn, state.params, batch)

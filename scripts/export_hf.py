@@ -1,7 +1,7 @@
 """Export a jodpo training checkpoint as a transformers model directory.
 
   python scripts/export_hf.py --checkpoint OUTPUT_DIR_OR_STEP_DIR --out HF_DIR \\
-      [--dtype float32|bfloat16] [--max-shard-size 5GB] [--overwrite] [--debug]
+      [--dtype float32|bfloat16] [--max-shard-size 5GB] [--overwrite] [--peft] [--debug]
 
 ``--checkpoint`` is a training ``output_dir`` (its newest readable checkpoint is taken; an unreadable one is
 skipped for the previous with a warning) or one ``output_dir/checkpoints/<step>`` directory. Only the policy
@@ -13,6 +13,11 @@ else from the run's ``model_name_or_path``.
 ``--max-shard-size``), the tokenizer and a README.md model card with the training config. After writing,
 the export is read back (jodpo: bitwise parameters; transformers, when torch is installed: logits) and a
 mismatch is an error.
+
+A LoRA run (``use_peft``) checkpoints only its adapters; the export reads the base weights again from the run's
+``model_name_or_path`` and writes the merged model, or with ``--peft`` a PEFT adapter directory
+(``adapter_config.json``, ``adapter_model.safetensors``, the tokenizer) that ``peft.PeftModel.from_pretrained``
+loads onto the base model; it is checked the same way, through peft, when torch and peft are installed.
 """
 from __future__ import annotations
 
@@ -29,7 +34,8 @@ import jax  # noqa: E402
 from jodpo.checkpoint import find_step_dir, restore_params  # noqa: E402
 from jodpo.models import CheckpointError, param_shapes  # noqa: E402
 from jodpo.models.export import DTYPES, ExportMismatch, check_output_dir, save_hf, verify_export  # noqa: E402
-from jodpo.models.loading import load_tokenizer, model_from_dir, resolve_path  # noqa: E402
+from jodpo.models import lora  # noqa: E402
+from jodpo.models.loading import load_model, load_tokenizer, model_from_dir, resolve_path  # noqa: E402
 
 log = logging.getLogger("jodpo")
 
@@ -79,7 +85,7 @@ def model_card(run_dir: Path, step_dir: Path, out_dir: Path, dtype: str) -> str:
 
 
 def export(checkpoint: str, out: str, dtype: str = "float32", max_shard_size: str = "5GB",
-           overwrite: bool = False) -> tuple[Path, list[str]]:
+           overwrite: bool = False, peft: bool = False) -> tuple[Path, list[str]]:
     """Write the export; returns its directory and the lines of the read-back checks."""
     out_dir = Path(out).absolute()
     check_output_dir(out_dir, overwrite)  # before any work, so a refusal is immediate
@@ -95,6 +101,12 @@ def export(checkpoint: str, out: str, dtype: str = "float32", max_shard_size: st
     run_dir = step_dir.parent.parent
     source = source_model_dir(run_dir)
     model = model_from_dir(source, "causal_lm", "float32")
+    run_cfg = json.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").is_file() else {}
+    if run_cfg.get("use_peft"):
+        return _export_lora(run_cfg, model, params, step_dir, source, out_dir, dtype, max_shard_size, overwrite, peft)
+    if peft:
+        raise ValueError(f"--peft exports LoRA adapters, and {run_dir} is not a LoRA run (use_peft is off); "
+                         "export it without --peft")
     got, need = _shapes(params), _shapes(param_shapes(model))
     if got != need:
         diff = sorted(k for k in set(got) | set(need) if got.get(k) != need.get(k))
@@ -104,6 +116,60 @@ def export(checkpoint: str, out: str, dtype: str = "float32", max_shard_size: st
     written = save_hf(model, params, out_dir, tokenizer, overwrite, dtype=dtype, max_shard_size=max_shard_size,
                       model_card=model_card(run_dir, step_dir, out_dir, dtype))
     return written, verify_export(model, params, written, dtype)
+
+
+def _export_lora(run_cfg: dict, model, adapters, step_dir: Path, source: Path, out_dir: Path, dtype: str,
+                 max_shard_size: str, overwrite: bool, peft: bool) -> tuple[Path, list[str]]:
+    """The merged model (base weights from ``model_name_or_path`` plus the adapters), or the PEFT adapters."""
+    lora_model = model.replace(lora_rank=run_cfg["lora_r"], lora_alpha=float(run_cfg["lora_alpha"]))
+    targets = lora.resolve_targets(lora_model, run_cfg.get("lora_target_modules"))
+    specs = lora.adapter_specs(lora_model, targets)
+    need = _shapes(jax.tree.map(lambda s: jax.ShapeDtypeStruct(s[0], "float32"), specs,
+                                is_leaf=lambda x: isinstance(x, tuple) and isinstance(x[0], tuple)))
+    if _shapes(adapters) != need:
+        raise CheckpointError(f"{step_dir}: the checkpoint's adapters do not fit lora_r={run_cfg['lora_r']} and the "
+                              f"targets {list(targets)} of {source}/config.json")
+    base_path = run_cfg["model_name_or_path"]
+    _, base = load_model(base_path, "causal_lm", "float32", revision=run_cfg.get("model_revision"))
+    tokenizer = load_tokenizer(str(source))
+    if peft:
+        check_output_dir(out_dir, overwrite)
+        lora.save_peft(lora_model, adapters, out_dir, targets, run_cfg.get("lora_dropout", 0.0), base_path)
+        tokenizer.save_pretrained(out_dir)
+        return out_dir, verify_peft(lora_model, base, adapters, base_path, out_dir)
+    params = lora.merged(lora_model, base, adapters)
+    written = save_hf(model, params, out_dir, tokenizer, overwrite, dtype=dtype, max_shard_size=max_shard_size,
+                      model_card=model_card(run_dir=step_dir.parent.parent, step_dir=step_dir, out_dir=out_dir,
+                                            dtype=dtype))
+    return written, verify_export(model, params, written, dtype)
+
+
+def verify_peft(lora_model, base, adapters, base_path: str, out_dir: Path, rtol: float = 1e-4) -> list[str]:
+    """peft's model (the base from ``base_path`` with the written adapters) must give jodpo's logits within ``rtol``
+    of the largest logit, on a few fixed tokens."""
+    import numpy as np
+
+    from jodpo.models import logits
+
+    try:
+        import torch
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+    except ImportError:
+        return ["adapters written; not compared through peft: torch or peft is not installed"]
+    ids = np.random.default_rng(0).integers(0, lora_model.vocab_size, size=(2, 8)).astype(np.int32)
+    mask = np.ones_like(ids)
+    f32 = lora_model.replace(dtype="float32", remat="none", precision="highest")
+    with jax.default_device(jax.devices("cpu")[0]):
+        ours = np.asarray(logits(f32, lora.attach(base, adapters), ids, mask))
+    hf = AutoModelForCausalLM.from_pretrained(str(resolve_path(base_path)), dtype=torch.float32)
+    theirs = PeftModel.from_pretrained(hf, str(out_dir)).eval()
+    with torch.no_grad():
+        got = theirs(input_ids=torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask)).logits.numpy()
+    err = float(np.abs(got - ours).max() / max(1e-6, float(np.abs(ours).max())))
+    if not err <= rtol:
+        raise ExportMismatch(f"{out_dir}: peft's logits differ from jodpo's by {err:.2e} of the largest (limit {rtol})")
+    return [f"loaded with peft onto {base_path}: logits equal jodpo's within {err:.1e} of the largest"]
 
 
 def _shapes(tree) -> dict[str, tuple[int, ...]]:
@@ -117,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="dtype of the saved weights")
     parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (5GB, 500MB, 2GiB)")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    parser.add_argument("--peft", action="store_true", help="a LoRA run: write its adapters in PEFT's format "
+                                                            "instead of the merged model")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
@@ -124,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
 
     hf_logging.disable_progress_bar()
     try:
-        out, checks = export(args.checkpoint, args.out, args.dtype, args.max_shard_size, args.overwrite)
+        out, checks = export(args.checkpoint, args.out, args.dtype, args.max_shard_size, args.overwrite, args.peft)
     except ExportMismatch as e:
         if args.debug:
             raise

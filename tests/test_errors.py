@@ -85,6 +85,8 @@ CASES = {  # name: (argv after --config CFG, the phrase the one-line message mus
     "judge answers not one token each": (["--config.reward_model_path=None", "--config.judge={policy}",
                                           "--config.judge_answer_tokens=['zero','one']"],
                                          "tokens for the judge's tokenizer; give answers that are one token each"),
+    "LoRA target not in the model": (["--config.use_peft=True", "--config.lora_target_modules=['q_proj']"],
+                                     "lora_target_modules ['q_proj'] are not modules of this gpt_neox model"),
     "corrupt safetensors": (["--config.model_name_or_path={bad}/truncated"], "corrupt or truncated safetensors file"),
     "missing dataset": (["--config.dataset_name=/no/such/data.jsonl"], "dataset '/no/such/data.jsonl' not found"),
     "no prompt column": (["--config.dataset_name={bad}/no_prompt.jsonl"], "the dataset has no 'prompt' column"),

@@ -73,8 +73,12 @@ def test_optimizer_state_follows_its_parameter(checkpoints):
 # --------------------------------------------------------------------------------------------------
 
 
+LORA = ["--config.use_peft=True", "--config.lora_r=4", "--config.lora_target_modules=['all-linear']"]
+
+
 def _argv(out: Path, checkpoints, dataset: Path, per_device: int, mesh=(1, -1, 1)) -> list[str]:
-    """3 steps of online DPO with the reward model on device (NeoX policy + NeoX RM), global batch 8."""
+    """3 steps of online DPO with the reward model on device (NeoX policy + NeoX RM), global batch 8 (``+ LORA``:
+    LoRA adapters on every projection, the fused query_key_value included)."""
     fields = dict(model_name_or_path=checkpoints["neox"]["causal_lm"], reward_model_path=checkpoints["neox"]["reward"],
                   dataset_name=dataset, output_dir=out, max_steps=3, save_steps=1, logging_steps=1,
                   per_device_train_batch_size=per_device, per_device_eval_batch_size=per_device, max_new_tokens=6,
@@ -142,10 +146,13 @@ def runs(checkpoints, tmp_path_factory):
     resume_on_8 = root / "one_then_8"
     shutil.copytree(one, resume_on_8)
     shutil.rmtree(resume_on_8 / "checkpoints" / "3")
+    assert train.main(_argv(root / "lora_one", checkpoints, data, per_device=8) + LORA) == 0
     split = _run_8_devices([_argv(root / "dft", checkpoints, data, 2, (2, 2, 2)),
-                    _argv(root / "d8", checkpoints, data, 1, (8, 1, 1)),
-                    _argv(resume_on_8, checkpoints, data, 1, (8, 1, 1))])
-    assert split == [True, False, False]  # fsdp and tensor split the state; pure data parallelism replicates it
+                            _argv(root / "d8", checkpoints, data, 1, (8, 1, 1)),
+                            _argv(resume_on_8, checkpoints, data, 1, (8, 1, 1)),
+                            _argv(root / "lora_dft", checkpoints, data, 2, (2, 2, 2)) + LORA])
+    # fsdp and tensor split the state (LoRA adapters too); pure data parallelism replicates it
+    assert split == [True, False, False, True]
     resume_on_1 = root / "dft_then_1"
     shutil.copytree(root / "dft", resume_on_1)
     shutil.rmtree(resume_on_1 / "checkpoints" / "3")
@@ -153,10 +160,10 @@ def runs(checkpoints, tmp_path_factory):
     return root, data
 
 
-@pytest.mark.parametrize("name", ["dft", "d8", "one_then_8", "dft_then_1"])
+@pytest.mark.parametrize("name", ["dft", "d8", "one_then_8", "dft_then_1", "lora_dft"])
 def test_8_device_runs_and_moved_checkpoints_equal_the_1_device_run(runs, name):
     root, _ = runs
-    _assert_same_run(root / "one", root / name)
+    _assert_same_run(root / ("lora_one" if name.startswith("lora") else "one"), root / name)
 
 
 def test_two_processes_of_four_devices_equal_the_1_device_run(runs, checkpoints):

@@ -64,6 +64,10 @@ class Model:
     # attention, any backend) or "cudnn" (cuDNN flash attention through jax.nn.dot_product_attention: NVIDIA GPUs,
     # bf16/fp16 compute). The decode steps' attention over the cache is always jodpo's own (bandwidth-bound).
     attention: str = "xla"
+    # LoRA (jodpo.models.lora): adapters in params["layers"]["lora"], when there, add lora_alpha / lora_rank * a.b to
+    # their weights (PEFT's scaling); params without them (the reference: the adapters off) run the base model.
+    lora_rank: int = 0
+    lora_alpha: float = 0.0
     # The source config.json (for export); not part of the identity of the compiled function.
     hf_config: str = dataclasses.field(default="{}", compare=False, repr=False)
 
@@ -207,11 +211,39 @@ def _library_attention(model: Model, q_BLHD, k_BSKD, v_BSKD, attend_BLS, impleme
                                             implementation=implementation)
 
 
+ATTENTION_WEIGHTS = ("q", "k", "v", "o")
+
+
+def merge_adapters(model: Model, p: Params) -> Params:
+    """Layer parameters (stacked ``[N, ...]`` or one layer's) with their LoRA adapters folded in:
+    ``W + lora_alpha / lora_rank * a.b`` in float32, the adapters gone. ``p["lora"]`` maps a group (a HF module name)
+    to ``{"a": [..., in..., r], "b": {weight: [..., r, out...]}}``; several weights sharing one ``a`` are GPT-NeoX's
+    fused ``query_key_value``. Without adapters ``p`` comes back as it is."""
+    if "lora" not in p:
+        return p
+    p = {**p, "attn": dict(p["attn"]), "mlp": dict(p["mlp"])}
+    scale = model.lora_alpha / model.lora_rank
+    for group in p.pop("lora").values():
+        a = group["a"]
+        for name, b in group["b"].items():
+            sub = "attn" if name in ATTENTION_WEIGHTS else "mlp"
+            w = p[sub][name]
+            lead = a.ndim + b.ndim - 2 - w.ndim  # the stacked layer axis, if any
+            n_in = a.ndim - 1 - lead
+            letters = "abcdefgh"
+            L, i, o = letters[:lead], letters[lead:lead + n_in], letters[lead + n_in:lead + n_in + b.ndim - 1 - lead]
+            delta = einsum(model, f"{L}{i}r,{L}r{o}->{L}{i}{o}", a.astype(jnp.float32), b.astype(jnp.float32))
+            p[sub][name] = w.astype(jnp.float32) + scale * delta
+    return p
+
+
 def _block(model: Model, p: Params, xs, rope, attention) -> tuple:
     """One decoder layer over groups of tokens ``xs`` (a tuple of ``[B_i, L_i, D]``, with their ``(cos, sin)``
     tables in ``rope``). ``attention(qs, ks, vs)`` gets the groups' queries ``[B_i, L_i, H, Dh]``, keys and
     values ``[B_i, L_i, K, Dh]`` and returns their attended values ``[B_i, L_i, H, Dh]``: it decides which keys
-    each query sees (and writes them to a cache if there is one)."""
+    each query sees (and writes them to a cache if there is one). LoRA adapters are folded into the layer's weights
+    here, one layer at a time (inside the scan and its rematerialisation: no whole merged copy of the model)."""
+    p = merge_adapters(model, p)
     qkv = [_qkv(model, p["attn"], _norm(model, p["ln1"], x), cos, sin) for x, (cos, sin) in zip(xs, rope)]
     outs = attention(*zip(*qkv))
     new = []

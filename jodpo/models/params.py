@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jodpo.models.core import Model, Params
+from jodpo.models.core import Model, Params, merge_adapters
 
 
 # --------------------------------------------------------------------------------------------------
@@ -93,10 +93,14 @@ _NORMS = ("ln1", "ln2", "final_norm")
 
 
 def compute_params(model: Model, params: Params) -> Params:
-    """``params`` with every weight the forward casts to the compute dtype already cast (the norms stay as
-    they are: LayerNorm reads its scale and bias in float32). The forward then computes exactly the same numbers
-    and converts nothing; the sampler does this once per call, rather than on every decode step."""
+    """``params`` with any LoRA adapters merged and every weight the forward casts to the compute dtype already cast
+    (the norms stay as they are: LayerNorm reads its scale and bias in float32). The forward then computes exactly
+    the same numbers and converts nothing; the sampler does this once per call, rather than on every decode step."""
     dt = jnp.dtype(model.dtype)
+    layers = params["layers"]  # LoRA adapters merged once per call, a layer at a time once split (split_layers)
+    layers = tuple(merge_adapters(model, p) for p in layers) if isinstance(layers, tuple) else merge_adapters(
+        model, layers)
+    params = {**params, "layers": layers}
 
     def cast(path, x):
         if any(getattr(k, "key", None) in _NORMS for k in path) or not jnp.issubdtype(x.dtype, jnp.floating):

@@ -1,0 +1,144 @@
+"""LoRA adapters (PEFT's ``LoraConfig``) on the decoder's projection matrices, in every family.
+
+A target is a HF module name, as PEFT's ``target_modules`` names it (``q_proj``, ``query_key_value``, ...). Its
+adapter is one ``a`` ``[N, in..., r]`` (PEFT's ``lora_A``, shared by the weights of a fused module) and one ``b``
+``[N, r, out...]`` per jodpo weight it feeds (PEFT's ``lora_B``, zeros at the start), stacked over the N layers like
+the weights. The adapters live apart from the base parameters (``attach`` puts them in ``params["layers"]["lora"]``
+for a forward); the forward folds them into each layer's weights (``core.merge_adapters``), and the reference policy
+is the base parameters alone: the adapters off, no second copy of the model.
+"""
+from __future__ import annotations
+
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jodpo.models.core import Model, Params, merge_adapters
+from jodpo.models.params import param_specs
+
+# HF module name -> the jodpo weights it holds, per family (GPT-NeoX fuses q, k and v in one module).
+TARGETS = {
+    "gpt_neox": {"query_key_value": ("q", "k", "v"), "dense": ("o",), "dense_h_to_4h": ("up",),
+                 "dense_4h_to_h": ("down",)},
+    "llama": {"q_proj": ("q",), "k_proj": ("k",), "v_proj": ("v",), "o_proj": ("o",), "gate_proj": ("gate",),
+              "up_proj": ("up",), "down_proj": ("down",)},
+}
+TARGETS["qwen2"] = TARGETS["llama"]
+# PEFT's defaults when target_modules is not given (peft.utils.constants' mapping for these model types).
+DEFAULT_TARGETS = {"gpt_neox": ("query_key_value",), "llama": ("q_proj", "v_proj"), "qwen2": ("q_proj", "v_proj")}
+# How many leading axes of each weight (after the layer axis) are its inputs.
+_N_IN = {"q": 1, "k": 1, "v": 1, "o": 2, "up": 1, "gate": 1, "down": 1}
+# Where each module sits in a HF state dict (the PEFT adapter's tensor names are built from it).
+_MODULE_PATH = {"gpt_neox": "gpt_neox.layers.{i}.{sub}.{name}", "llama": "model.layers.{i}.{sub}.{name}"}
+_MODULE_SUB = {"query_key_value": "attention", "dense": "attention", "dense_h_to_4h": "mlp", "dense_4h_to_h": "mlp",
+               "q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+               "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+
+
+def resolve_targets(model: Model, targets) -> tuple[str, ...]:
+    """``lora_target_modules`` for this model: None gives PEFT's default, ``"all-linear"`` every projection; an
+    unknown name is refused with the list of this family's names."""
+    known = TARGETS[model.family]
+    if targets is None or len(targets) == 0:
+        return DEFAULT_TARGETS[model.family]
+    if tuple(targets) == ("all-linear",) or targets == "all-linear":
+        return tuple(n for n, ws in known.items() if all(w != "gate" or model.gated_mlp for w in ws))
+    bad = [t for t in targets if t not in known or ("gate" in known[t] and not model.gated_mlp)]
+    if bad:
+        raise ValueError(f"lora_target_modules {bad} are not modules of this {model.family} model; choose from "
+                         f"{sorted(known)} or 'all-linear'")
+    return tuple(dict.fromkeys(targets))
+
+
+def adapter_specs(model: Model, targets: tuple[str, ...]) -> dict:
+    """``{group: {"a": (shape, axes), "b": {weight: (shape, axes)}}}``: shapes and logical axis names (the rank
+    axis is never split), like ``param_specs``."""
+    r = model.lora_rank
+    weights = {**param_specs(model)["layers"]["attn"], **param_specs(model)["layers"]["mlp"]}
+    out = {}
+    for group in targets:
+        names = TARGETS[model.family][group]
+        shape, axes = weights[names[0]]
+        k = 1 + _N_IN[names[0]]
+        b = {}
+        for n in names:
+            s, ax = weights[n]
+            b[n] = ((s[0], r) + s[k:], (ax[0], None) + ax[k:])
+        out[group] = {"a": (shape[:k] + (r,), axes[:k] + (None,)), "b": b}
+    return out
+
+
+def init_adapters(model: Model, targets: tuple[str, ...], rng: jax.Array, dtype=jnp.float32) -> Params:
+    """PEFT's initialisation: ``a`` uniform in +-1/sqrt(fan_in) (``kaiming_uniform_(a=sqrt(5))``), ``b`` zeros, so
+    the adapted model starts exactly as the base model."""
+    specs = adapter_specs(model, targets)
+    keys = jax.random.split(rng, len(specs))
+    out = {}
+    for key, (group, spec) in zip(keys, specs.items()):
+        a_shape = spec["a"][0]
+        bound = 1.0 / math.sqrt(math.prod(a_shape[1:-1]))
+        out[group] = {"a": jax.random.uniform(key, a_shape, jnp.float32, -bound, bound).astype(dtype),
+                      "b": {n: jnp.zeros(s, dtype) for n, (s, _) in spec["b"].items()}}
+    return out
+
+
+def attach(base: Params, adapters: Params) -> Params:
+    """The policy's parameters for a forward: the (frozen) base with the adapters beside its layer weights."""
+    return {**base, "layers": {**base["layers"], "lora": adapters}}
+
+
+def merged(model: Model, base: Params, adapters: Params) -> Params:
+    """Plain parameters with the adapters folded in (float32 weights where adapted): what export writes."""
+    return {**base, "layers": merge_adapters(model, attach(base, adapters)["layers"])}
+
+
+# --------------------------------------------------------------------------------------------------
+# PEFT's format
+# --------------------------------------------------------------------------------------------------
+
+
+def peft_tensors(model: Model, adapters: Params) -> dict[str, np.ndarray]:
+    """The adapters as PEFT's ``adapter_model.safetensors`` names and lays them out: ``lora_A.weight`` ``[r, in]``
+    and ``lora_B.weight`` ``[out, r]`` per layer, in the HF module's row order (GPT-NeoX's fused rows interleave
+    q, k, v per head)."""
+    out = {}
+    family = "gpt_neox" if model.family == "gpt_neox" else "llama"
+    for group, ad in adapters.items():
+        a = np.asarray(ad["a"], np.float32)
+        bs = {n: np.asarray(b, np.float32) for n, b in ad["b"].items()}
+        r = a.shape[-1]
+        for i in range(a.shape[0]):
+            name = "base_model.model." + _MODULE_PATH[family].format(i=i, sub=_MODULE_SUB[group], name=group)
+            out[name + ".lora_A.weight"] = np.ascontiguousarray(a[i].reshape(-1, r).T)
+            if set(bs) == {"q", "k", "v"}:  # [r, H, Dh] each -> rows [H, (q|k|v), Dh], as the fused weight's
+                rows = np.stack([bs[n][i] for n in ("q", "k", "v")], 0).transpose(2, 0, 3, 1).reshape(-1, r)
+            else:
+                (b,) = bs.values()
+                rows = b[i].reshape(r, -1).T
+            out[name + ".lora_B.weight"] = np.ascontiguousarray(rows)
+    return out
+
+
+def peft_config(model: Model, targets: tuple[str, ...], dropout: float, base_model: str) -> dict:
+    """PEFT's ``adapter_config.json`` for these adapters."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+            "r": model.lora_rank, "lora_alpha": model.lora_alpha, "lora_dropout": dropout,
+            "target_modules": list(targets), "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
+            "init_lora_weights": True, "use_rslora": False, "use_dora": False, "modules_to_save": None}
+
+
+def save_peft(model: Model, adapters: Params, out_dir, targets: tuple[str, ...], dropout: float,
+              base_model: str) -> None:
+    """A PEFT adapter directory (``adapter_config.json``, ``adapter_model.safetensors``) that
+    ``peft.PeftModel.from_pretrained(base, out_dir)`` loads onto the base model."""
+    from pathlib import Path
+
+    from safetensors.numpy import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(peft_tensors(model, adapters), str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps(peft_config(model, targets, dropout, base_model), indent=2))

@@ -1,0 +1,121 @@
+"""LoRA adapters: b = 0 is exactly the base model, the adapted forward equals peft's on transformers in every family,
+the merged form equals the unmerged one, and a LoRA run trains only its adapters, resumes exactly and exports (merged
+and in PEFT's format). Sharded LoRA runs are compared with one device in tests/test_sharding.py."""
+import json
+import shutil
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+import jodpo
+from jodpo import config as C
+from jodpo import train
+from jodpo.checkpoint import restore_params
+from jodpo.models import lora
+from tests import hf_fixtures, subproc
+
+sys.path.insert(0, str(subproc.ROOT / "scripts"))
+import export_hf  # noqa: E402
+
+
+def _peft_logits(path, adapter_dir, ids, mask):
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = PeftModel.from_pretrained(hf, str(adapter_dir)).eval()
+    with torch.no_grad():
+        return model(input_ids=torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask)).logits.numpy()
+
+
+@pytest.mark.parametrize("family,targets", [("neox", None), ("neox", ["all-linear"]), ("llama", ["all-linear"]),
+                                            ("qwen2", ["q_proj", "v_proj", "down_proj"])])
+def test_adapters_are_the_base_at_start_and_equal_peft(checkpoints, tmp_path, family, targets):
+    path = checkpoints[family]["causal_lm"]
+    base_model, base = jodpo.load_model(str(path))
+    model = base_model.replace(lora_rank=4, lora_alpha=8.0)
+    names = lora.resolve_targets(model, targets)
+    adapters = lora.init_adapters(model, names, jax.random.PRNGKey(0))
+    ids, mask = hf_fixtures.padded_batch(np.random.default_rng(0), [7, 5], model.pad_token_id, "right")
+    plain = np.asarray(jodpo.logits(base_model, base, ids, mask))
+    np.testing.assert_array_equal(np.asarray(jodpo.logits(model, lora.attach(base, adapters), ids, mask)), plain)
+    # trained adapters: b away from zero
+    adapters = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.PRNGKey(1), x.shape), adapters)
+    adapted = np.asarray(jodpo.logits(model, lora.attach(base, adapters), ids, mask))
+    keep = mask.astype(bool)
+    assert np.abs(adapted - plain)[keep].max() > 0.1
+    merged = np.asarray(jodpo.logits(base_model, lora.merged(model, base, adapters), ids, mask))
+    np.testing.assert_allclose(merged, adapted, rtol=1e-5, atol=1e-5)
+    lora.save_peft(model, adapters, tmp_path / "adapter", names, 0.05, str(path))
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["lora_alpha"] == 8.0 and config["target_modules"] == list(names)
+    np.testing.assert_allclose(_peft_logits(path, tmp_path / "adapter", ids, mask)[keep], adapted[keep], rtol=1e-4,
+                               atol=1e-4)
+
+
+def test_unknown_target_module_names_the_family_s_modules(checkpoints):
+    model, _ = jodpo.load_model(str(checkpoints["neox"]["causal_lm"]))
+    with pytest.raises(ValueError, match="query_key_value"):
+        lora.resolve_targets(model.replace(lora_rank=2, lora_alpha=2.0), ["q_proj"])
+    with pytest.raises(C.ConfigError, match="lora_r >= 1"):
+        C.TrainConfig(use_peft=True, lora_r=0)
+
+
+@pytest.fixture(scope="module")
+def lora_run(checkpoints, tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora")
+    cfg = C.TrainConfig(model_name_or_path=str(checkpoints["llama"]["causal_lm"]),
+                        reward_model_path=str(checkpoints["llama"]["reward"]),
+                        dataset_name=str(hf_fixtures.prompt_dataset(root / "data")), output_dir=str(root / "run"),
+                        max_steps=4, save_steps=2, per_device_train_batch_size=4, learning_rate=1e-2,
+                        logging_steps=1, max_new_tokens=6, max_length=96, max_prompt_length=64, bf16=False,
+                        use_peft=True, lora_r=4, lora_alpha=8, lora_target_modules=("all-linear",))
+    train.train(cfg)
+    return cfg, root / "run"
+
+
+def _metrics(out):
+    return [{k: v for k, v in json.loads(line).items() if k != "eps"}
+            for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_lora_run_trains_only_its_adapters_and_resumes_exactly(lora_run, checkpoints, tmp_path):
+    cfg, out = lora_run
+    lines = [m for m in _metrics(out) if "loss" in m]
+    assert lines[0]["loss"] == pytest.approx(np.log(2), rel=1e-5)  # b = 0: the policy is its reference at first
+    assert lines[-1]["loss"] != lines[0]["loss"] and lines[-1]["objective/kl"] != 0
+    saved = restore_params(out / "checkpoints" / "4")  # the adapters alone: what changes
+    assert sorted(saved) == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+    assert all(np.abs(np.asarray(b)).max() > 0 for b in jax.tree.leaves({g: v["b"] for g, v in saved.items()}))
+    size = sum(f.stat().st_size for f in (out / "checkpoints" / "4").rglob("*") if f.is_file())
+    base_bytes = sum(f.stat().st_size for f in checkpoints["llama"]["causal_lm"].glob("*.safetensors"))
+    assert size < base_bytes  # adapters + AdamW moments of rank 4: smaller than the model itself
+    resumed = tmp_path / "resumed"
+    shutil.copytree(out, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "4")
+    train.train(cfg.replace(output_dir=str(resumed)))
+    assert _metrics(resumed) == _metrics(out)
+
+
+def test_a_lora_run_exports_merged_and_as_peft(lora_run, tmp_path):
+    _, out = lora_run
+    merged, checks = export_hf.export(str(out), str(tmp_path / "merged"))
+    assert any("transformers" in c for c in checks), checks
+    adapter, checks = export_hf.export(str(out), str(tmp_path / "peft"), peft=True)
+    assert any("peft" in c for c in checks), checks
+    assert (adapter / "adapter_model.safetensors").is_file() and (adapter / "tokenizer_config.json").is_file()
+    # the merged export and the adapters on the base are one model
+    from transformers import AutoModelForCausalLM
+    import torch
+
+    ids = np.random.default_rng(1).integers(3, 290, (2, 9))
+    mask = np.ones_like(ids)
+    base_path = json.loads((out / "config.json").read_text())["model_name_or_path"]
+    with torch.no_grad():
+        whole = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)(
+            input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits.numpy()
+    np.testing.assert_allclose(_peft_logits(base_path, adapter, ids, mask), whole, rtol=1e-4, atol=1e-4)
+    assert export_hf.main(["--checkpoint", str(out), "--out", str(tmp_path / "again"), "--peft"]) == 0
