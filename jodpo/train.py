@@ -123,7 +123,8 @@ def _judge_against_references(run: Run, idx: np.ndarray, tokens: np.ndarray) -> 
     prompts, references = [data.prompts[i] for i in idx], [data.references[i] for i in idx]
     completions = _decode(run.tokenizer, tokens)
     if isinstance(prompts[0], list):  # both as the assistant's messages
-        references, completions = ([[{"role": "assistant", "content": c}] for c in x] for x in (references, completions))
+        references, completions = ([[{"role": "assistant", "content": c}] for c in x]
+                                   for x in (references, completions))
     return run.judge.preferences(prompts, references, completions)
 
 

@@ -171,7 +171,8 @@ def sample_completions(cfg: StepConfig, state: TrainState, prompt_ids: jax.Array
     flat = lambda x: x.transpose(1, 0, 2).reshape(B * A, P)  # noqa: E731
     if cfg.model.lora_rank and ref_params is None:
         raise ValueError("with LoRA adapters sample_completions needs ref_params (the base model they ride on)")
-    out = sample(cfg.model, policy_params(cfg, state.params, ref_params), flat(prompt_ids), flat(prompt_mask), key, cfg.sampling, num_samples=n)
+    out = sample(cfg.model, policy_params(cfg, state.params, ref_params), flat(prompt_ids), flat(prompt_mask), key,
+                 cfg.sampling, num_samples=n)
     # rows s * AB + b * A + a -> [a, s * B + b]
     return jax.tree.map(lambda x: x.reshape(n, B, A, -1).transpose(2, 0, 1, 3).reshape(A, n * B, -1), out)
 
@@ -230,8 +231,9 @@ def update(cfg: StepConfig, state: TrainState, ref_params: Params, prompt_ids: j
     def loss_fn(params, mb):
         ids, mask, tokens, tmask, r = mb
         return online_dpo_loss(cfg.model, policy_params(cfg, params, ref_params), ref_params, ids, mask, tokens,
-                               tmask, r, beta=beta, loss_type=cfg.loss_type, missing_eos_penalty=cfg.missing_eos_penalty,
-                               eos_token_ids=cfg.sampling.eos_token_ids, penalty_reward_value=cfg.penalty_reward_value,
+                               tmask, r, beta=beta, loss_type=cfg.loss_type,
+                               missing_eos_penalty=cfg.missing_eos_penalty, eos_token_ids=cfg.sampling.eos_token_ids,
+                               penalty_reward_value=cfg.penalty_reward_value,
                                max_length=cfg.max_length, options=cfg.loss_options, judged=cfg.judged)
 
     grads, metrics = _accumulate(loss_fn, state.params,
@@ -260,8 +262,7 @@ def offline_step(cfg: StepConfig, state: TrainState, ref_params: Params,
     def loss_fn(params, mb: PreferenceBatch):
         return dpo_loss(cfg.model, policy_params(cfg, params, ref_params), ref_params, mb.prompt_ids, mb.prompt_mask,
                         mb.chosen_ids, mb.chosen_mask, mb.rejected_ids, mb.rejected_mask, beta=beta,
-                        loss_type=cfg.loss_type,
-                        max_length=cfg.max_length, options=cfg.loss_options)
+                        loss_type=cfg.loss_type, max_length=cfg.max_length, options=cfg.loss_options)
 
     grads, metrics = _accumulate(loss_fn, state.params, batch)
     return apply_gradients(cfg, state, grads, metrics)
