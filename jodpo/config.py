@@ -60,6 +60,8 @@ class TrainConfig:
     gradient_accumulation_steps: int = _f(1, "micro-batches per optimizer step (gradients averaged)")
     num_train_epochs: float = _f(3.0, "passes over the prompts (ignored when max_steps > 0)")
     max_steps: int = _f(-1, "optimizer steps; > 0 overrides num_train_epochs")
+    total_episodes: int | None = _f(None, "the run's length in episodes (prompts, as the episode metric counts them): "
+                                          "total_episodes // the global batch steps (open-instruct)")
     learning_rate: float = _f(5e-7, "AdamW peak learning rate")
     lr_scheduler_type: str = _f("linear", "linear | cosine | constant | constant_with_warmup")
     warmup_ratio: float = _f(0.0, "fraction of the steps spent warming up (used when warmup_steps is 0)")
@@ -78,6 +80,10 @@ class TrainConfig:
     top_p: float = _f(1.0, "nucleus filtering (1.0: off)")
     min_p: float | None = _f(None, "min-p filtering relative to the top token (None: off)")
     repetition_penalty: float = _f(1.0, "transformers' repetition penalty (1.0: off)")
+    stop_token: str | None = _f(None, "open-instruct's stop_token: eos (the default behaviour) | period (completions "
+                                      "also end at the first '.', and only it spares them the EOS penalties)")
+    temperature_scaled_logprobs: bool = _f(False, "the loss's log-probs from the logits divided by temperature, as "
+                                                   "open-instruct computes them (TRL: the raw logits)")
     # --- loss
     beta: float | tuple[float, ...] = _f(0.1, "KL strength; a list is indexed by epoch")
     loss_type: str = _f("sigmoid", "sigmoid | ipo | hinge | robust | exo_pair | nca_pair | sppo_hard | apo_zero | "
@@ -165,6 +171,14 @@ def _check(c: TrainConfig) -> None:
     if c.attn_implementation == "cudnn" and not c.bf16:
         raise ConfigError("attn_implementation='cudnn' needs bf16=True (cuDNN's flash attention has no float32 "
                           "kernel); use 'xla' for float32 compute")
+    if c.stop_token not in (None, "eos", "period"):
+        raise ConfigError(f"stop_token must be eos or period (open-instruct's), got {c.stop_token!r}")
+    if c.total_episodes is not None and (c.total_episodes < 1 or c.max_steps > 0):
+        raise ConfigError(f"total_episodes must be >= 1 and max_steps unset (both give the run's length); got "
+                          f"total_episodes={c.total_episodes}, max_steps={c.max_steps}")
+    if c.temperature_scaled_logprobs and not c.temperature > 0:
+        raise ConfigError("temperature_scaled_logprobs divides the loss's logits by temperature, which is "
+                          f"{c.temperature}; use a temperature > 0 or turn it off")
     if c.use_peft and (c.lora_r < 1 or not c.lora_alpha > 0 or not 0 <= c.lora_dropout < 1):
         raise ConfigError(f"use_peft needs lora_r >= 1, lora_alpha > 0 and 0 <= lora_dropout < 1; got lora_r="
                           f"{c.lora_r}, lora_alpha={c.lora_alpha}, lora_dropout={c.lora_dropout}")

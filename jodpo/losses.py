@@ -20,14 +20,15 @@ from jodpo.rewards import apply_eos_penalty, contains_eos, pair_indices
 
 def completion_logprobs(model: Model, params: Params, prompt_ids: jax.Array, prompt_mask: jax.Array,
                         completion_ids: jax.Array, completion_mask: jax.Array,
-                        max_length: int | None = None) -> jax.Array:
+                        max_length: int | None = None, temperature: float | None = None) -> jax.Array:
     """f32[N, C]: log p(completion token | everything before it) under ``params``; 0 on padding.
 
     ``prompt_ids`` has a row per completion ``[N, P]``, or ``[B, P]`` shared by N = n x B completions in block
     layout (row r continues prompt ``r % B``): then every prompt runs through the model once, not n times.
     The LM head runs only at the C positions that predict completion tokens (never over the prompt).
     ``max_length`` left-truncates the prompt for this forward only, as TRL does (at least one prompt
-    token is kept).
+    token is kept). ``temperature``: the logits are divided by ``temperature + 1e-7`` first, as open-instruct's
+    training forward does (TRL and the default use the raw logits).
     """
     P, C = prompt_ids.shape[1], completion_ids.shape[1]
     if max_length is not None and P + C > max_length:
@@ -39,6 +40,8 @@ def completion_logprobs(model: Model, params: Params, prompt_ids: jax.Array, pro
     else:
         h = prefixed_hidden_states(model, params, prompt_ids, prompt_mask, completion_ids, completion_mask)
     logits_BCV = lm_head(model, params, h[:, P - 1: P + C - 1])
+    if temperature is not None:
+        logits_BCV = logits_BCV / (temperature + 1e-7)
     picked = jnp.take_along_axis(logits_BCV, completion_ids[..., None].astype(jnp.int32), -1)[..., 0]
     logp = picked - jax.nn.logsumexp(logits_BCV, axis=-1)
     return jnp.where(completion_mask > 0, logp, 0.0)
@@ -184,12 +187,13 @@ def preference_loss(S: jax.Array, S_ref: jax.Array, lengths: jax.Array, chosen: 
 
 
 def _summed_logprobs(model, params, ref_params, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                     max_length, ref_logprobs):
+                     max_length, ref_logprobs, temperature=None):
     """Summed completion log-probs under the policy (differentiable) and the frozen reference."""
-    logp = completion_logprobs(model, params, prompt_ids, prompt_mask, completion_ids, completion_mask, max_length)
+    logp = completion_logprobs(model, params, prompt_ids, prompt_mask, completion_ids, completion_mask, max_length,
+                               temperature)
     if ref_logprobs is None:
         ref_logprobs = completion_logprobs(model, jax.lax.stop_gradient(ref_params), prompt_ids, prompt_mask,
-                                           completion_ids, completion_mask, max_length)
+                                           completion_ids, completion_mask, max_length, temperature)
     return logp.sum(-1), jax.lax.stop_gradient(ref_logprobs).sum(-1)
 
 
@@ -203,7 +207,7 @@ def online_dpo_loss(model: Model, params: Params, ref_params: Params, prompt_ids
                     rewards: jax.Array, *, beta, loss_type: str = "sigmoid", missing_eos_penalty=None,
                     eos_token_ids=(), penalty_reward_value=None, max_length: int | None = None,
                     options: LossOptions = LossOptions(), ref_logprobs: jax.Array | None = None,
-                    judged: bool = False):
+                    judged: bool = False, logprob_temperature: float | None = None):
     """The online DPO loss of one batch and TRL's metrics; differentiable in ``params``.
 
     Args:
@@ -220,13 +224,15 @@ def online_dpo_loss(model: Model, params: Params, ref_params: Params, prompt_ids
       judged: the pairs come from a judge (TRL's ``judge``): no EOS penalty, pairs without a verdict weigh 0, and
         the metrics of scores (``objective/scores``, ``scores_margin``, ``rlhf_reward``) give way to
         ``objective/judge_confidence`` and ``objective/judge_abstained``.
+      logprob_temperature: log-probs (policy and reference) from the logits divided by this temperature, as
+        open-instruct computes them (the sampling temperature there); None: the raw logits, as TRL.
     Returns:
       ``(loss, metrics)`` with TRL's metric names; KL and entropy are masked to the completion.
     """
     prompt_ids, prompt_mask, completion_ids, completion_mask, rewards = (
         jnp.asarray(x) for x in (prompt_ids, prompt_mask, completion_ids, completion_mask, rewards))
     S, S_ref = _summed_logprobs(model, params, ref_params, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                                max_length, ref_logprobs)
+                                max_length, ref_logprobs, logprob_temperature)
     has_eos = contains_eos(completion_ids, completion_mask, eos_token_ids)
     scores = rewards.astype(jnp.float32)
     if not judged:

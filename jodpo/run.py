@@ -94,6 +94,8 @@ def build(cfg: TrainConfig) -> Run:
     eos = tuple(dict.fromkeys([*model.eos_token_ids, *([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None
                                                        else [])]))
     pad = tokenizer.pad_token_id
+    stop = stop_token_ids(cfg, tokenizer)
+    eos = tuple(dict.fromkeys([*eos, *stop]))
 
     train_rows = D.load_rows(cfg.dataset_name, cfg.dataset_config, cfg.dataset_train_split)
     offline = D.is_preference(train_rows)
@@ -135,7 +137,7 @@ def build(cfg: TrainConfig) -> Run:
 
     global_batch = cfg.per_device_train_batch_size * dp * cfg.gradient_accumulation_steps
     spe = D.steps_per_epoch(len(train), global_batch)
-    total = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * spe)
+    total = run_length(cfg, global_batch, spe)
     warmup = cfg.warmup_steps or math.ceil(total * cfg.warmup_ratio)
     sampling = SamplingConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
                               top_p=cfg.top_p, min_p=cfg.min_p or 0.0, repetition_penalty=cfg.repetition_penalty,
@@ -149,11 +151,36 @@ def build(cfg: TrainConfig) -> Run:
         loss_options=LossOptions(cfg.label_smoothing, cfg.discopop_tau, cfg.ipo_length_normalized),
         missing_eos_penalty=cfg.missing_eos_penalty,
         penalty_reward_value=cfg.penalty_reward_value if cfg.non_eos_penalty else None, max_length=cfg.max_length,
-        reward_model=rm if rewards is not None and rewards.on_device else None, judged=judge is not None)
+        reward_model=rm if rewards is not None and rewards.on_device else None, judged=judge is not None,
+        logprob_temperature=cfg.temperature if cfg.temperature_scaled_logprobs else None, stop_token_ids=stop)
     save_every = int(cfg.save_steps) if cfg.save_steps >= 1 else max(1, math.ceil(total * cfg.save_steps))
     return Run(cfg, tokenizer, step_cfg, mesh, policy_params, ref_params, rewards, judge, train, evaluation,
                cfg.prompt_buckets or D.default_buckets(cfg.max_prompt_length), global_batch, spe, total, save_every,
                lora_targets=targets)
+
+
+def stop_token_ids(cfg: TrainConfig, tokenizer) -> tuple[int, ...]:
+    """open-instruct's ``stop_token``: None or ``"eos"``, completions end at the EOS (as in TRL; nothing to add);
+    ``"period"``, also at the first "." token, which alone then spares a completion the EOS penalties."""
+    if cfg.stop_token in (None, "eos"):
+        return ()
+    ids = tokenizer.encode(".", add_special_tokens=False)
+    if len(ids) != 1:
+        raise ConfigError(f"stop_token='period': '.' is {len(ids)} tokens for this tokenizer, not one")
+    return (ids[0],)
+
+
+def run_length(cfg: TrainConfig, global_batch: int, steps_per_epoch: int) -> int:
+    """Optimizer steps of the run: ``max_steps``, or ``total_episodes // global_batch`` (open-instruct's run length;
+    the prompts are reshuffled at each pass, as open-instruct retrains on them), or ``num_train_epochs`` passes."""
+    if cfg.max_steps > 0:
+        return cfg.max_steps
+    if cfg.total_episodes is not None:
+        if cfg.total_episodes < global_batch:
+            raise ConfigError(f"total_episodes={cfg.total_episodes} is less than one step's {global_batch} prompts "
+                              "(per_device_train_batch_size x data-parallel devices x gradient_accumulation_steps)")
+        return cfg.total_episodes // global_batch
+    return math.ceil(cfg.num_train_epochs * steps_per_epoch)
 
 
 def _load_judge(cfg: TrainConfig, policy, mesh) -> J.LLMJudge | J.CallableJudge:

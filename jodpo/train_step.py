@@ -103,6 +103,20 @@ class StepConfig:
     max_length: int | None = None  # prompt + completion, left-truncating the prompt in the loss forward
     reward_model: Model | None = None  # scored on device by ``online_step`` (shared tokenizer)
     judged: bool = False  # ``update``'s rewards are a judge's verdicts (``jodpo.judges.pair_scores``)
+    logprob_temperature: float | None = None  # the loss's logits divided by it (open-instruct); None: raw (TRL)
+    # open-instruct's stop_token='period': ids that end a completion (the sampler stops at them too: they are among
+    # sampling.eos_token_ids) and alone decide the EOS penalties and val/contain_eos_token; () : the EOS ids do
+    stop_token_ids: tuple[int, ...] = ()
+
+    @property
+    def penalty_ids(self) -> tuple[int, ...]:
+        """The ids whose presence spares a completion the EOS penalties."""
+        return self.stop_token_ids or self.sampling.eos_token_ids
+
+    @property
+    def special_eos_ids(self) -> tuple[int, ...]:
+        """The EOS ids proper (special tokens, absent from the text a reward model reads), without stop tokens."""
+        return tuple(i for i in self.sampling.eos_token_ids if i not in self.stop_token_ids)
 
     def __post_init__(self):
         beta = (self.beta,) if isinstance(self.beta, (int, float)) else tuple(self.beta)
@@ -181,7 +195,7 @@ def score_completions(cfg: StepConfig, rm_params: Params, prompt_ids: jax.Array,
                       samples: Samples) -> jax.Array:
     """f32[A, nB] raw reward-model scores of ``[A, nB, T]`` samples from token ids (the reward model shares the
     policy tokenizer)."""
-    eos = cfg.sampling.eos_token_ids
+    eos = cfg.special_eos_ids
 
     def one(x):
         ids_BP, mask_BP, tokens, mask = x
@@ -232,9 +246,10 @@ def update(cfg: StepConfig, state: TrainState, ref_params: Params, prompt_ids: j
         ids, mask, tokens, tmask, r = mb
         return online_dpo_loss(cfg.model, policy_params(cfg, params, ref_params), ref_params, ids, mask, tokens,
                                tmask, r, beta=beta, loss_type=cfg.loss_type,
-                               missing_eos_penalty=cfg.missing_eos_penalty, eos_token_ids=cfg.sampling.eos_token_ids,
+                               missing_eos_penalty=cfg.missing_eos_penalty, eos_token_ids=cfg.penalty_ids,
                                penalty_reward_value=cfg.penalty_reward_value,
-                               max_length=cfg.max_length, options=cfg.loss_options, judged=cfg.judged)
+                               max_length=cfg.max_length, options=cfg.loss_options, judged=cfg.judged,
+                               logprob_temperature=cfg.logprob_temperature)
 
     grads, metrics = _accumulate(loss_fn, state.params,
                                  (prompt_ids, prompt_mask, samples.tokens, samples.mask, rewards.astype(jnp.float32)))

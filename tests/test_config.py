@@ -38,10 +38,28 @@ def test_overrides_are_typed():
                                                ("loss_type", "dpo", "unknown loss_type"),
                                                ("per_device_train_batch_size", 0, "per_device_train_batch_size"),
                                                ("attn_implementation", "flash", "attn_implementation must be one of"),
-                                               ("matmul_precision", "tf32", "matmul_precision must be one of")])
+                                               ("matmul_precision", "tf32", "matmul_precision must be one of"),
+                                               ("total_episodes", 0, "total_episodes must be >= 1"),
+                                               ("temperature_scaled_logprobs", True, None)])
 def test_bad_values_are_refused(field, value, match):
+    if match is None:  # valid alone, refused beside another field
+        with pytest.raises(C.ConfigError, match=field):
+            C.TrainConfig(**{field: value, "temperature": 0.0})
+        return
     with pytest.raises(C.ConfigError, match=match):
         C.TrainConfig(**{field: value})
+
+
+def test_run_length_from_steps_episodes_or_epochs():
+    from jodpo.run import run_length
+
+    assert run_length(C.TrainConfig(max_steps=7), 16, 100) == 7
+    assert run_length(C.TrainConfig(total_episodes=1000), 16, 100) == 62  # open-instruct: total_episodes // batch
+    assert run_length(C.TrainConfig(num_train_epochs=1.5), 16, 100) == 150
+    with pytest.raises(C.ConfigError, match="max_steps unset"):
+        C.TrainConfig(total_episodes=1000, max_steps=5)
+    with pytest.raises(C.ConfigError, match="less than one step's 16 prompts"):
+        run_length(C.TrainConfig(total_episodes=10), 16, 100)
 
 
 def test_cudnn_attention_needs_bf16_and_a_gpu():

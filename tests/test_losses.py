@@ -88,6 +88,13 @@ def test_completion_logprobs_equal_full_forward_and_truncate_like_trl(checkpoint
     cut = np.asarray(losses.completion_logprobs(model, params, P, pm, C, cm, max_length=7))
     ref = np.asarray(losses.completion_logprobs(model, params, P[:, 3:], pm[:, 3:], C, cm))
     np.testing.assert_allclose(cut, ref, rtol=1e-6)
+    # open-instruct's temperature-scaled log-probs: log_softmax(logits / (T + 1e-7)) at the same positions.
+    hot = np.asarray(losses.completion_logprobs(model, params, P, pm, C, cm, temperature=0.7))
+    scaled = jax.nn.log_softmax(jodpo.logits(model, params, np.concatenate([P, C], 1), np.concatenate([pm, cm], 1))
+                                / (0.7 + 1e-7))
+    want = np.take_along_axis(np.asarray(scaled[:, P.shape[1] - 1:-1]), C[..., None], -1)[..., 0] * cm
+    np.testing.assert_allclose(hot, want, rtol=1e-5, atol=1e-6)
+    assert np.abs(hot - lp).max() > 1e-2
 
 
 def test_on_device_scoring_equals_scoring_the_text_without_eos(checkpoints):
@@ -126,6 +133,10 @@ def test_online_dpo_loss_is_jittable_and_takes_one_prompt_row_per_pair(checkpoin
     assert float(loss_b) == pytest.approx(math.log(2), rel=1e-5)  # policy == reference: z = 0
     assert float(loss_b) == pytest.approx(float(loss_2b), rel=1e-6)
     assert float(m_b["objective/kl"]) == 0.0 and float(m_b["rewards/accuracies"]) == 0.0
+    # temperature-scaled log-probs (open-instruct) reach the loss: chosen rows are 2 (0.3 > 0.1) and 1 (0.5 > 0.2)
+    _, m_t = losses.online_dpo_loss(model, params, params, P, pm, C, cm, r, beta=0.1, logprob_temperature=0.7)
+    S_t = np.asarray(losses.completion_logprobs(model, params, P, pm, C, cm, temperature=0.7)).sum(-1)
+    assert float(m_t["logps/chosen"]) == pytest.approx((S_t[2] + S_t[1]) / 2, rel=1e-5)
 
 
 def test_accuracies_count_the_pairs_whose_margin_is_positive():

@@ -217,3 +217,41 @@ def test_thirty_steps_raise_a_programmatic_reward(neox):
     # The same run rewarding the opposite: the score must fall (a flipped gradient sign fails one of the two).
     first, last = _run(model, params, -1.0)
     assert last < first - 0.25, (first, last)
+
+
+def test_stop_token_truncates_like_open_instruct_and_alone_spares_the_penalty(neox, tokenizer_dir):
+    """open-instruct's stop_token: sampling that also stops at a stop id equals sampling without it then
+    ``truncate_response`` (keep up to the first stop id, pad after), written as a Python loop; the penalty and
+    val/contain_eos_token then look for the stop id alone."""
+    from jodpo.config import TrainConfig
+    from jodpo.run import stop_token_ids
+
+    model, params = neox
+    cfg = _cfg(model)
+    ids, mask = _prompts(model, 1, 4, seed=2)
+    state = ts.init_state(cfg, params, jax.random.key(5))
+    free = ts.jit_sample_completions(cfg, state, ids, mask)
+    tokens, tmask = np.asarray(free.tokens[0]), np.asarray(free.mask[0])
+    stop = int(tokens[0, 2])  # a token the sampler draws mid-completion, as the stop token
+    eos = cfg.sampling.eos_token_ids
+    stopped_cfg = dataclasses.replace(cfg, sampling=dataclasses.replace(cfg.sampling, eos_token_ids=(*eos, stop)),
+                                      stop_token_ids=(stop,))
+    got = ts.jit_sample_completions(stopped_cfg, state, ids, mask)
+    want_t, want_m = tokens.copy(), tmask.copy()
+    for r in range(len(want_t)):
+        for t in range(want_t.shape[1]):
+            if want_m[r, t] and want_t[r, t] == stop:
+                want_t[r, t + 1:], want_m[r, t + 1:] = model.pad_token_id, 0
+                break
+    np.testing.assert_array_equal(np.asarray(got.tokens[0]), want_t)
+    np.testing.assert_array_equal(np.asarray(got.mask[0]), want_m)
+    # the penalty: a reward of 0 for all, and missing_eos_penalty 1 for completions without the stop id
+    penalised = dataclasses.replace(stopped_cfg, missing_eos_penalty=1.0)
+    _, metrics = ts.jit_update(penalised, state, params, ids, mask, got, jnp.zeros((1, 8)))
+    has_stop = ((want_t == stop) & (want_m > 0)).any(-1)
+    assert 0 < has_stop.mean() < 1
+    assert float(metrics["val/contain_eos_token"]) == pytest.approx(has_stop.mean())
+    assert float(metrics["objective/scores"]) == pytest.approx(-(1 - has_stop.mean()))
+    tok = jodpo.load_tokenizer(str(tokenizer_dir))
+    assert stop_token_ids(TrainConfig(stop_token="period"), tok) == tuple(tok.encode(".", add_special_tokens=False))
+    assert stop_token_ids(TrainConfig(stop_token="eos"), tok) == ()
