@@ -50,6 +50,9 @@ class TrainConfig:
     # --- data
     dataset_name: str = _f("", "hub dataset id, or a local file/directory (json, jsonl, parquet, csv)")
     dataset_config: str | None = _f(None, "the dataset's config (subset) name")
+    dataset_mixer: dict[str, float] | None = _f(None, "open-instruct's mixture in place of dataset_name: {dataset: "
+                                                     "fraction (<= 1) or row count (> 1)}, concatenated")
+    dataset_eval_mixer: dict[str, float] | None = _f(None, "the same for evaluation (dataset_test_split)")
     dataset_train_split: str = _f("train", "split to train on")
     dataset_test_split: str = _f("test", "split to evaluate on")
     eval_dataset: str | None = _f(None, "evaluation dataset (default: dataset_name's dataset_test_split)")
@@ -171,6 +174,8 @@ def _check(c: TrainConfig) -> None:
     if c.attn_implementation == "cudnn" and not c.bf16:
         raise ConfigError("attn_implementation='cudnn' needs bf16=True (cuDNN's flash attention has no float32 "
                           "kernel); use 'xla' for float32 compute")
+    if c.dataset_mixer is not None and c.dataset_name:
+        raise ConfigError("dataset_mixer and dataset_name are both set: the mixer replaces dataset_name; unset one")
     if c.stop_token not in (None, "eos", "period"):
         raise ConfigError(f"stop_token must be eos or period (open-instruct's), got {c.stop_token!r}")
     if c.total_episodes is not None and (c.total_episodes < 1 or c.max_steps > 0):
@@ -269,6 +274,12 @@ def coerce(name: str, value):
             return value
         if t is float and isinstance(value, int) and not isinstance(value, bool):
             return float(value)
+        if typing.get_origin(t) is dict and isinstance(value, dict):
+            bad = [k for k, v in value.items() if not isinstance(k, str) or isinstance(v, bool)
+                   or not isinstance(v, (int, float)) or v < 0]
+            if bad:
+                raise ConfigError(f"field {name!r} maps names to non-negative numbers; {bad[0]!r} does not")
+            return {k: float(v) for k, v in value.items()}
         if typing.get_origin(t) is tuple and isinstance(value, (list, tuple)):
             (elem, _) = typing.get_args(t)
             try:

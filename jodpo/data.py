@@ -53,6 +53,26 @@ def load_rows(name: str, config: str | None = None, split: str = "train"):
         raise DataError(f"dataset {name!r} could not be loaded: {type(e).__name__}: {e}") from e
 
 
+def load_mixture(mixer: dict, config: str | None = None, split: str = "train"):
+    """open-instruct's ``dataset_mixer``: ``{dataset: amount}``, an amount above 1 a row count, else a fraction of
+    the dataset; each dataset's first rows (in its stored order, as open-instruct without shuffling) concatenated in
+    the mixer's order. Only the columns every dataset has are kept (they must line up to be concatenated)."""
+    import datasets
+
+    if not mixer:
+        raise DataError("dataset_mixer is empty: give {dataset: fraction or row count, ...}")
+    parts = []
+    for name, amount in mixer.items():
+        rows = load_rows(name, config, split)
+        n = int(amount) if amount > 1 else int(amount * len(rows))
+        if not 0 <= n <= len(rows):
+            raise DataError(f"dataset_mixer asks {n} rows of {name!r} ({split} split), which has {len(rows)}; give a "
+                            f"count up to {len(rows)} or a fraction up to 1.0")
+        parts.append(rows.select(range(n)))
+    common = [c for c in parts[0].column_names if all(c in p.column_names for p in parts)]
+    return datasets.concatenate_datasets([p.select_columns(common) for p in parts])
+
+
 def is_preference(ds) -> bool:
     return {"chosen", "rejected"} <= set(ds.column_names)
 

@@ -97,15 +97,16 @@ def build(cfg: TrainConfig) -> Run:
     stop = stop_token_ids(cfg, tokenizer)
     eos = tuple(dict.fromkeys([*eos, *stop]))
 
-    train_rows = D.load_rows(cfg.dataset_name, cfg.dataset_config, cfg.dataset_train_split)
+    train_rows = _load(cfg.dataset_mixer, cfg.dataset_name, cfg, cfg.dataset_train_split)
     offline = D.is_preference(train_rows)
     if offline:
         train = D.prepare_preferences(train_rows, tokenizer, cfg.max_prompt_length, cfg.max_new_tokens)
     else:
         train = D.prepare_prompts(train_rows, tokenizer, cfg.max_prompt_length)
     evaluation = None
-    if not offline and (cfg.eval_dataset or cfg.eval_steps):
-        rows = D.load_rows(cfg.eval_dataset or cfg.dataset_name, cfg.dataset_config, cfg.dataset_test_split)
+    if not offline and (cfg.eval_dataset or cfg.dataset_eval_mixer or cfg.eval_steps):
+        rows = _load(cfg.dataset_eval_mixer or (None if cfg.eval_dataset else cfg.dataset_mixer),
+                     cfg.eval_dataset or cfg.dataset_name, cfg, cfg.dataset_test_split)
         rows = rows.select(range(min(len(rows), cfg.max_eval_prompts)))
         evaluation = D.prepare_prompts(rows, tokenizer, cfg.max_prompt_length)
         if len(evaluation) < dp:  # an eval batch needs a prompt per data-parallel device
@@ -157,6 +158,13 @@ def build(cfg: TrainConfig) -> Run:
     return Run(cfg, tokenizer, step_cfg, mesh, policy_params, ref_params, rewards, judge, train, evaluation,
                cfg.prompt_buckets or D.default_buckets(cfg.max_prompt_length), global_batch, spe, total, save_every,
                lora_targets=targets)
+
+
+def _load(mixer: dict | None, name: str, cfg: TrainConfig, split: str):
+    """The rows of a split: a dataset_mixer's mixture when there is one, else the named dataset."""
+    if mixer:
+        return D.load_mixture(mixer, cfg.dataset_config, split)
+    return D.load_rows(name, cfg.dataset_config, split)
 
 
 def stop_token_ids(cfg: TrainConfig, tokenizer) -> tuple[int, ...]:

@@ -1,0 +1,30 @@
+"""Data loading: open-instruct's dataset_mixer against a plain reference."""
+import json
+
+import pytest
+
+from jodpo import config as C
+from jodpo import data as D
+
+
+def _write(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_dataset_mixer_takes_counts_and_fractions_in_order(tmp_path):
+    a = _write(tmp_path / "a.jsonl", [{"prompt": f"a{i}", "completion": "x", "extra": i} for i in range(10)])
+    b = _write(tmp_path / "b.jsonl", [{"prompt": f"b{i}", "completion": "y"} for i in range(8)])
+    mixed = D.load_mixture({a: 0.5, b: 3}, split="train")
+    # open-instruct: an amount above 1 is a row count, else a fraction; the first rows of each, concatenated
+    assert mixed["prompt"] == [f"a{i}" for i in range(5)] + [f"b{i}" for i in range(3)]
+    assert mixed.column_names == ["prompt", "completion"]  # the columns every dataset has
+    assert D.load_mixture({a: 1.0}, split="train")["prompt"] == [f"a{i}" for i in range(10)]
+    with pytest.raises(D.DataError, match="asks 20 rows"):
+        D.load_mixture({b: 20}, split="train")
+    assert C.parse_override(f'--config.dataset_mixer={{"{a}": 1, "{b}": 0.25}}') == ("dataset_mixer",
+                                                                                   {a: 1.0, b: 0.25})
+    with pytest.raises(C.ConfigError, match="dataset_mixer and dataset_name"):
+        C.TrainConfig(dataset_mixer={a: 1.0}, dataset_name=b)
+    with pytest.raises(C.ConfigError, match="non-negative"):
+        C.coerce("dataset_mixer", {a: -1})
