@@ -63,6 +63,9 @@ class TrainConfig:
     gradient_accumulation_steps: int = _f(1, "micro-batches per optimizer step (gradients averaged)")
     num_train_epochs: float = _f(3.0, "passes over the prompts (ignored when max_steps > 0)")
     max_steps: int = _f(-1, "optimizer steps; > 0 overrides num_train_epochs")
+    num_epochs: int = _f(1, "passes over each rollout batch (open-instruct; TRL: 1), the pairs shuffled at each")
+    num_mini_batches: int = _f(1, "optimizer steps per pass over a rollout batch (open-instruct); a rollout holds "
+                                  "num_mini_batches x gradient_accumulation_steps micro-batches")
     total_episodes: int | None = _f(None, "the run's length in episodes (prompts, as the episode metric counts them): "
                                           "total_episodes // the global batch steps (open-instruct)")
     learning_rate: float = _f(5e-7, "AdamW peak learning rate")
@@ -145,6 +148,7 @@ def _check(c: TrainConfig) -> None:
     from jodpo.losses import LOSSES
 
     positive = ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
+                "num_epochs", "num_mini_batches",
                 "max_new_tokens", "max_length", "max_prompt_length", "logging_steps", "decode_chunk",
                 "max_nonfinite_steps")
     for name in positive:

@@ -52,6 +52,17 @@ class Run:
         specs = lora.adapter_specs(model, self.lora_targets) if self.lora_targets else None
         return S.param_shardings(model, self.mesh, specs)
 
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches of a step's rollout: gradient_accumulation_steps per optimizer step, num_mini_batches
+        optimizer steps per pass."""
+        return self.cfg.gradient_accumulation_steps * self.cfg.num_mini_batches
+
+    @property
+    def updates_per_step(self) -> int:
+        """Optimizer steps per step of the loop (per rollout): num_epochs x num_mini_batches (1 as in TRL)."""
+        return self.cfg.num_epochs * self.cfg.num_mini_batches
+
     def put(self, x: np.ndarray) -> jax.Array:
         """A batch array [A, B, ...] (the same on every process) placed with B split over data x fsdp."""
         dp = S.data_parallel_size(self.mesh)
@@ -136,19 +147,24 @@ def build(cfg: TrainConfig) -> Run:
         chat = isinstance(train.prompts[0], list)
         rewards = RewardSet(rm, rm_params, rm_tok, fns, cfg.reward_weights, shared_tokenizer=shared, chat=chat)
 
-    global_batch = cfg.per_device_train_batch_size * dp * cfg.gradient_accumulation_steps
+    global_batch = cfg.per_device_train_batch_size * dp * cfg.gradient_accumulation_steps * cfg.num_mini_batches
+    updates = cfg.num_epochs * cfg.num_mini_batches  # optimizer steps per rollout (open-instruct); 1 in TRL
+    if offline and updates > 1:
+        raise ConfigError("num_epochs and num_mini_batches pass several times over online rollouts; this dataset "
+                          "has chosen/rejected columns (offline DPO): leave them at 1")
     spe = D.steps_per_epoch(len(train), global_batch)
     total = run_length(cfg, global_batch, spe)
-    warmup = cfg.warmup_steps or math.ceil(total * cfg.warmup_ratio)
+    warmup = cfg.warmup_steps or math.ceil(total * updates * cfg.warmup_ratio)
     sampling = SamplingConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
                               top_p=cfg.top_p, min_p=cfg.min_p or 0.0, repetition_penalty=cfg.repetition_penalty,
                               eos_token_ids=eos, pad_token_id=pad, chunk=cfg.decode_chunk)
-    opt = ts.OptimizerConfig(learning_rate=cfg.learning_rate, total_steps=total, warmup_steps=warmup,
+    opt = ts.OptimizerConfig(learning_rate=cfg.learning_rate, total_steps=total * updates, warmup_steps=warmup,
                              lr_scheduler_type=cfg.lr_scheduler_type, weight_decay=cfg.weight_decay,
                              adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_epsilon=cfg.adam_epsilon,
                              max_grad_norm=cfg.max_grad_norm)
     step_cfg = ts.StepConfig(
-        model=model, sampling=sampling, optimizer=opt, beta=cfg.beta, updates_per_epoch=spe, loss_type=cfg.loss_type,
+        model=model, sampling=sampling, optimizer=opt, beta=cfg.beta, updates_per_epoch=spe * updates,
+        loss_type=cfg.loss_type,
         loss_options=LossOptions(cfg.label_smoothing, cfg.discopop_tau, cfg.ipo_length_normalized),
         missing_eos_penalty=cfg.missing_eos_penalty,
         penalty_reward_value=cfg.penalty_reward_value if cfg.non_eos_penalty else None, max_length=cfg.max_length,

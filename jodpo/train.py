@@ -46,20 +46,21 @@ def _twice_per_micro_batch(items: list, A: int) -> list:
 
 
 def online_step(run: Run, state, idx: np.ndarray):
-    A = run.cfg.gradient_accumulation_steps
+    A = run.micro_batches
     ids, mask = map(run.put, D.prompt_batch([run.train.ids[i] for i in idx], A, run.buckets,
                                             run.step_cfg.sampling.pad_token_id))
+    if run.updates_per_step > 1:  # open-instruct: several optimizer steps over this rollout
+        samples = run.steps.sample_completions(run.step_cfg, state, ids, mask, 2, run.ref_params)
+        raw = run.put(_rewards(run, idx, ids, mask, samples))
+        state, metrics = run.steps.rollout_update(run.step_cfg, state, run.ref_params, ids, mask, samples, raw,
+                                                  run.cfg.num_epochs, run.cfg.num_mini_batches)
+        return state, metrics, (idx, samples, raw)
     if run.rewards is not None and run.rewards.on_device:
         state, metrics, samples, raw = run.steps.online_step(run.step_cfg, state, run.ref_params, run.rewards.params,
                                                              ids, mask)
         return state, metrics, (idx, samples, raw)
     samples = run.steps.sample_completions(run.step_cfg, state, ids, mask, 2, run.ref_params)
-    tokens, tmask = S.to_host(samples.tokens), S.to_host(samples.mask)
-    if run.judge is not None:
-        raw = judge_samples(run, idx, tokens)
-    else:
-        raw = score_samples(run, run.train, _twice_per_micro_batch(list(idx), A),
-                            tokens.reshape(-1, tokens.shape[-1]), tmask.reshape(-1, tmask.shape[-1])).reshape(A, -1)
+    raw = _rewards(run, idx, ids, mask, samples)
     state, metrics = run.steps.update(run.step_cfg, state, run.ref_params, ids, mask, samples, run.put(raw))
     return state, metrics, (idx, samples, raw)
 
@@ -71,6 +72,19 @@ def score_samples(run: Run, data: D.PromptData, rows: list, tokens: np.ndarray, 
     columns = {k: [v[i] for i in rows] for k, v in data.columns.items()}
     completion_ids = [t[m > 0].tolist() for t, m in zip(tokens, tmask)]
     return run.rewards.score(prompts, _decode(run.tokenizer, tokens), completion_ids, columns)
+
+
+def _rewards(run: Run, idx: np.ndarray, ids, mask, samples):
+    """f32[A, 2B] raw rewards (or judge verdicts) of a window's samples, on the device when the reward model reads
+    the token ids there, else on the host."""
+    if run.rewards is not None and run.rewards.on_device:
+        return S.to_host(run.steps.score_completions(run.step_cfg, run.rewards.params, ids, mask, samples))
+    tokens, tmask = S.to_host(samples.tokens), S.to_host(samples.mask)
+    if run.judge is not None:
+        return judge_samples(run, idx, tokens)
+    A = tokens.shape[0]
+    return score_samples(run, run.train, _twice_per_micro_batch(list(idx), A), tokens.reshape(-1, tokens.shape[-1]),
+                         tmask.reshape(-1, tmask.shape[-1])).reshape(A, -1)
 
 
 def judge_samples(run: Run, idx: np.ndarray, tokens: np.ndarray) -> np.ndarray:
@@ -280,7 +294,7 @@ def _loop(run: Run, state, start: int, ckpt: Checkpointer, logger: RunLogger, st
             logger.log(last)
         if sampled is not None and (done % table_every == 0 or done == run.total_steps):
             idx, samples, raw = sampled
-            B = len(idx) // run.cfg.gradient_accumulation_steps
+            B = len(idx) // run.micro_batches
             texts = _decode(run.tokenizer, S.to_host(samples.tokens)[0, :B])
             rows = [(str(run.train.prompts[i]), t, float(r)) for i, t, r in zip(idx[:B], texts, S.to_host(raw)[0])]
             logger.table(done, rows[:4])

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jodpo.losses import LossOptions, check_loss_options, dpo_loss, online_dpo_loss
+from jodpo.losses import LossOptions, check_loss_options, completion_logprobs, dpo_loss, online_dpo_loss
 from jodpo.models.core import Model, Params
 from jodpo.models.lora import attach
 from jodpo.rewards import score_tokens
@@ -237,23 +237,75 @@ def apply_gradients(cfg: StepConfig, state: TrainState, grads: Params, metrics: 
 
 
 def update(cfg: StepConfig, state: TrainState, ref_params: Params, prompt_ids: jax.Array, prompt_mask: jax.Array,
-           samples: Samples, rewards: jax.Array) -> tuple[TrainState, dict]:
+           samples: Samples, rewards: jax.Array, ref_logprobs: jax.Array | None = None) -> tuple[TrainState, dict]:
     """The optimizer step from sampled completions and their raw rewards f32[A, 2B] (or, with ``cfg.judged``, a
-    judge's verdicts in the same layout)."""
+    judge's verdicts in the same layout). ``ref_logprobs`` f32[A, 2B, C]: the reference's log-probs when they are
+    already known (``rollout_update``), else the loss computes them."""
     beta = current_beta(cfg, state.step)
 
     def loss_fn(params, mb):
-        ids, mask, tokens, tmask, r = mb
+        ids, mask, tokens, tmask, r, ref_lp = mb
         return online_dpo_loss(cfg.model, policy_params(cfg, params, ref_params), ref_params, ids, mask, tokens,
                                tmask, r, beta=beta, loss_type=cfg.loss_type,
                                missing_eos_penalty=cfg.missing_eos_penalty, eos_token_ids=cfg.penalty_ids,
                                penalty_reward_value=cfg.penalty_reward_value,
                                max_length=cfg.max_length, options=cfg.loss_options, judged=cfg.judged,
-                               logprob_temperature=cfg.logprob_temperature)
+                               logprob_temperature=cfg.logprob_temperature, ref_logprobs=ref_lp)
 
-    grads, metrics = _accumulate(loss_fn, state.params,
-                                 (prompt_ids, prompt_mask, samples.tokens, samples.mask, rewards.astype(jnp.float32)))
+    grads, metrics = _accumulate(loss_fn, state.params, (prompt_ids, prompt_mask, samples.tokens, samples.mask,
+                                                         rewards.astype(jnp.float32), ref_logprobs))
     return apply_gradients(cfg, state, grads, metrics)
+
+
+def rollout_update(cfg: StepConfig, state: TrainState, ref_params: Params, prompt_ids: jax.Array,
+                   prompt_mask: jax.Array, samples: Samples, rewards: jax.Array, num_epochs: int = 1,
+                   num_mini_batches: int = 1) -> tuple[TrainState, dict]:
+    """open-instruct's several passes over one rollout batch: ``num_epochs`` passes, each a fresh shuffle of the
+    rollout's pairs cut into ``num_mini_batches`` optimizer steps (``update``, with the accumulation of its
+    micro-batches). The reference's log-probs are computed once per rollout; the policy's come from the updated
+    policy at every pass, as in open-instruct.
+
+    Arrays hold the rollout's R = num_mini_batches x A micro-batches: ``prompt_ids`` i32[R, B, P], ``samples``
+    [R, 2B, T] in block layout, ``rewards`` f32[R, 2B]. A pair (a prompt, its two completions and their rewards)
+    stays together. The shuffle draws from the state's key and the rollout's first step, so a resumed run draws the
+    same. Returns the state after the ``num_epochs x num_mini_batches`` updates and their mean metrics
+    (``skipped_update``: the fraction skipped)."""
+    R, B, P = prompt_ids.shape
+    M = num_mini_batches
+    if R % M:
+        raise ValueError(f"a rollout of {R} micro-batches does not split into {M} mini-batches")
+    A = R // M
+
+    def ref_logprobs(x):
+        ids, mask, tokens, tmask = x
+        return completion_logprobs(cfg.model, ref_params, ids, mask, tokens, tmask, cfg.max_length,
+                                   cfg.logprob_temperature)
+
+    ref = jax.lax.map(ref_logprobs, (prompt_ids, prompt_mask, samples.tokens, samples.mask))
+
+    def to_pairs(x):  # [R, 2B, ...] -> [R * B, 2, ...]: row b and row B + b of a micro-batch are one pair
+        return x.reshape(R, 2, B, *x.shape[2:]).swapaxes(1, 2).reshape(R * B, 2, *x.shape[2:])
+
+    def from_pairs(x):  # [A * B, 2, ...] -> [A, 2B, ...] (block layout)
+        rest = x.shape[2:]
+        return x.reshape(A, B, 2, *rest).swapaxes(1, 2).reshape(A, 2 * B, *rest)
+
+    pairs = (prompt_ids.reshape(R * B, P), prompt_mask.reshape(R * B, P),
+             tuple(map(to_pairs, (samples.tokens, samples.mask, samples.logprobs, rewards.astype(jnp.float32), ref))))
+    key = jax.random.fold_in(jax.random.fold_in(state.rng, 0x5EED), state.step)
+
+    def one_update(state, i):
+        epoch, m = i // M, i % M
+        order = jax.random.permutation(jax.random.fold_in(key, epoch), R * B)
+        take = jax.lax.dynamic_slice_in_dim(order, m * A * B, A * B)
+        ids, mask, (tokens, tmask, logprobs, r, ref_lp) = jax.tree.map(lambda x: x[take], pairs)
+        return update(cfg, state, ref_params, ids.reshape(A, B, P), mask.reshape(A, B, P),
+                      Samples(from_pairs(tokens), from_pairs(tmask), from_pairs(logprobs)), from_pairs(r),
+                      from_pairs(ref_lp))
+
+    state, metrics = jax.lax.scan(one_update, state, jnp.arange(num_epochs * M))
+    # means over the updates; the learning rate after the last, as a single update reports it
+    return state, jax.tree.map(lambda m: m.mean(0), metrics) | {"lr": metrics["lr"][-1]}
 
 
 def online_step(cfg: StepConfig, state: TrainState, ref_params: Params, rm_params: Params, prompt_ids: jax.Array,
@@ -291,6 +343,7 @@ class JittedSteps:
     sample_completions: Callable
     score_completions: Callable
     update: Callable
+    rollout_update: Callable
     online_step: Callable
     offline_step: Callable
 
@@ -307,6 +360,7 @@ def jit_steps(state_sharding=None, metrics_sharding=None) -> JittedSteps:
         sample_completions=jax.jit(sample_completions, static_argnums=(0, 4)),
         score_completions=jax.jit(score_completions, static_argnums=0),
         update=jax.jit(update, **step, out_shardings=out()),
+        rollout_update=jax.jit(rollout_update, static_argnums=(0, 7, 8), donate_argnums=1, out_shardings=out()),
         online_step=jax.jit(online_step, **step, out_shardings=out(None, None)),
         offline_step=jax.jit(offline_step, **step, out_shardings=out()))
 
@@ -315,5 +369,6 @@ _single = jit_steps()
 jit_sample_completions = _single.sample_completions
 jit_score_completions = _single.score_completions
 jit_update = _single.update
+jit_rollout_update = _single.rollout_update
 jit_online_step = _single.online_step
 jit_offline_step = _single.offline_step

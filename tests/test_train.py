@@ -98,3 +98,26 @@ def test_offline_dpo_from_preference_data(checkpoints, tmp_path, chat):
     lines = _metrics(tmp_path / "out")
     assert lines[0]["loss"] == pytest.approx(np.log(2), rel=1e-5)  # policy == reference at the first step
     assert lines[-1]["rewards/margins"] > 0  # and then it prefers the chosen responses
+
+
+def test_open_instruct_passes_over_each_rollout_resume_exactly(checkpoints, tmp_path):
+    """num_epochs=2 x num_mini_batches=2: four optimizer steps per rollout (the learning-rate horizon is the
+    rollouts times four), and a run stopped after a rollout resumes to the same metrics, bit for bit."""
+    out = tmp_path / "out"
+    cfg = C.TrainConfig(model_name_or_path=str(checkpoints["llama"]["causal_lm"]),
+                        reward_model_path=str(checkpoints["llama"]["reward"]),
+                        dataset_name=str(hf_fixtures.prompt_dataset(tmp_path / "data")), output_dir=str(out),
+                        max_steps=3, save_steps=1, per_device_train_batch_size=2, learning_rate=1e-3,
+                        logging_steps=1, max_new_tokens=6, max_length=96, max_prompt_length=64, bf16=False,
+                        num_epochs=2, num_mini_batches=2)
+    train.train(cfg)
+    lines = [m for m in _metrics(out) if "loss" in m]
+    assert [m["step"] for m in lines] == [1, 2, 3] and [m["episode"] for m in lines] == [4, 8, 12]
+    # the schedule after 4, 8, 12 of 12 updates: linear decay without warm-up
+    assert [m["lr"] for m in lines] == pytest.approx([1e-3 * 8 / 12, 1e-3 * 4 / 12, 0.0], abs=1e-9)
+    resumed = tmp_path / "resumed"
+    shutil.copytree(out, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "3")
+    train.train(cfg.replace(output_dir=str(resumed)))
+    strip = lambda p: [{k: v for k, v in m.items() if k != "eps"} for m in _metrics(p)]  # noqa: E731
+    assert strip(resumed) == strip(out)

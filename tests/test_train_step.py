@@ -255,3 +255,54 @@ def test_stop_token_truncates_like_open_instruct_and_alone_spares_the_penalty(ne
     tok = jodpo.load_tokenizer(str(tokenizer_dir))
     assert stop_token_ids(TrainConfig(stop_token="period"), tok) == tuple(tok.encode(".", add_special_tokens=False))
     assert stop_token_ids(TrainConfig(stop_token="eos"), tok) == ()
+
+
+def _close_params(a, b, lr: float, updates: int):
+    """Parameters after the same updates computed in another order: equal to float noise, except where a gradient
+    entry is itself float noise (a key bias's is 0 in exact arithmetic, a rare token's head row nearly): there
+    Adam's normalised step turns the noise into up to +-lr per update. So: no entry further apart than Adam can
+    move it, and all but a thousandth of each array within 1e-4 relative (the key bias, noise throughout, aside)."""
+    for (path, x), y in zip(jax.tree.leaves_with_path(a), jax.tree.leaves(b)):
+        x, y, name = np.asarray(x), np.asarray(y), jax.tree_util.keystr(path)
+        diff = np.abs(x - y)
+        assert diff.max() <= 2 * lr * updates, name
+        assert "k_bias" in name or (diff > 1e-6 + 1e-4 * np.abs(y)).mean() < 1e-3, name
+
+
+def test_rollout_update_equals_a_python_loop_over_epochs_and_mini_batches(neox):
+    """open-instruct's num_epochs x num_mini_batches updates per rollout, against plain loops: each epoch shuffles
+    the rollout's pairs, each mini-batch of A micro-batches is one ``update``; the reference log-probs are fixed."""
+    model, params = neox
+    cfg = _cfg(model)
+    R, B, E, M = 4, 2, 2, 2
+    A = R // M
+    ids, mask = _prompts(model, R, B, seed=3)
+    state = ts.init_state(cfg, params, jax.random.key(7))
+    samples = ts.jit_sample_completions(cfg, state, ids, mask)
+    rewards = np.random.default_rng(0).normal(size=(R, 2 * B)).astype(np.float32)
+    got, metrics = ts.jit_rollout_update(cfg, ts.init_state(cfg, params, jax.random.key(7)), params, ids, mask,
+                                         samples, rewards, E, M)
+    assert int(got.step) == E * M and np.isfinite(float(metrics["loss"]))
+    tokens, tmask, logprobs = (np.asarray(x) for x in (samples.tokens, samples.mask, samples.logprobs))
+    pairs = [(ids[r, b], mask[r, b], [x[r, [b, B + b]] for x in (tokens, tmask, logprobs)], rewards[r, [b, B + b]])
+             for r in range(R) for b in range(B)]
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(7), 0x5EED), 0)
+    want = ts.init_state(cfg, params, jax.random.key(7))
+    for epoch in range(E):
+        order = np.asarray(jax.random.permutation(jax.random.fold_in(key, epoch), R * B))
+        for m in range(M):
+            chosen = [pairs[i] for i in order[m * A * B:(m + 1) * A * B]]
+            mbs = [chosen[a * B:(a + 1) * B] for a in range(A)]
+            p_ids = np.stack([[p[0] for p in mb] for mb in mbs])
+            p_mask = np.stack([[p[1] for p in mb] for mb in mbs])
+            block = [np.stack([np.concatenate([[p[2][k][0] for p in mb], [p[2][k][1] for p in mb]]) for mb in mbs])
+                     for k in range(3)]
+            r = np.stack([np.concatenate([[p[3][0] for p in mb], [p[3][1] for p in mb]]) for mb in mbs])
+            want, _ = ts.jit_update(cfg, want, params, p_ids, p_mask, jodpo.Samples(*block), r)
+    _close_params(got.params, want.params, 1e-3, E * M)
+    # one epoch of one mini-batch is the plain update
+    one, _ = ts.jit_rollout_update(cfg, ts.init_state(cfg, params, jax.random.key(7)), params, ids[:2], mask[:2],
+                                   jax.tree.map(lambda x: x[:2], samples), rewards[:2], 1, 1)
+    plain, _ = ts.jit_update(cfg, ts.init_state(cfg, params, jax.random.key(7)), params, ids[:2], mask[:2],
+                             jax.tree.map(lambda x: x[:2], samples), rewards[:2])
+    _close_params(one.params, plain.params, 1e-3, 1)
