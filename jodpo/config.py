@@ -63,6 +63,8 @@ class TrainConfig:
     gradient_accumulation_steps: int = _f(1, "micro-batches per optimizer step (gradients averaged)")
     num_train_epochs: float = _f(3.0, "passes over the prompts (ignored when max_steps > 0)")
     max_steps: int = _f(-1, "optimizer steps; > 0 overrides num_train_epochs")
+    async_mode: bool = _f(False, "open-instruct's asynchronous generation: a step samples with the policy from "
+                                 "before the previous update (one step off-policy; TRL: on-policy)")
     num_epochs: int = _f(1, "passes over each rollout batch (open-instruct; TRL: 1), the pairs shuffled at each")
     num_mini_batches: int = _f(1, "optimizer steps per pass over a rollout batch (open-instruct); a rollout holds "
                                   "num_mini_batches x gradient_accumulation_steps micro-batches")

@@ -207,7 +207,8 @@ def online_dpo_loss(model: Model, params: Params, ref_params: Params, prompt_ids
                     rewards: jax.Array, *, beta, loss_type: str = "sigmoid", missing_eos_penalty=None,
                     eos_token_ids=(), penalty_reward_value=None, max_length: int | None = None,
                     options: LossOptions = LossOptions(), ref_logprobs: jax.Array | None = None,
-                    judged: bool = False, logprob_temperature: float | None = None):
+                    judged: bool = False, logprob_temperature: float | None = None,
+                    sample_logprobs: jax.Array | None = None):
     """The online DPO loss of one batch and TRL's metrics; differentiable in ``params``.
 
     Args:
@@ -226,6 +227,10 @@ def online_dpo_loss(model: Model, params: Params, ref_params: Params, prompt_ids
         ``objective/judge_confidence`` and ``objective/judge_abstained``.
       logprob_temperature: log-probs (policy and reference) from the logits divided by this temperature, as
         open-instruct computes them (the sampling temperature there); None: the raw logits, as TRL.
+      sample_logprobs: f32[2B, C] the sampling policy's log-probs of the completion tokens, when it is not the
+        trained one (open-instruct's async_mode): then ``objective/off_policy_kl`` is logged, the mean over
+        completions of their summed log-probs under the sampler minus under the trained policy (a sample estimate
+        of KL(sampler || policy)).
     Returns:
       ``(loss, metrics)`` with TRL's metric names; KL and entropy are masked to the completion.
     """
@@ -245,6 +250,8 @@ def online_dpo_loss(model: Model, params: Params, ref_params: Params, prompt_ids
                                     options=options, weights=weights)
     kl = jax.lax.stop_gradient(S - S_ref)  # per sequence, masked to the completion (TRL 1.16 also sums padding)
     S = jax.lax.stop_gradient(S)
+    if sample_logprobs is not None:
+        metrics["objective/off_policy_kl"] = (jnp.where(completion_mask > 0, sample_logprobs, 0.0).sum(-1) - S).mean()
     metrics |= {
         "objective/kl": kl.mean(),
         "objective/entropy": -S.mean(),

@@ -149,9 +149,9 @@ def build(cfg: TrainConfig) -> Run:
 
     global_batch = cfg.per_device_train_batch_size * dp * cfg.gradient_accumulation_steps * cfg.num_mini_batches
     updates = cfg.num_epochs * cfg.num_mini_batches  # optimizer steps per rollout (open-instruct); 1 in TRL
-    if offline and updates > 1:
-        raise ConfigError("num_epochs and num_mini_batches pass several times over online rollouts; this dataset "
-                          "has chosen/rejected columns (offline DPO): leave them at 1")
+    if offline and (updates > 1 or cfg.async_mode):
+        raise ConfigError("num_epochs, num_mini_batches and async_mode shape online rollouts; this dataset has "
+                          "chosen/rejected columns (offline DPO): leave them at their defaults")
     spe = D.steps_per_epoch(len(train), global_batch)
     total = run_length(cfg, global_batch, spe)
     warmup = cfg.warmup_steps or math.ceil(total * updates * cfg.warmup_ratio)
@@ -169,7 +169,8 @@ def build(cfg: TrainConfig) -> Run:
         missing_eos_penalty=cfg.missing_eos_penalty,
         penalty_reward_value=cfg.penalty_reward_value if cfg.non_eos_penalty else None, max_length=cfg.max_length,
         reward_model=rm if rewards is not None and rewards.on_device else None, judged=judge is not None,
-        logprob_temperature=cfg.temperature if cfg.temperature_scaled_logprobs else None, stop_token_ids=stop)
+        logprob_temperature=cfg.temperature if cfg.temperature_scaled_logprobs else None, stop_token_ids=stop,
+        async_mode=cfg.async_mode)
     save_every = int(cfg.save_steps) if cfg.save_steps >= 1 else max(1, math.ceil(total * cfg.save_steps))
     return Run(cfg, tokenizer, step_cfg, mesh, policy_params, ref_params, rewards, judge, train, evaluation,
                cfg.prompt_buckets or D.default_buckets(cfg.max_prompt_length), global_batch, spe, total, save_every,

@@ -61,7 +61,7 @@ def online_step(run: Run, state, idx: np.ndarray):
         return state, metrics, (idx, samples, raw)
     samples = run.steps.sample_completions(run.step_cfg, state, ids, mask, 2, run.ref_params)
     raw = _rewards(run, idx, ids, mask, samples)
-    state, metrics = run.steps.update(run.step_cfg, state, run.ref_params, ids, mask, samples, run.put(raw))
+    state, metrics = run.steps.online_update(run.step_cfg, state, run.ref_params, ids, mask, samples, run.put(raw))
     return state, metrics, (idx, samples, raw)
 
 
@@ -150,6 +150,8 @@ def evaluate(run: Run, state) -> dict:
     # Every evaluation draws with the same key (step -1, never a training step): scores at different steps differ
     # by the policy, not by the draw.
     eval_state = state.replace(step=jnp.int32(-1))
+    if eval_state.sampler_params is not None:  # async_mode: evaluate the current policy, not the lagging sampler
+        eval_state = eval_state.replace(sampler_params=state.params)
     scores = []
     for idx in batches:
         ids, mask = map(run.put, D.prompt_batch([run.eval.ids[i] for i in idx], 1, run.buckets,

@@ -107,6 +107,9 @@ class StepConfig:
     # open-instruct's stop_token='period': ids that end a completion (the sampler stops at them too: they are among
     # sampling.eos_token_ids) and alone decide the EOS penalties and val/contain_eos_token; () : the EOS ids do
     stop_token_ids: tuple[int, ...] = ()
+    # open-instruct's async_mode: a step samples with the parameters from before the previous update (one step
+    # off-policy; the state keeps them as ``sampler_params``), so sampling and training can overlap
+    async_mode: bool = False
 
     @property
     def penalty_ids(self) -> tuple[int, ...]:
@@ -134,6 +137,7 @@ class TrainState:
     params: Params
     opt_state: optax.OptState
     rng: jax.Array  # the run's key; never advanced (steps fold in their index)
+    sampler_params: Params | None = None  # async_mode: the policy before the previous update, which samples
 
 
 @flax.struct.dataclass
@@ -153,7 +157,14 @@ def init_state(cfg: StepConfig, params: Params, rng: jax.Array) -> TrainState:
     reference: the jitted steps donate the state's buffers, never the reference's."""
     params = jax.tree.map(jnp.copy, params)
     return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                      opt_state=make_optimizer(cfg.optimizer).init(params), rng=rng)
+                      opt_state=make_optimizer(cfg.optimizer).init(params), rng=rng,
+                      sampler_params=jax.tree.map(jnp.copy, params) if cfg.async_mode else None)
+
+
+def _sampled(cfg: StepConfig, old: TrainState, new: TrainState) -> TrainState:
+    """async_mode: after the step's updates the sampler gets the parameters from before them, so the next step
+    samples one update behind (what a sampler running beside the trainer would have)."""
+    return new.replace(sampler_params=old.params) if cfg.async_mode else new
 
 
 def policy_params(cfg: StepConfig, params: Params, base: Params) -> Params:
@@ -173,7 +184,7 @@ def sample_completions(cfg: StepConfig, state: TrainState, prompt_ids: jax.Array
                        num_samples: int = 2, ref_params: Params | None = None) -> Samples:
     """``num_samples`` completions per prompt (two for a step, one for evaluation): ``Samples`` of shape
     [A, num_samples * B, T], block layout within each micro-batch. ``ref_params`` (the base model) is needed with
-    LoRA, where the state holds only the adapters.
+    LoRA, where the state holds only the adapters. In ``async_mode`` the state's ``sampler_params`` sample.
 
     The A micro-batches of a window are sampled in one call (the parameters do not change within a window): one
     decode loop of 2AB rows instead of A loops of 2B rows, which on an accelerator, where a decode step's time
@@ -185,7 +196,8 @@ def sample_completions(cfg: StepConfig, state: TrainState, prompt_ids: jax.Array
     flat = lambda x: x.transpose(1, 0, 2).reshape(B * A, P)  # noqa: E731
     if cfg.model.lora_rank and ref_params is None:
         raise ValueError("with LoRA adapters sample_completions needs ref_params (the base model they ride on)")
-    out = sample(cfg.model, policy_params(cfg, state.params, ref_params), flat(prompt_ids), flat(prompt_mask), key,
+    sampler = state.sampler_params if cfg.async_mode else state.params
+    out = sample(cfg.model, policy_params(cfg, sampler, ref_params), flat(prompt_ids), flat(prompt_mask), key,
                  cfg.sampling, num_samples=n)
     # rows s * AB + b * A + a -> [a, s * B + b]
     return jax.tree.map(lambda x: x.reshape(n, B, A, -1).transpose(2, 0, 1, 3).reshape(A, n * B, -1), out)
@@ -244,17 +256,26 @@ def update(cfg: StepConfig, state: TrainState, ref_params: Params, prompt_ids: j
     beta = current_beta(cfg, state.step)
 
     def loss_fn(params, mb):
-        ids, mask, tokens, tmask, r, ref_lp = mb
+        ids, mask, tokens, tmask, r, ref_lp, sample_lp = mb
         return online_dpo_loss(cfg.model, policy_params(cfg, params, ref_params), ref_params, ids, mask, tokens,
                                tmask, r, beta=beta, loss_type=cfg.loss_type,
                                missing_eos_penalty=cfg.missing_eos_penalty, eos_token_ids=cfg.penalty_ids,
                                penalty_reward_value=cfg.penalty_reward_value,
                                max_length=cfg.max_length, options=cfg.loss_options, judged=cfg.judged,
-                               logprob_temperature=cfg.logprob_temperature, ref_logprobs=ref_lp)
+                               logprob_temperature=cfg.logprob_temperature, ref_logprobs=ref_lp,
+                               sample_logprobs=sample_lp)
 
-    grads, metrics = _accumulate(loss_fn, state.params, (prompt_ids, prompt_mask, samples.tokens, samples.mask,
-                                                         rewards.astype(jnp.float32), ref_logprobs))
+    grads, metrics = _accumulate(loss_fn, state.params, (
+        prompt_ids, prompt_mask, samples.tokens, samples.mask, rewards.astype(jnp.float32), ref_logprobs,
+        samples.logprobs if cfg.async_mode else None))
     return apply_gradients(cfg, state, grads, metrics)
+
+
+def online_update(cfg: StepConfig, state: TrainState, ref_params: Params, prompt_ids: jax.Array,
+                  prompt_mask: jax.Array, samples: Samples, rewards: jax.Array) -> tuple[TrainState, dict]:
+    """A step's update: ``update`` (and, in ``async_mode``, the sampler handed the parameters from before it)."""
+    new, metrics = update(cfg, state, ref_params, prompt_ids, prompt_mask, samples, rewards)
+    return _sampled(cfg, state, new), metrics
 
 
 def rollout_update(cfg: StepConfig, state: TrainState, ref_params: Params, prompt_ids: jax.Array,
@@ -303,9 +324,9 @@ def rollout_update(cfg: StepConfig, state: TrainState, ref_params: Params, promp
                       Samples(from_pairs(tokens), from_pairs(tmask), from_pairs(logprobs)), from_pairs(r),
                       from_pairs(ref_lp))
 
-    state, metrics = jax.lax.scan(one_update, state, jnp.arange(num_epochs * M))
+    new, metrics = jax.lax.scan(one_update, state, jnp.arange(num_epochs * M))
     # means over the updates; the learning rate after the last, as a single update reports it
-    return state, jax.tree.map(lambda m: m.mean(0), metrics) | {"lr": metrics["lr"][-1]}
+    return _sampled(cfg, state, new), jax.tree.map(lambda m: m.mean(0), metrics) | {"lr": metrics["lr"][-1]}
 
 
 def online_step(cfg: StepConfig, state: TrainState, ref_params: Params, rm_params: Params, prompt_ids: jax.Array,
@@ -317,7 +338,7 @@ def online_step(cfg: StepConfig, state: TrainState, ref_params: Params, rm_param
                          "call sample_completions, then update")
     samples = sample_completions(cfg, state, prompt_ids, prompt_mask, 2, ref_params)
     rewards = score_completions(cfg, rm_params, prompt_ids, prompt_mask, samples)
-    state, metrics = update(cfg, state, ref_params, prompt_ids, prompt_mask, samples, rewards)
+    state, metrics = online_update(cfg, state, ref_params, prompt_ids, prompt_mask, samples, rewards)
     return state, metrics, samples, rewards
 
 
@@ -343,6 +364,7 @@ class JittedSteps:
     sample_completions: Callable
     score_completions: Callable
     update: Callable
+    online_update: Callable
     rollout_update: Callable
     online_step: Callable
     offline_step: Callable
@@ -360,6 +382,7 @@ def jit_steps(state_sharding=None, metrics_sharding=None) -> JittedSteps:
         sample_completions=jax.jit(sample_completions, static_argnums=(0, 4)),
         score_completions=jax.jit(score_completions, static_argnums=0),
         update=jax.jit(update, **step, out_shardings=out()),
+        online_update=jax.jit(online_update, **step, out_shardings=out()),
         rollout_update=jax.jit(rollout_update, static_argnums=(0, 7, 8), donate_argnums=1, out_shardings=out()),
         online_step=jax.jit(online_step, **step, out_shardings=out(None, None)),
         offline_step=jax.jit(offline_step, **step, out_shardings=out()))
@@ -369,6 +392,7 @@ _single = jit_steps()
 jit_sample_completions = _single.sample_completions
 jit_score_completions = _single.score_completions
 jit_update = _single.update
+jit_online_update = _single.online_update
 jit_rollout_update = _single.rollout_update
 jit_online_step = _single.online_step
 jit_offline_step = _single.offline_step

@@ -101,17 +101,19 @@ def test_offline_dpo_from_preference_data(checkpoints, tmp_path, chat):
 
 
 def test_open_instruct_passes_over_each_rollout_resume_exactly(checkpoints, tmp_path):
-    """num_epochs=2 x num_mini_batches=2: four optimizer steps per rollout (the learning-rate horizon is the
-    rollouts times four), and a run stopped after a rollout resumes to the same metrics, bit for bit."""
+    """num_epochs=2 x num_mini_batches=2 with async_mode: four optimizer steps per rollout (the learning-rate
+    horizon is the rollouts times four), the off-policy KL logged, and a run stopped after a rollout resumes (its
+    lagging sampler included) to the same metrics, bit for bit."""
     out = tmp_path / "out"
     cfg = C.TrainConfig(model_name_or_path=str(checkpoints["llama"]["causal_lm"]),
                         reward_model_path=str(checkpoints["llama"]["reward"]),
                         dataset_name=str(hf_fixtures.prompt_dataset(tmp_path / "data")), output_dir=str(out),
                         max_steps=3, save_steps=1, per_device_train_batch_size=2, learning_rate=1e-3,
                         logging_steps=1, max_new_tokens=6, max_length=96, max_prompt_length=64, bf16=False,
-                        num_epochs=2, num_mini_batches=2)
+                        num_epochs=2, num_mini_batches=2, async_mode=True)
     train.train(cfg)
     lines = [m for m in _metrics(out) if "loss" in m]
+    assert all("objective/off_policy_kl" in m for m in lines)
     assert [m["step"] for m in lines] == [1, 2, 3] and [m["episode"] for m in lines] == [4, 8, 12]
     # the schedule after 4, 8, 12 of 12 updates: linear decay without warm-up
     assert [m["lr"] for m in lines] == pytest.approx([1e-3 * 8 / 12, 1e-3 * 4 / 12, 0.0], abs=1e-9)

@@ -306,3 +306,36 @@ def test_rollout_update_equals_a_python_loop_over_epochs_and_mini_batches(neox):
     plain, _ = ts.jit_update(cfg, ts.init_state(cfg, params, jax.random.key(7)), params, ids[:2], mask[:2],
                              jax.tree.map(lambda x: x[:2], samples), rewards[:2])
     _close_params(one.params, plain.params, 1e-3, 1)
+
+
+def test_async_mode_samples_one_update_behind(neox):
+    """open-instruct's async_mode against a plain loop of on-policy pieces that keeps every parameter version: step
+    t samples with the parameters from before update t - 1 (step 0 with the initial ones) and trains the current
+    ones; the off-policy KL is logged, about 0 while the sampler is the policy itself."""
+    model, params = neox
+    sync = _cfg(model)
+    lagged = dataclasses.replace(sync, async_mode=True)
+    ids, mask = _prompts(model, 1, 4, seed=6)
+
+    def reward(samples):
+        tok, m = np.asarray(samples.tokens), np.asarray(samples.mask)
+        return (((tok % 2 == 0) * m).sum(-1) / np.maximum(m.sum(-1), 1)).astype(np.float32)
+
+    state, got_tokens, kls = ts.init_state(lagged, params, jax.random.key(1)), [], []
+    for _ in range(3):
+        samples = ts.jit_sample_completions(lagged, state, ids, mask)
+        state, metrics = ts.jit_online_update(lagged, state, params, ids, mask, samples, reward(samples))
+        got_tokens.append(np.asarray(samples.tokens))
+        kls.append(float(metrics["objective/off_policy_kl"]))
+    history = [jax.tree.map(np.asarray, params)]  # theta_0, theta_1, ...
+    current = ts.init_state(sync, params, jax.random.key(1))
+    for t in range(3):
+        sampler = ts.TrainState(step=jnp.int32(t), params=history[max(t - 1, 0)], opt_state=None,
+                                rng=jax.random.key(1))
+        samples = ts.jit_sample_completions(sync, sampler, ids, mask)
+        np.testing.assert_array_equal(got_tokens[t], np.asarray(samples.tokens), err_msg=f"step {t}")
+        current, _ = ts.jit_update(sync, current, params, ids, mask, samples, reward(samples))
+        history.append(jax.tree.map(np.asarray, current.params))
+    _close_params(state.params, current.params, 1e-3, 3)
+    _close_params(state.sampler_params, history[2], 1e-3, 2)  # the sampler of a fourth step: theta_2
+    assert abs(kls[0]) < 1e-2 and abs(kls[2]) > 10 * abs(kls[0]), kls
