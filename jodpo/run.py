@@ -109,7 +109,9 @@ def build(cfg: TrainConfig) -> Run:
     eos = tuple(dict.fromkeys([*eos, *stop]))
 
     train_rows = _load(cfg.dataset_mixer, cfg.dataset_name, cfg, cfg.dataset_train_split)
-    offline = D.is_preference(train_rows)
+    # A preference dataset (prompt/chosen/rejected) trains offline DPO, unless the run has a reward or a judge: then
+    # its prompts train online DPO, as TRL's and open-instruct's online trainers read only the prompts.
+    offline = D.is_preference(train_rows) and not (cfg.reward_model_path or cfg.reward_funcs or cfg.judge)
     if offline:
         train = D.prepare_preferences(train_rows, tokenizer, cfg.max_prompt_length, cfg.max_new_tokens)
     else:

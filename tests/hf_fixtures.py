@@ -97,8 +97,9 @@ def padded_batch(rng: np.random.Generator, lengths, pad_id: int, side: str, low:
     return ids, mask
 
 
-def prompt_dataset(root: Path, chat: bool = False) -> Path:
-    """A local prompt dataset (train.jsonl: 16 rows, test.jsonl: 8) with reference completions."""
+def prompt_dataset(root: Path, chat: bool = False, preference: bool = False) -> Path:
+    """A local prompt dataset (train.jsonl: 16 rows, test.jsonl: 8) with reference completions (``preference``:
+    with chosen/rejected columns too, as open-instruct's TL;DR dataset has)."""
     rng = np.random.default_rng(0)
     words = " ".join(CORPUS[:5]).split()
     root.mkdir()
@@ -108,5 +109,7 @@ def prompt_dataset(root: Path, chat: bool = False) -> Path:
             text = " ".join(rng.choice(words, rng.integers(3, 9)))
             prompt = [{"role": "user", "content": text}] if chat else f"SUBREDDIT: r/test POST: {text} TL;DR:"
             rows.append({"prompt": prompt, "completion": " " + " ".join(rng.choice(words, 4))})
+            if preference:
+                rows[-1] |= {"chosen": rows[-1]["completion"], "rejected": " lazy dog"}
         (root / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return root
