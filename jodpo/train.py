@@ -49,19 +49,18 @@ def online_step(run: Run, state, idx: np.ndarray):
     A = run.micro_batches
     ids, mask = map(run.put, D.prompt_batch([run.train.ids[i] for i in idx], A, run.buckets,
                                             run.step_cfg.sampling.pad_token_id))
-    if run.updates_per_step > 1:  # open-instruct: several optimizer steps over this rollout
-        samples = run.steps.sample_completions(run.step_cfg, state, ids, mask, 2, run.ref_params)
-        raw = run.put(_rewards(run, idx, ids, mask, samples))
-        state, metrics = run.steps.rollout_update(run.step_cfg, state, run.ref_params, ids, mask, samples, raw,
-                                                  run.cfg.num_epochs, run.cfg.num_mini_batches)
-        return state, metrics, (idx, samples, raw)
-    if run.rewards is not None and run.rewards.on_device:
+    if run.rewards is not None and run.rewards.on_device and run.updates_per_step == 1:  # one fused call
         state, metrics, samples, raw = run.steps.online_step(run.step_cfg, state, run.ref_params, run.rewards.params,
                                                              ids, mask)
         return state, metrics, (idx, samples, raw)
     samples = run.steps.sample_completions(run.step_cfg, state, ids, mask, 2, run.ref_params)
     raw = _rewards(run, idx, ids, mask, samples)
-    state, metrics = run.steps.online_update(run.step_cfg, state, run.ref_params, ids, mask, samples, run.put(raw))
+    if run.updates_per_step > 1:  # open-instruct: several optimizer steps over this rollout
+        state, metrics = run.steps.rollout_update(run.step_cfg, state, run.ref_params, ids, mask, samples,
+                                                  run.put(raw), run.cfg.num_epochs, run.cfg.num_mini_batches)
+    else:
+        state, metrics = run.steps.online_update(run.step_cfg, state, run.ref_params, ids, mask, samples,
+                                                 run.put(raw))
     return state, metrics, (idx, samples, raw)
 
 
