@@ -136,6 +136,17 @@ class TrainConfig:
     def __post_init__(self):
         _check(self)
 
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches of a step's rollout: gradient_accumulation_steps per optimizer step, num_mini_batches
+        optimizer steps per pass."""
+        return self.gradient_accumulation_steps * self.num_mini_batches
+
+    @property
+    def updates_per_step(self) -> int:
+        """Optimizer steps per step of the run (per rollout): num_epochs x num_mini_batches (1, as in TRL)."""
+        return self.num_epochs * self.num_mini_batches
+
     def replace(self, **changes) -> "TrainConfig":
         return dataclasses.replace(self, **changes)
 

@@ -73,6 +73,11 @@ def load_mixture(mixer: dict, config: str | None = None, split: str = "train"):
     return datasets.concatenate_datasets([p.select_columns(common) for p in parts])
 
 
+def assistant_messages(completions) -> list:
+    """Chat data's completions as reward functions and judges read them: each text as one assistant message."""
+    return [[{"role": "assistant", "content": c}] for c in completions]
+
+
 def is_preference(ds) -> bool:
     return {"chosen", "rejected"} <= set(ds.column_names)
 

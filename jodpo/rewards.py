@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jodpo.data import assistant_messages
 from jodpo.models.core import Model, Params
 from jodpo.models.heads import prefixed_reward_scores, reward_scores
 
@@ -179,7 +180,7 @@ class RewardSet:
             per.append(model_scores if model_scores is not None
                        else score_texts(self.model, self.params, self.tokenizer, prompts, completions))
         if self.functions:
-            outs = completions if not self.chat else [[{"role": "assistant", "content": c}] for c in completions]
+            outs = assistant_messages(completions) if self.chat else completions
             for fn in self.functions:
                 per.append(call_reward_functions([fn], prompts, outs, completion_ids, **columns))
         stack = np.stack(per, 1).astype(np.float32)

@@ -52,17 +52,6 @@ class Run:
         specs = lora.adapter_specs(model, self.lora_targets) if self.lora_targets else None
         return S.param_shardings(model, self.mesh, specs)
 
-    @property
-    def micro_batches(self) -> int:
-        """Micro-batches of a step's rollout: gradient_accumulation_steps per optimizer step, num_mini_batches
-        optimizer steps per pass."""
-        return self.cfg.gradient_accumulation_steps * self.cfg.num_mini_batches
-
-    @property
-    def updates_per_step(self) -> int:
-        """Optimizer steps per step of the loop (per rollout): num_epochs x num_mini_batches (1 as in TRL)."""
-        return self.cfg.num_epochs * self.cfg.num_mini_batches
-
     def put(self, x: np.ndarray) -> jax.Array:
         """A batch array [A, B, ...] (the same on every process) placed with B split over data x fsdp."""
         dp = S.data_parallel_size(self.mesh)
@@ -149,8 +138,8 @@ def build(cfg: TrainConfig) -> Run:
         chat = isinstance(train.prompts[0], list)
         rewards = RewardSet(rm, rm_params, rm_tok, fns, cfg.reward_weights, shared_tokenizer=shared, chat=chat)
 
-    global_batch = cfg.per_device_train_batch_size * dp * cfg.gradient_accumulation_steps * cfg.num_mini_batches
-    updates = cfg.num_epochs * cfg.num_mini_batches  # optimizer steps per rollout (open-instruct); 1 in TRL
+    global_batch = cfg.per_device_train_batch_size * dp * cfg.micro_batches
+    updates = cfg.updates_per_step
     if offline and (updates > 1 or cfg.async_mode):
         raise ConfigError("num_epochs, num_mini_batches and async_mode shape online rollouts; this dataset has "
                           "chosen/rejected columns (offline DPO): leave them at their defaults")

@@ -46,21 +46,19 @@ def _twice_per_micro_batch(items: list, A: int) -> list:
 
 
 def online_step(run: Run, state, idx: np.ndarray):
-    A = run.micro_batches
-    ids, mask = map(run.put, D.prompt_batch([run.train.ids[i] for i in idx], A, run.buckets,
+    ids, mask = map(run.put, D.prompt_batch([run.train.ids[i] for i in idx], run.cfg.micro_batches, run.buckets,
                                             run.step_cfg.sampling.pad_token_id))
-    if run.rewards is not None and run.rewards.on_device and run.updates_per_step == 1:  # one fused call
+    if run.rewards is not None and run.rewards.on_device and run.cfg.updates_per_step == 1:  # one fused call
         state, metrics, samples, raw = run.steps.online_step(run.step_cfg, state, run.ref_params, run.rewards.params,
                                                              ids, mask)
         return state, metrics, (idx, samples, raw)
     samples = run.steps.sample_completions(run.step_cfg, state, ids, mask, 2, run.ref_params)
     raw = _rewards(run, idx, ids, mask, samples)
-    if run.updates_per_step > 1:  # open-instruct: several optimizer steps over this rollout
-        state, metrics = run.steps.rollout_update(run.step_cfg, state, run.ref_params, ids, mask, samples,
-                                                  run.put(raw), run.cfg.num_epochs, run.cfg.num_mini_batches)
+    if run.cfg.updates_per_step > 1:  # open-instruct: several optimizer steps over this rollout
+        state, metrics = run.steps.rollout_update(run.step_cfg, state, run.ref_params, ids, mask, samples, raw,
+                                                  run.cfg.num_epochs, run.cfg.num_mini_batches)
     else:
-        state, metrics = run.steps.online_update(run.step_cfg, state, run.ref_params, ids, mask, samples,
-                                                 run.put(raw))
+        state, metrics = run.steps.online_update(run.step_cfg, state, run.ref_params, ids, mask, samples, raw)
     return state, metrics, (idx, samples, raw)
 
 
@@ -73,17 +71,18 @@ def score_samples(run: Run, data: D.PromptData, rows: list, tokens: np.ndarray, 
     return run.rewards.score(prompts, _decode(run.tokenizer, tokens), completion_ids, columns)
 
 
-def _rewards(run: Run, idx: np.ndarray, ids, mask, samples):
-    """f32[A, 2B] raw rewards (or judge verdicts) of a window's samples, on the device when the reward model reads
-    the token ids there, else on the host."""
+def _rewards(run: Run, idx: np.ndarray, ids, mask, samples) -> jax.Array:
+    """f32[A, 2B] raw rewards (or judge verdicts) of a window's samples, on the device: scored there when the reward
+    model reads the token ids (no host round trip), else on the host and put back."""
     if run.rewards is not None and run.rewards.on_device:
-        return S.to_host(run.steps.score_completions(run.step_cfg, run.rewards.params, ids, mask, samples))
+        return run.steps.score_completions(run.step_cfg, run.rewards.params, ids, mask, samples)
     tokens, tmask = S.to_host(samples.tokens), S.to_host(samples.mask)
     if run.judge is not None:
-        return judge_samples(run, idx, tokens)
+        return run.put(judge_samples(run, idx, tokens))
     A = tokens.shape[0]
-    return score_samples(run, run.train, _twice_per_micro_batch(list(idx), A), tokens.reshape(-1, tokens.shape[-1]),
-                         tmask.reshape(-1, tmask.shape[-1])).reshape(A, -1)
+    raw = score_samples(run, run.train, _twice_per_micro_batch(list(idx), A), tokens.reshape(-1, tokens.shape[-1]),
+                        tmask.reshape(-1, tmask.shape[-1]))
+    return run.put(raw.reshape(A, -1))
 
 
 def judge_samples(run: Run, idx: np.ndarray, tokens: np.ndarray) -> np.ndarray:
@@ -91,10 +90,11 @@ def judge_samples(run: Run, idx: np.ndarray, tokens: np.ndarray) -> np.ndarray:
     whole window goes to the judge in one call."""
     A, B = tokens.shape[0], tokens.shape[1] // 2
     texts = np.asarray(_decode(run.tokenizer, tokens), object).reshape(A, 2, B)
+    first, second = list(texts[:, 0].reshape(-1)), list(texts[:, 1].reshape(-1))
     prompts = [run.train.prompts[i] for i in idx]  # micro-batch a holds idx[a * B:(a + 1) * B]
     if isinstance(prompts[0], list):  # chat data: the judge reads the completions as the assistant's messages
-        texts = np.vectorize(lambda c: [{"role": "assistant", "content": c}], otypes=[object])(texts)
-    p = run.judge.preferences(prompts, list(texts[:, 0].reshape(-1)), list(texts[:, 1].reshape(-1))).reshape(A, B)
+        first, second = D.assistant_messages(first), D.assistant_messages(second)
+    p = run.judge.preferences(prompts, first, second).reshape(A, B)
     return np.stack([J.pair_scores(row) for row in p])
 
 
@@ -136,8 +136,7 @@ def _judge_against_references(run: Run, idx: np.ndarray, tokens: np.ndarray) -> 
     prompts, references = [data.prompts[i] for i in idx], [data.references[i] for i in idx]
     completions = _decode(run.tokenizer, tokens)
     if isinstance(prompts[0], list):  # both as the assistant's messages
-        references, completions = ([[{"role": "assistant", "content": c}] for c in x]
-                                   for x in (references, completions))
+        references, completions = D.assistant_messages(references), D.assistant_messages(completions)
     return run.judge.preferences(prompts, references, completions)
 
 
@@ -295,7 +294,7 @@ def _loop(run: Run, state, start: int, ckpt: Checkpointer, logger: RunLogger, st
             logger.log(last)
         if sampled is not None and (done % table_every == 0 or done == run.total_steps):
             idx, samples, raw = sampled
-            B = len(idx) // run.micro_batches
+            B = len(idx) // run.cfg.micro_batches
             texts = _decode(run.tokenizer, S.to_host(samples.tokens)[0, :B])
             rows = [(str(run.train.prompts[i]), t, float(r)) for i, t, r in zip(idx[:B], texts, S.to_host(raw)[0])]
             logger.table(done, rows[:4])

@@ -133,10 +133,9 @@ def _export_lora(run_cfg: dict, model, adapters, step_dir: Path, source: Path, o
     _, base = load_model(base_path, "causal_lm", "float32", revision=run_cfg.get("model_revision"))
     tokenizer = load_tokenizer(str(source))
     if peft:
-        check_output_dir(out_dir, overwrite)
-        lora.save_peft(lora_model, adapters, out_dir, targets, run_cfg.get("lora_dropout", 0.0), base_path)
-        tokenizer.save_pretrained(out_dir)
-        return out_dir, verify_peft(lora_model, base, adapters, base_path, out_dir)
+        written = lora.save_peft(lora_model, adapters, out_dir, targets, run_cfg.get("lora_dropout", 0.0), base_path,
+                                 tokenizer, overwrite)
+        return written, verify_peft(lora_model, base, adapters, base_path, written)
     params = lora.merged(lora_model, base, adapters)
     written = save_hf(model, params, out_dir, tokenizer, overwrite, dtype=dtype, max_shard_size=max_shard_size,
                       model_card=model_card(run_dir=step_dir.parent.parent, step_dir=step_dir, out_dir=out_dir,

@@ -135,15 +135,26 @@ def save_hf(model: Model, params: Params, out_dir: str | Path, tokenizer=None, o
     if dtype not in DTYPES:
         raise ValueError(f"export dtype {dtype!r} is not one of {sorted(DTYPES)}")
     max_bytes = parse_size(max_shard_size)
+
+    def write(tmp: Path) -> None:
+        write_metadata(model, tmp, tokenizer, dtype)
+        _write_shards(hf_tensors(model, params, dtype), tmp, max_bytes)
+        if model_card is not None:
+            (tmp / "README.md").write_text(model_card)
+
+    return write_atomically(out_dir, overwrite, write)
+
+
+def write_atomically(out_dir: str | Path, overwrite: bool, write) -> Path:
+    """``write(tmp)`` fills a hidden sibling directory, which then takes ``out_dir``'s place: a failure never leaves
+    half an export, and with ``overwrite`` the old contents go only once the new ones are complete. A non-empty
+    ``out_dir`` without ``overwrite`` is refused before anything is written."""
     out = Path(out_dir).absolute()
     check_output_dir(out, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
-        write_metadata(model, tmp, tokenizer, dtype)
-        _write_shards(hf_tensors(model, params, dtype), tmp, max_bytes)
-        if model_card is not None:
-            (tmp / "README.md").write_text(model_card)
+        write(tmp)
         os.chmod(tmp, 0o755)
         if out.exists():
             old = out.parent / f".{out.name}.old-{os.getpid()}"

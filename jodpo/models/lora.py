@@ -57,7 +57,8 @@ def adapter_specs(model: Model, targets: tuple[str, ...]) -> dict:
     """``{group: {"a": (shape, axes), "b": {weight: (shape, axes)}}}``: shapes and logical axis names (the rank
     axis is never split), like ``param_specs``."""
     r = model.lora_rank
-    weights = {**param_specs(model)["layers"]["attn"], **param_specs(model)["layers"]["mlp"]}
+    layers = param_specs(model)["layers"]
+    weights = {**layers["attn"], **layers["mlp"]}
     out = {}
     for group in targets:
         names = TARGETS[model.family][group]
@@ -130,15 +131,21 @@ def peft_config(model: Model, targets: tuple[str, ...], dropout: float, base_mod
             "init_lora_weights": True, "use_rslora": False, "use_dora": False, "modules_to_save": None}
 
 
-def save_peft(model: Model, adapters: Params, out_dir, targets: tuple[str, ...], dropout: float,
-              base_model: str) -> None:
-    """A PEFT adapter directory (``adapter_config.json``, ``adapter_model.safetensors``) that
-    ``peft.PeftModel.from_pretrained(base, out_dir)`` loads onto the base model."""
-    from pathlib import Path
-
+def save_peft(model: Model, adapters: Params, out_dir, targets: tuple[str, ...], dropout: float, base_model: str,
+              tokenizer=None, overwrite: bool = False):
+    """A PEFT adapter directory (``adapter_config.json``, ``adapter_model.safetensors``, the tokenizer if given) that
+    ``peft.PeftModel.from_pretrained(base, out_dir)`` loads onto the base model; written as ``save_hf`` writes
+    (a non-empty ``out_dir`` needs ``overwrite``, and nothing is replaced until the new directory is complete).
+    Returns the directory."""
     from safetensors.numpy import save_file
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(peft_tensors(model, adapters), str(out / "adapter_model.safetensors"))
-    (out / "adapter_config.json").write_text(json.dumps(peft_config(model, targets, dropout, base_model), indent=2))
+    from jodpo.models.export import write_atomically
+
+    def write(tmp):
+        save_file(peft_tensors(model, adapters), str(tmp / "adapter_model.safetensors"))
+        config = peft_config(model, targets, dropout, base_model)
+        (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+
+    return write_atomically(out_dir, overwrite, write)
