@@ -130,6 +130,8 @@ class TrainConfig:
     mesh_data: int = _f(1, "mesh axis 'data': batch split, parameters replicated (-1: the devices left)")
     mesh_fsdp: int = _f(-1, "mesh axis 'fsdp': batch split, parameters/gradients/optimizer state split (-1: the rest)")
     mesh_tensor: int = _f(1, "mesh axis 'tensor': attention heads, MLP width and vocabulary split (-1: the rest)")
+    sampler_devices: int = _f(0, "devices of their own for sampling (the last ones; the mesh_* fields lay out the rest "
+                                 "for training); with async_mode the two overlap. 0: sample on the training mesh")
     param_dtype: str = _f("float32", "the trained policy's parameters and optimizer state: float32 | bfloat16")
     frozen_param_dtype: str = _f("float32", "the reference policy's and reward model's parameters: float32 | bfloat16")
 
@@ -214,6 +216,8 @@ def _check(c: TrainConfig) -> None:
                               "applies them only with rewards); unset them, or use a reward model")
         if len(c.judge_answer_tokens) != 2 or c.judge_answer_tokens[0] == c.judge_answer_tokens[1]:
             raise ConfigError(f"judge_answer_tokens must be two different strings, got {c.judge_answer_tokens!r}")
+    if c.sampler_devices < 0:
+        raise ConfigError(f"sampler_devices must be >= 0 (0: sample on the training devices), got {c.sampler_devices}")
     if c.remat not in ("auto", "none", "full", "dots"):
         raise ConfigError(f"remat must be auto, none, full or dots, got {c.remat!r}")
     if not c.save_steps > 0:

@@ -45,6 +45,17 @@ class Run:
     steps: ts.JittedSteps | None = None  # set by ``train`` once the state's shardings are known
     eval_reference_scores: np.ndarray | None = None  # rewards of the eval set's references, once per run
     lora_targets: tuple[str, ...] = ()  # the adapted HF modules (use_peft)
+    sampler_mesh: Mesh | None = None  # sampler_devices: the devices that sample, apart from ``mesh``
+    sampler: object | None = None  # its ``jodpo.split_sampler.SplitSampler``, set by ``train``
+
+    def indices(self, step: int) -> np.ndarray:
+        """The training rows of step ``step`` (a fresh permutation every epoch, from the seed)."""
+        return D.batch_indices(len(self.train), self.global_batch, self.cfg.seed, step)
+
+    def prompts(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """i32[A, B, P] host ids and mask of the prompts of rows ``idx``, in the step's micro-batches."""
+        return D.prompt_batch([self.train.ids[i] for i in idx], self.cfg.micro_batches, self.buckets,
+                              self.step_cfg.sampling.pad_token_id)
 
     def trainable_shardings(self):
         """Shardings of what the optimizer trains: the policy's parameters, or its LoRA adapters."""
@@ -52,13 +63,15 @@ class Run:
         specs = lora.adapter_specs(model, self.lora_targets) if self.lora_targets else None
         return S.param_shardings(model, self.mesh, specs)
 
-    def put(self, x: np.ndarray) -> jax.Array:
-        """A batch array [A, B, ...] (the same on every process) placed with B split over data x fsdp."""
-        dp = S.data_parallel_size(self.mesh)
+    def put(self, x: np.ndarray, mesh: Mesh | None = None) -> jax.Array:
+        """A batch array [A, B, ...] (the same on every process) placed with B split over data x fsdp of ``mesh``
+        (the training mesh by default)."""
+        mesh = self.mesh if mesh is None else mesh
+        dp = S.data_parallel_size(mesh)
         if x.shape[1] % dp:
             raise S.MeshError(f"a batch of {x.shape[1]} rows cannot be split over the {dp} data-parallel devices "
                               "(mesh_data x mesh_fsdp); use a batch size that is a multiple of it")
-        return S.put(x, S.batch_sharding(self.mesh, x.ndim))
+        return S.put(x, S.batch_sharding(mesh, x.ndim))
 
 
 def _same_tokenizer(a, b) -> bool:
@@ -71,7 +84,7 @@ def build(cfg: TrainConfig) -> Run:
     if cfg.attn_implementation == "cudnn" and jax.default_backend() != "gpu":
         raise ConfigError(f"attn_implementation='cudnn' needs an NVIDIA GPU, and jax's backend is "
                           f"{jax.default_backend()}: use 'xla'")
-    mesh = S.make_mesh(cfg.mesh_data, cfg.mesh_fsdp, cfg.mesh_tensor)
+    mesh, sampler_mesh = meshes(cfg)
     dp = S.data_parallel_size(mesh)
     tokenizer = load_tokenizer(cfg.model_name_or_path, cfg.model_revision)
     model, ref_params = load_model(cfg.model_name_or_path, "causal_lm", cfg.frozen_param_dtype,
@@ -140,9 +153,10 @@ def build(cfg: TrainConfig) -> Run:
 
     global_batch = cfg.per_device_train_batch_size * dp * cfg.micro_batches
     updates = cfg.updates_per_step
-    if offline and (updates > 1 or cfg.async_mode):
-        raise ConfigError("num_epochs, num_mini_batches and async_mode shape online rollouts; this dataset has "
-                          "chosen/rejected columns (offline DPO): leave them at their defaults")
+    if offline and (updates > 1 or cfg.async_mode or sampler_mesh is not None):
+        raise ConfigError("num_epochs, num_mini_batches, async_mode and sampler_devices shape online rollouts; this "
+                          "dataset has chosen/rejected columns (offline DPO): leave them at their defaults")
+
     spe = D.steps_per_epoch(len(train), global_batch)
     total = run_length(cfg, global_batch, spe)
     warmup = cfg.warmup_steps or math.ceil(total * updates * cfg.warmup_ratio)
@@ -165,7 +179,36 @@ def build(cfg: TrainConfig) -> Run:
     save_every = int(cfg.save_steps) if cfg.save_steps >= 1 else max(1, math.ceil(total * cfg.save_steps))
     return Run(cfg, tokenizer, step_cfg, mesh, policy_params, ref_params, rewards, judge, train, evaluation,
                cfg.prompt_buckets or D.default_buckets(cfg.max_prompt_length), global_batch, spe, total, save_every,
-               lora_targets=targets)
+               lora_targets=targets, sampler_mesh=sampler_mesh)
+
+
+def meshes(cfg: TrainConfig) -> tuple[Mesh, Mesh | None]:
+    """The training mesh (mesh_data x mesh_fsdp x mesh_tensor), and with ``sampler_devices`` = k the sampler's mesh
+    on the last k devices, apart: data-parallel, with the training mesh's tensor split (the weights whole on each
+    sampler device otherwise: decoding gathers nothing)."""
+    devices = jax.devices()
+    k = cfg.sampler_devices
+    if not k:
+        return S.make_mesh(cfg.mesh_data, cfg.mesh_fsdp, cfg.mesh_tensor, devices), None
+    if jax.process_count() > 1:
+        raise ConfigError(f"sampler_devices={k} needs a single-process run: JAX moves arrays between disjoint sets of "
+                          "devices only within one process (one host's devices); leave it at 0 in a multi-process "
+                          "run")
+    if k >= len(devices):
+        raise ConfigError(f"sampler_devices={k} leaves none of the {len(devices)} devices to train on; use fewer "
+                          "(or 0 to sample on the training devices)")
+    mesh = S.make_mesh(cfg.mesh_data, cfg.mesh_fsdp, cfg.mesh_tensor, devices[:len(devices) - k])
+    tensor = mesh.shape["tensor"]
+    if k % tensor:
+        raise ConfigError(f"sampler_devices={k} is not a multiple of the training mesh's tensor size {tensor} (the "
+                          "sampler splits the weights the same way); choose a multiple")
+    sampler = S.make_mesh(-1, 1, tensor, devices[len(devices) - k:])
+    rows, dp = cfg.per_device_train_batch_size * S.data_parallel_size(mesh), S.data_parallel_size(sampler)
+    if rows % dp:
+        raise ConfigError(f"sampler_devices={k}: a micro-batch of {rows} prompts does not split over the sampler's "
+                          f"{dp} data-parallel devices; choose sampler_devices (or per_device_train_batch_size) so "
+                          "that it does")
+    return mesh, sampler
 
 
 def _load(mixer: dict | None, name: str, cfg: TrainConfig, split: str):

@@ -29,6 +29,7 @@ from jodpo.models import CheckpointError
 from jodpo.models.export import write_metadata
 from jodpo.preemption import StopSignals
 from jodpo.run import Run, build
+from jodpo.split_sampler import SplitSampler
 
 # --------------------------------------------------------------------------------------------------
 # One step of each kind
@@ -45,14 +46,17 @@ def _twice_per_micro_batch(items: list, A: int) -> list:
     return [x for a in range(A) for x in items[a * B:(a + 1) * B] * 2]
 
 
-def online_step(run: Run, state, idx: np.ndarray):
-    ids, mask = map(run.put, D.prompt_batch([run.train.ids[i] for i in idx], run.cfg.micro_batches, run.buckets,
-                                            run.step_cfg.sampling.pad_token_id))
-    if run.rewards is not None and run.rewards.on_device and run.cfg.updates_per_step == 1:  # one fused call
+def online_step(run: Run, state, step: int):
+    idx = run.indices(step)
+    ids, mask = map(run.put, run.prompts(idx))
+    if run.sampler is not None:  # sampled on the sampler's own devices (sampler_devices)
+        samples = run.sampler.samples(state, step)
+    elif run.rewards is not None and run.rewards.on_device and run.cfg.updates_per_step == 1:  # one fused call
         state, metrics, samples, raw = run.steps.online_step(run.step_cfg, state, run.ref_params, run.rewards.params,
                                                              ids, mask)
         return state, metrics, (idx, samples, raw)
-    samples = run.steps.sample_completions(run.step_cfg, state, ids, mask, 2, run.ref_params)
+    else:
+        samples = run.steps.sample_completions(run.step_cfg, state, ids, mask, 2, run.ref_params)
     raw = _rewards(run, idx, ids, mask, samples)
     if run.cfg.updates_per_step > 1:  # open-instruct: several optimizer steps over this rollout
         state, metrics = run.steps.rollout_update(run.step_cfg, state, run.ref_params, ids, mask, samples, raw,
@@ -98,7 +102,8 @@ def judge_samples(run: Run, idx: np.ndarray, tokens: np.ndarray) -> np.ndarray:
     return np.stack([J.pair_scores(row) for row in p])
 
 
-def offline_step(run: Run, state, idx: np.ndarray):
+def offline_step(run: Run, state, step: int):
+    idx = run.indices(step)
     A, pad, C = run.cfg.gradient_accumulation_steps, run.step_cfg.sampling.pad_token_id, run.cfg.max_new_tokens
     ids, mask = D.prompt_batch([run.train.prompt_ids[i] for i in idx], A, run.buckets, pad)
     c, cm = D.right_pad([run.train.chosen_ids[i] for i in idx], C, pad)
@@ -232,12 +237,18 @@ def train(cfg: TrainConfig, allow_config_change: bool = False) -> dict:
         if meta["dataset_rows"] != len(run.train):
             raise ConfigError(f"{out}: the checkpoint was trained on {meta['dataset_rows']} rows, the dataset now has "
                               f"{len(run.train)}; use a new output_dir")
+    if run.sampler_mesh is not None:
+        run.sampler = SplitSampler(run, state.rng)
     if jax.process_index() == 0:
         (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
         _write_source_model(run, out / "source_model")
     logger = RunLogger(out, run.total_steps, start, enabled=jax.process_index() == 0)
     if start:
         logger.message(f"resumed from {ckpt.directory}/{start}")
+    if cfg.async_mode and run.sampler is None:
+        logger.message("async_mode: sampling and the update take turns on the same devices (one step off-policy, "
+                       + ("nothing to overlap on one device)" if jax.device_count() == 1 else
+                          "no overlap; sampler_devices=k gives sampling devices of its own so that the two overlap)"))
     try:
         with StopSignals() as stop:
             return _loop(run, state, start, ckpt, logger, stop)
@@ -278,8 +289,7 @@ def _loop(run: Run, state, start: int, ckpt: Checkpointer, logger: RunLogger, st
                                 "seed": cfg.seed})
 
     for step in range(start, run.total_steps):
-        idx = D.batch_indices(len(run.train), run.global_batch, cfg.seed, step)
-        state, metrics, sampled = step_fn(run, state, idx)
+        state, metrics, sampled = step_fn(run, state, step)
         if skipped is not None:
             check_skipped(skipped, step)
         skipped = metrics["skipped_update"]

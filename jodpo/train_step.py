@@ -29,6 +29,7 @@ import optax
 from jodpo.losses import LossOptions, check_loss_options, completion_logprobs, dpo_loss, online_dpo_loss
 from jodpo.models.core import Model, Params
 from jodpo.models.lora import attach
+from jodpo.models.params import compute_params
 from jodpo.rewards import score_tokens
 from jodpo.sampling import Samples, SamplingConfig, sample
 
@@ -184,7 +185,16 @@ def sample_completions(cfg: StepConfig, state: TrainState, prompt_ids: jax.Array
                        num_samples: int = 2, ref_params: Params | None = None) -> Samples:
     """``num_samples`` completions per prompt (two for a step, one for evaluation): ``Samples`` of shape
     [A, num_samples * B, T], block layout within each micro-batch. ``ref_params`` (the base model) is needed with
-    LoRA, where the state holds only the adapters. In ``async_mode`` the state's ``sampler_params`` sample.
+    LoRA, where the state holds only the adapters. In ``async_mode`` the state's ``sampler_params`` sample."""
+    sampler = state.sampler_params if cfg.async_mode else state.params
+    return sample_with(cfg, sampler, state.rng, state.step, prompt_ids, prompt_mask, num_samples, ref_params)
+
+
+def sample_with(cfg: StepConfig, params: Params, rng: jax.Array, step: jax.Array, prompt_ids: jax.Array,
+                prompt_mask: jax.Array, num_samples: int = 2, ref_params: Params | None = None) -> Samples:
+    """``sample_completions`` from its parts: the sampling ``params`` (or ``sampler_weights`` of them), the run's key
+    and the step whose draw this is, so a sampler on devices of its own (``jodpo.split_sampler``) draws exactly
+    what the state would.
 
     The A micro-batches of a window are sampled in one call (the parameters do not change within a window): one
     decode loop of 2AB rows instead of A loops of 2B rows, which on an accelerator, where a decode step's time
@@ -192,15 +202,21 @@ def sample_completions(cfg: StepConfig, state: TrainState, prompt_ids: jax.Array
     batch split over devices along B stays split the same way."""
     A, B, P = prompt_ids.shape
     n = num_samples
-    key = jax.random.fold_in(state.rng, state.step)
+    key = jax.random.fold_in(rng, step)
     flat = lambda x: x.transpose(1, 0, 2).reshape(B * A, P)  # noqa: E731
     if cfg.model.lora_rank and ref_params is None:
         raise ValueError("with LoRA adapters sample_completions needs ref_params (the base model they ride on)")
-    sampler = state.sampler_params if cfg.async_mode else state.params
-    out = sample(cfg.model, policy_params(cfg, sampler, ref_params), flat(prompt_ids), flat(prompt_mask), key,
+    out = sample(cfg.model, policy_params(cfg, params, ref_params), flat(prompt_ids), flat(prompt_mask), key,
                  cfg.sampling, num_samples=n)
     # rows s * AB + b * A + a -> [a, s * B + b]
     return jax.tree.map(lambda x: x.reshape(n, B, A, -1).transpose(2, 0, 1, 3).reshape(A, n * B, -1), out)
+
+
+def sampler_weights(cfg: StepConfig, params: Params) -> Params:
+    """What a sampler elsewhere needs of the trained ``params``: with LoRA the adapters as they are (the base is
+    sent once), else the weights in the compute dtype, as ``sample`` would cast them (half the bytes to send in a
+    bf16 run; the same numbers). Always new arrays, never the state's own, so the state can be donated at once."""
+    return jax.tree.map(jnp.copy, params if cfg.model.lora_rank else compute_params(cfg.model, params))
 
 
 def score_completions(cfg: StepConfig, rm_params: Params, prompt_ids: jax.Array, prompt_mask: jax.Array,

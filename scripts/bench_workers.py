@@ -27,7 +27,7 @@ def worker_jodpo(spec: dict, ch: Channel):
 
     t0 = time.perf_counter()
     if "train_argv" in spec:  # scripts/bench.py program: the program's own settings, built as the program does
-        tok, cfg, state, ref, rm_params, batch = _program_setup(jax, D, ts, spec["train_argv"])
+        tok, cfg, state, ref, rm_params, batch = _program_setup(jax, ts, spec["train_argv"])
         eos, P = cfg.sampling.eos_token_ids, batch(0)[0].shape[-1]
     else:
         fx, B, T = Path(spec["fixture"]), spec["batch"], spec["new_tokens"]
@@ -82,10 +82,10 @@ def worker_jodpo(spec: dict, ch: Channel):
     ch.send(bye=True)
 
 
-def _program_setup(jax, D, ts, train_argv: list[str]):
+def _program_setup(jax, ts, train_argv: list[str]):
     """The fused step exactly as ``python -m jodpo.train <train_argv>`` runs it: the config parsed by the program,
     models, data, buckets and step config from ``jodpo.run.build``, the state from ``init_state`` with the run's
-    seed, step k's prompts by ``batch_indices`` (accumulation window [A, B, P], the program's prompt buckets)."""
+    seed, step k's prompts as the program draws them (``Run.indices``, ``Run.prompts``: the window [A, B, P])."""
     from jodpo.run import build
     from jodpo.train import parse_args
 
@@ -96,13 +96,7 @@ def _program_setup(jax, D, ts, train_argv: list[str]):
         set_deterministic()
     run = build(tcfg)
     state = ts.init_state(run.step_cfg, run.policy_params, jax.random.PRNGKey(tcfg.seed))
-    pad, A = run.step_cfg.sampling.pad_token_id, tcfg.gradient_accumulation_steps
-
-    def batch(k):
-        idx = D.batch_indices(len(run.train), run.global_batch, tcfg.seed, k)
-        return D.prompt_batch([run.train.ids[i] for i in idx], A, run.buckets, pad)
-
-    return run.tokenizer, run.step_cfg, state, run.ref_params, run.rewards.params, batch
+    return run.tokenizer, run.step_cfg, state, run.ref_params, run.rewards.params, lambda k: run.prompts(run.indices(k))
 
 
 def _jax_device_peak_mib(jax) -> float | None:

@@ -94,6 +94,8 @@ CASES = {  # name: (argv after --config CFG, the phrase the one-line message mus
     "prompts all too long": (["--config.max_prompt_length=2"], "are longer than max_prompt_length=2 tokens"),
     "mesh does not fit the devices": (["--config.mesh_data=2", "--config.mesh_fsdp=1"],
                                       "mesh (data=2, fsdp=1, tensor=1) needs 2 devices, there are 1"),
+    "sampler takes every device": (["--config.sampler_devices=1"],
+                                   "sampler_devices=1 leaves none of the 1 devices to train on"),
 }
 
 

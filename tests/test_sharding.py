@@ -68,12 +68,43 @@ def test_optimizer_state_follows_its_parameter(checkpoints):
     assert shardings[1][0].count.spec == P()
 
 
+def test_the_sampler_mesh_takes_the_last_devices_and_explains_misfits():
+    """sampler_devices=k: the training mesh lays out the first n - k devices, the sampler's (data-parallel, with the
+    training mesh's tensor split) the last k; each misfit is one clear ConfigError."""
+    code = (
+        "import jax, pytest\n"
+        "from jodpo.config import ConfigError, TrainConfig\n"
+        "from jodpo.run import meshes\n"
+        "ids = lambda m: sorted(d.id for d in m.devices.flat)\n"
+        "train, sampler = meshes(TrainConfig(sampler_devices=2, mesh_tensor=2, per_device_train_batch_size=2))\n"
+        "assert ids(train) == list(range(6)) and dict(train.shape) == {'data': 1, 'fsdp': 3, 'tensor': 2}\n"
+        "assert ids(sampler) == [6, 7] and dict(sampler.shape) == {'data': 1, 'fsdp': 1, 'tensor': 2}\n"
+        "train, sampler = meshes(TrainConfig(sampler_devices=4))\n"
+        "assert ids(sampler) == [4, 5, 6, 7] and dict(sampler.shape) == {'data': 4, 'fsdp': 1, 'tensor': 1}\n"
+        "for fields, phrase in [\n"
+        "        (dict(sampler_devices=8), 'leaves none of the 8 devices to train on'),\n"
+        "        (dict(sampler_devices=2, mesh_tensor=3), \"not a multiple of the training mesh's tensor size 3\"),\n"
+        "        (dict(sampler_devices=3, per_device_train_batch_size=1),\n"
+        "         \"a micro-batch of 5 prompts does not split over the sampler's 3 data-parallel devices\")]:\n"
+        "    with pytest.raises(ConfigError, match=phrase):\n"
+        "        meshes(TrainConfig(**fields))\n"
+        "jax.process_count = lambda: 2\n"
+        "with pytest.raises(ConfigError, match='needs a single-process run'):\n"
+        "    meshes(TrainConfig(sampler_devices=4))\n"
+        "print('MESHES OK')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=subproc.cpu_env(8),
+                          timeout=300)
+    assert done.returncode == 0 and "MESHES OK" in done.stdout, done.stderr[-3000:]
+
+
 # --------------------------------------------------------------------------------------------------
 # Whole runs on several devices and processes
 # --------------------------------------------------------------------------------------------------
 
 
 LORA = ["--config.use_peft=True", "--config.lora_r=4", "--config.lora_target_modules=['all-linear']"]
+ASYNC = ["--config.async_mode=True"]
+SPLIT = ["--config.sampler_devices=4"]
 
 
 def _argv(out: Path, checkpoints, dataset: Path, per_device: int, mesh=(1, -1, 1)) -> list[str]:
@@ -97,7 +128,7 @@ def _assert_same_run(a: Path, b: Path) -> None:
     ma, mb = _metrics(a), _metrics(b)
     assert sorted(ma) == sorted(mb) == [1, 2, 3]
     for step in ma:
-        for k in COMPARED:
+        for k in COMPARED + tuple(k for k in ("objective/off_policy_kl",) if k in ma[step]):  # async_mode's too
             assert mb[step][k] == pytest.approx(ma[step][k], rel=1e-4, abs=1e-5), (step, k)
     final = [json.loads(line) for line in (a / "metrics.jsonl").read_text().splitlines()][-1]
     other = [json.loads(line) for line in (b / "metrics.jsonl").read_text().splitlines()][-1]
@@ -111,25 +142,52 @@ def _assert_same_run(a: Path, b: Path) -> None:
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-6)
 
 
-def _run_8_devices(jobs: list[list[str]]) -> list[bool]:
-    """Run ``jodpo.train.main`` on each argv in one process with 8 fake CPU devices; returns, per run, whether
-    the train state was really split (some array not held whole by every device)."""
+def _resumable_copy(src: Path, dst: Path) -> Path:
+    """A copy of the run ``src`` without its last checkpoint (3), to resume from checkpoint 2."""
+    shutil.copytree(src, dst)
+    shutil.rmtree(dst / "checkpoints" / "3")
+    return dst
+
+
+def _run_8_devices(jobs: list[tuple[list[str], Path | None, Path | None]]) -> tuple[list[bool], list[list]]:
+    """Run ``jodpo.train.main`` on each job's argv in one process with 8 fake CPU devices (after
+    ``_resumable_copy(src, dst)`` when the job names them: a run to resume); returns, per run, whether
+    the train state was really split (some array not held whole by every device), and the events of its sampler
+    mesh (sampler_devices; none without): ``["launch", step, devices]``, where a rollout's sampling started, and
+    ``["train", step, devices]``, where its completions went to be trained on, in the order they happened."""
     code = (
         "import json, sys, jax\n"
+        "from pathlib import Path\n"
         "from jodpo import train, sharding\n"
+        "from tests.test_sharding import _resumable_copy\n"
         "assert jax.device_count() == 8\n"
-        "seen = []\n"
+        "seen, sampled = [], []\n"
         "real = train.ts.jit_steps\n"
         "def spy(state_sharding, metrics_sharding):\n"
         "    seen.append(any(not s.is_fully_replicated for s in jax.tree.leaves(state_sharding)))\n"
         "    return real(state_sharding, metrics_sharding)\n"
         "train.ts.jit_steps = spy\n"
-        "for argv in json.loads(sys.argv[1]):\n"
+        "def devices(x):\n"
+        "    return sorted(d.id for d in x.tokens.devices())\n"
+        "real_launch, real_samples = train.SplitSampler.launch, train.SplitSampler.samples\n"
+        "def launch_spy(self, params, step):\n"
+        "    real_launch(self, params, step)\n"
+        "    sampled[-1].append(['launch', step, devices(self.pending[1])])\n"
+        "def samples_spy(self, state, step):\n"
+        "    out = real_samples(self, state, step)\n"
+        "    sampled[-1].append(['train', step, devices(out)])\n"
+        "    return out\n"
+        "train.SplitSampler.launch, train.SplitSampler.samples = launch_spy, samples_spy\n"
+        "for argv, src, dst in json.loads(sys.argv[1]):\n"
+        "    if src:\n"
+        "        _resumable_copy(Path(src), Path(dst))\n"
+        "    sampled.append([])\n"
         "    assert train.main(argv + ['--debug']) == 0, argv\n"
-        "print('SPLIT', json.dumps(seen))\n")
+        "print('SPLIT', json.dumps([seen, sampled]))\n")
+    jobs = [(argv, src and str(src), dst and str(dst)) for argv, src, dst in jobs]
     done = subprocess.run([sys.executable, "-c", code, json.dumps(jobs)], capture_output=True, text=True,
                           env=subproc.cpu_env(8),
-                          timeout=600)
+                          timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.split("SPLIT ")[-1])
 
@@ -143,27 +201,55 @@ def runs(checkpoints, tmp_path_factory):
     data = hf_fixtures.prompt_dataset(root / "data")
     one = root / "one"
     assert train.main(_argv(one, checkpoints, data, per_device=8)) == 0
-    resume_on_8 = root / "one_then_8"
-    shutil.copytree(one, resume_on_8)
-    shutil.rmtree(resume_on_8 / "checkpoints" / "3")
+    resume_on_8 = _resumable_copy(one, root / "one_then_8")
     assert train.main(_argv(root / "lora_one", checkpoints, data, per_device=8) + LORA) == 0
-    split = _run_8_devices([_argv(root / "dft", checkpoints, data, 2, (2, 2, 2)),
-                            _argv(root / "d8", checkpoints, data, 1, (8, 1, 1)),
-                            _argv(resume_on_8, checkpoints, data, 1, (8, 1, 1)),
-                            _argv(root / "lora_dft", checkpoints, data, 2, (2, 2, 2)) + LORA])
+    # open-instruct's async_mode on one 8-device mesh, then with a sampler mesh of its own (4 devices that sample,
+    # (1, 2, 2) that train), also resumed from the single mesh's checkpoint 2; and LoRA (synchronous) sampled apart
+    async_then_split = root / "async_then_split"
+    split, sampled = _run_8_devices([
+        (_argv(root / "dft", checkpoints, data, 2, (2, 2, 2)), None, None),
+        (_argv(root / "d8", checkpoints, data, 1, (8, 1, 1)), None, None),
+        (_argv(resume_on_8, checkpoints, data, 1, (8, 1, 1)), None, None),
+        (_argv(root / "lora_dft", checkpoints, data, 2, (2, 2, 2)) + LORA, None, None),
+        (_argv(root / "async", checkpoints, data, 2, (2, 2, 2)) + ASYNC, None, None),
+        (_argv(root / "async_split", checkpoints, data, 4, (1, 2, 2)) + ASYNC + SPLIT, None, None),
+        (_argv(async_then_split, checkpoints, data, 4, (1, 2, 2)) + ASYNC + SPLIT, root / "async", async_then_split),
+        (_argv(root / "lora_split", checkpoints, data, 4, (1, 2, 2)) + LORA + SPLIT, None, None)])
     # fsdp and tensor split the state (LoRA adapters too); pure data parallelism replicates it
-    assert split == [True, False, False, True]
-    resume_on_1 = root / "dft_then_1"
-    shutil.copytree(root / "dft", resume_on_1)
-    shutil.rmtree(resume_on_1 / "checkpoints" / "3")
+    assert split == [True, False, False, True, True, True, True, True]
+    assert sampled[:5] == [[]] * 5
+    (root / "sampled.json").write_text(json.dumps(dict(zip(["async_split", "async_then_split", "lora_split"],
+                                                           sampled[5:]))))
+    resume_on_1 = _resumable_copy(root / "dft", root / "dft_then_1")
     assert train.main(_argv(resume_on_1, checkpoints, data, per_device=8)) == 0
     return root, data
 
 
-@pytest.mark.parametrize("name", ["dft", "d8", "one_then_8", "dft_then_1", "lora_dft"])
+@pytest.mark.parametrize("name", ["dft", "d8", "one_then_8", "dft_then_1", "lora_dft", "lora_split"])
 def test_8_device_runs_and_moved_checkpoints_equal_the_1_device_run(runs, name):
     root, _ = runs
     _assert_same_run(root / ("lora_one" if name.startswith("lora") else "one"), root / name)
+
+
+@pytest.mark.parametrize("name", ["async_split", "async_then_split"])
+def test_sampling_on_its_own_devices_equals_async_mode_on_one_mesh(runs, name):
+    """sampler_devices=4 on 8 devices: the async run (and one resumed there from the single mesh's checkpoint) equals
+    async_mode on one (2, 2, 2) mesh; each rollout is sampled on devices 4-7 and trained on 0-3, and the next
+    rollout's sampling starts before this one's update (the overlap)."""
+    root, _ = runs
+    _assert_same_run(root / "async", root / name)
+    # the one-step lag is in effect: the sampler's log-probs are not the policy's, and the run is not the sync one
+    assert _metrics(root / "async")[3]["objective/off_policy_kl"] > 0.01
+    assert abs(_metrics(root / "async")[3]["loss"] - _metrics(root / "one")[3]["loss"]) > 1e-3
+    sampler, trainer = [4, 5, 6, 7], [0, 1, 2, 3]
+    events = json.loads((root / "sampled.json").read_text())
+    if name == "async_split":
+        assert events[name] == [["launch", 0, sampler], ["launch", 1, sampler], ["train", 0, trainer],
+                                ["launch", 2, sampler], ["train", 1, trainer], ["train", 2, trainer]]
+    else:
+        assert events[name] == [["launch", 2, sampler], ["train", 2, trainer]]
+    # without async_mode each rollout waits for the update before it: the sampler and the trainer take turns
+    assert events["lora_split"] == [x for s in range(3) for x in (["launch", s, sampler], ["train", s, trainer])]
 
 
 def test_two_processes_of_four_devices_equal_the_1_device_run(runs, checkpoints):

@@ -4,6 +4,7 @@ import json
 import shutil
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
@@ -103,10 +104,11 @@ def test_offline_dpo_from_preference_data(checkpoints, tmp_path, chat):
     assert lines[-1]["rewards/margins"] > 0  # and then it prefers the chosen responses
 
 
-def test_open_instruct_passes_over_each_rollout_resume_exactly(checkpoints, tmp_path):
+def test_open_instruct_passes_over_each_rollout_resume_exactly(checkpoints, tmp_path, capsys):
     """num_epochs=2 x num_mini_batches=2 with async_mode: four optimizer steps per rollout (the learning-rate
     horizon is the rollouts times four), the off-policy KL logged, and a run stopped after a rollout resumes (its
-    lagging sampler included) to the same metrics, bit for bit."""
+    lagging sampler included) to the same metrics, bit for bit. On one mesh the run says that sampling and the
+    update take turns."""
     out = tmp_path / "out"
     cfg = C.TrainConfig(model_name_or_path=str(checkpoints["llama"]["causal_lm"]),
                         reward_model_path=str(checkpoints["llama"]["reward"]),
@@ -115,6 +117,9 @@ def test_open_instruct_passes_over_each_rollout_resume_exactly(checkpoints, tmp_
                         logging_steps=1, max_new_tokens=6, max_length=96, max_prompt_length=64, bf16=False,
                         num_epochs=2, num_mini_batches=2, async_mode=True)
     train.train(cfg)
+    said = capsys.readouterr().out
+    assert "async_mode: sampling and the update take turns on the same devices" in said
+    assert ("nothing to overlap on one device" if jax.device_count() == 1 else "sampler_devices=k gives") in said
     lines = [m for m in _metrics(out) if "loss" in m]
     assert all("objective/off_policy_kl" in m for m in lines)
     assert [m["step"] for m in lines] == [1, 2, 3] and [m["episode"] for m in lines] == [4, 8, 12]

@@ -1,6 +1,7 @@
 """The pure training step: optimizer and schedule vs transformers, accumulation, beta lists, the fused and split
 paths, offline DPO, no recompiles, NaN guard, and a short run that must raise a programmatic reward."""
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +11,7 @@ import pytest
 import jodpo
 from jodpo import train_step as ts
 from jodpo.losses import completion_logprobs, online_dpo_loss
+from jodpo.models import lora
 from tests import hf_fixtures
 
 
@@ -339,3 +341,32 @@ def test_async_mode_samples_one_update_behind(neox):
     _close_params(state.params, current.params, 1e-3, 3)
     _close_params(state.sampler_params, history[2], 1e-3, 2)  # the sampler of a fourth step: theta_2
     assert abs(kls[0]) < 1e-2 and abs(kls[2]) > 10 * abs(kls[0]), kls
+
+
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_sampler_weights_sample_what_the_state_samples(neox, lora_rank):
+    """What a sampler on devices of its own receives (``sampler_weights``: a bf16 run's weights already in bf16, or
+    only the LoRA adapters) samples, with the state's draw (``sample_with``), token for token what the state
+    samples; and they stay valid after the state is donated to the update."""
+    model, params = neox
+    model = model.replace(dtype="bfloat16", lora_rank=lora_rank, lora_alpha=8.0)
+    trained = params
+    if lora_rank:  # adapters away from their zero start, so the merge changes the weights
+        adapters = lora.init_adapters(model, lora.resolve_targets(model, None), jax.random.key(2), "float32")
+        leaves, tree = jax.tree.flatten(adapters)
+        keys = jax.random.split(jax.random.key(3), len(leaves))
+        trained = jax.tree.unflatten(tree, [x + 0.05 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)])
+    cfg = _cfg(model)
+    state = ts.init_state(cfg, trained, jax.random.key(4)).replace(step=jnp.int32(5))
+    ids, mask = _prompts(model, 2, 2, seed=9)
+    want = ts.jit_sample_completions(cfg, state, ids, mask, 2, params)
+    weights = jax.jit(functools.partial(ts.sampler_weights, cfg))(state.params)
+    if not lora_rank:
+        assert {x.dtype for x in jax.tree.leaves(weights["layers"]["attn"])} == {jnp.dtype("bfloat16")}
+    jax.jit(lambda p: jax.tree.map(jnp.negative, p), donate_argnums=0)(state.params)  # as the update donates them
+    assert all(x.is_deleted() for x in jax.tree.leaves(state.params))
+    got = jax.jit(ts.sample_with, static_argnums=(0, 6))(cfg, weights, jax.random.key(4), np.int32(5), ids, mask, 2,
+                                                         params)
+    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert np.asarray(want.mask).sum() > 0

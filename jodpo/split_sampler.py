@@ -1,0 +1,63 @@
+"""Sampling on devices of its own (``sampler_devices``): open-instruct's generation apart from training.
+
+The last k devices form the sampler's mesh (``run.meshes``); the training mesh holds the rest. Each rollout the
+sampler receives the policy's weights (``train_step.sampler_weights``: in the compute dtype, or only the LoRA
+adapters), samples the rollout's prompts with the draw the state would use (``fold_in(rng, step)``), and hands the
+completions to the training mesh.
+
+With ``async_mode`` rollout t samples with the parameters from before update t - 1, so rollout t + 1's sampling
+(with the parameters before update t) is launched before update t and both run at once, on different devices: JAX
+dispatches asynchronously, and nothing waits for the other until rollout t + 1's completions are needed. The state
+is the same as on one mesh (``sampler_params`` included, which is what makes a resume exact), so the run equals the
+single-mesh ``async_mode`` run. Without ``async_mode`` each rollout needs the parameters of the update just before
+it: the sampler then only takes turns with the trainer (memory apart, nothing gained).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+
+from jodpo import sharding as S
+from jodpo import train_step as ts
+from jodpo.models import lora
+from jodpo.sampling import Samples
+
+
+class SplitSampler:
+    """The sampler of a run with ``sampler_devices``: ``samples(state, step)`` returns rollout ``step``'s completions
+    on the training mesh, and with ``async_mode`` has already started the next rollout's."""
+
+    def __init__(self, run, rng: jax.Array):
+        self.run, self.mesh = run, run.sampler_mesh
+        model = run.step_cfg.model
+        specs = lora.adapter_specs(model, run.lora_targets) if run.lora_targets else None
+        self.weight_shardings = S.param_shardings(model, self.mesh, specs)
+        # with LoRA the frozen base the adapters ride on, sent once
+        self.base = jax.device_put(run.ref_params, S.param_shardings(model, self.mesh)) if run.lora_targets else None
+        self.rng = jax.device_put(rng, S.replicated(self.mesh))
+        self._weights = jax.jit(functools.partial(ts.sampler_weights, run.step_cfg))
+        self._sample = jax.jit(ts.sample_with, static_argnums=(0, 6))
+        self.pending: tuple[int, Samples] | None = None  # (rollout, its completions, on the sampler's devices)
+
+    def launch(self, params, step: int) -> None:
+        """Start sampling rollout ``step`` with the trained ``params`` on the sampler's devices; returns at once."""
+        run = self.run
+        weights = jax.device_put(self._weights(params), self.weight_shardings)
+        ids, mask = (run.put(x, self.mesh) for x in run.prompts(run.indices(step)))
+        draw = np.int32(step * run.cfg.updates_per_step)  # the state's step at rollout ``step``
+        samples = self._sample(run.step_cfg, weights, self.rng, draw, ids, mask, 2, self.base)
+        self.pending = (step, samples)
+
+    def samples(self, state: ts.TrainState, step: int) -> Samples:
+        """Rollout ``step``'s completions, on the training mesh; with ``async_mode`` the next rollout's sampling (with
+        ``state.params``, the parameters before this step's update) is started before this returns."""
+        cfg = self.run.step_cfg
+        if self.pending is None or self.pending[0] != step:  # the first rollout (or any, without async_mode)
+            self.launch(state.sampler_params if cfg.async_mode else state.params, step)
+        samples = jax.device_put(self.pending[1], S.batch_sharding(self.run.mesh, 3))
+        self.pending = None
+        if cfg.async_mode and step + 1 < self.run.total_steps:
+            self.launch(state.params, step + 1)
+        return samples
