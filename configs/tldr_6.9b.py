@@ -1,7 +1,8 @@
 """TRL's Pythia-6.9B TL;DR recipe: 4 prompts per device, 4 accumulation steps, gradient checkpointing.
 
-jodpo adds: the frozen reference and reward model stored in bfloat16 (they are never updated; this saves 4 B
-per parameter of each, what lets 6.9B fit on 16 v5e chips: docs/tpu.md)."""
+jodpo adds: the frozen reference and reward model read in bfloat16 (they are never updated). With bf16 compute the
+program keeps them in bf16 in any case (as their forwards read them); reading them so never holds a float32 copy,
+not even while loading (docs/tpu.md)."""
 from jodpo.config import load_config_file
 
 

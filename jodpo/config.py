@@ -133,7 +133,8 @@ class TrainConfig:
     sampler_devices: int = _f(0, "devices of their own for sampling (the last ones; the mesh_* fields lay out the rest "
                                  "for training); with async_mode the two overlap. 0: sample on the training mesh")
     param_dtype: str = _f("float32", "the trained policy's parameters and optimizer state: float32 | bfloat16")
-    frozen_param_dtype: str = _f("float32", "the reference policy's and reward model's parameters: float32 | bfloat16")
+    frozen_param_dtype: str = _f("float32", "the dtype the reference policy and reward model are read in: float32 | "
+                                            "bfloat16 (with bf16 compute they are kept in bf16, norms as read)")
 
     def __post_init__(self):
         _check(self)

@@ -18,6 +18,7 @@ from jodpo.config import ConfigError, TrainConfig
 from jodpo.losses import LossOptions
 from jodpo.models import load_model, load_tokenizer
 from jodpo.models import lora
+from jodpo.models.params import frozen_params
 from jodpo.rewards import RewardSet, check_shared_vocab, import_reward_function
 from jodpo.sampling import SamplingConfig
 
@@ -104,6 +105,9 @@ def build(cfg: TrainConfig) -> Run:
     remat = cfg.remat if cfg.remat != "auto" else ("full" if cfg.gradient_checkpointing else "none")
     model = model.replace(dtype="bfloat16" if cfg.bf16 else "float32", remat=remat, precision=cfg.matmul_precision,
                           attention=cfg.attn_implementation)
+    # the reference as its bf16 forwards read it (the same numbers; with LoRA the base stays as loaded, since the
+    # adapters are merged into it in float32); the policy's own copy (policy_params) is untouched
+    ref_params = frozen_params(model, ref_params)
     eos = tuple(dict.fromkeys([*model.eos_token_ids, *([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None
                                                        else [])]))
     pad = tokenizer.pad_token_id
@@ -142,6 +146,7 @@ def build(cfg: TrainConfig) -> Run:
         if cfg.reward_model_path:
             rm, rm_params = load_model(cfg.reward_model_path, "reward", cfg.frozen_param_dtype, mesh=mesh)
             rm = rm.replace(dtype=model.dtype, precision=model.precision, attention=model.attention)
+            rm_params = frozen_params(rm, rm_params)
             rm_tok = load_tokenizer(cfg.reward_model_path)
             rm_tok.padding_side = "right"
             shared = _same_tokenizer(tokenizer, rm_tok)
@@ -249,6 +254,7 @@ def _load_judge(cfg: TrainConfig, policy, mesh) -> J.LLMJudge | J.CallableJudge:
         return J.import_judge(cfg.judge)
     model, params = load_model(cfg.judge, "causal_lm", cfg.frozen_param_dtype, mesh=mesh)
     model = model.replace(dtype=policy.dtype, precision=policy.precision, attention=policy.attention)
+    params = frozen_params(model, params)
     try:
         return J.LLMJudge(model, params, load_tokenizer(cfg.judge), J.read_template(cfg.judge_prompt),
                           cfg.judge_answer_tokens, cfg.judge_both_orders)

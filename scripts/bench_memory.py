@@ -10,6 +10,7 @@ assignment; a GPU's differs in its fusions, not in what is resident.
 """
 from __future__ import annotations
 
+import functools
 import json
 import tempfile
 import time
@@ -64,7 +65,9 @@ def bench_memory(a) -> dict:
                         missing_eos_penalty=1.0, max_length=512, reward_model=rm)
     pdt, fdt = jnp.dtype(a.param_dtype), jnp.dtype(a.frozen_param_dtype)
     params = params_mod.param_shapes(model, pdt)
-    ref, rm_params = params_mod.param_shapes(model, fdt), params_mod.param_shapes(rm, fdt)
+    # the frozen models as the program keeps them (run.build: frozen_params, their compute form with bf16 compute)
+    ref = jax.eval_shape(functools.partial(params_mod.frozen_params, model), params_mod.param_shapes(model, fdt))
+    rm_params = jax.eval_shape(functools.partial(params_mod.frozen_params, rm), params_mod.param_shapes(rm, fdt))
     state = jax.eval_shape(lambda p: ts.init_state(cfg, p, jax.random.key(0)), params)
     A, B, P, T = a.accumulation, a.batch, a.prompt_len, a.new_tokens
     ids = jax.ShapeDtypeStruct((A, B, P), jnp.int32)
@@ -89,8 +92,8 @@ def bench_memory(a) -> dict:
         "policy_params_mib": n * pdt.itemsize / MiB,
         "adam_moments_mib": 2 * n * pdt.itemsize / MiB,
         "gradient_mib": n * pdt.itemsize / MiB,
-        "reference_params_mib": n * fdt.itemsize / MiB,
-        "reward_model_params_mib": n_rm * fdt.itemsize / MiB,
+        "reference_params_mib": sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(ref)) / MiB,
+        "reward_model_params_mib": sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(rm_params)) / MiB,
         "sampler_weights_in_compute_dtype_mib": (n * cb / MiB) if cb != pdt.itemsize else 0.0,
         "kv_cache_mib": 2 * a.layers * rows * (P + T) * a.hidden * cb / MiB,
         "lm_head_logits_per_micro_batch_mib": 2 * B * T * a.vocab * 4 / MiB,

@@ -1,5 +1,5 @@
 """jodpo.backend: deterministic GPU kernels and the persistent compilation cache, set up before jax starts;
-and the run's precision reaching every model it builds."""
+and the run's precision (and its frozen models' compute form) reaching every model it builds."""
 import subprocess
 import sys
 
@@ -73,3 +73,20 @@ def test_the_run_builds_every_model_with_its_precision(checkpoints, tmp_path):
                       max_new_tokens=4, max_length=160, max_prompt_length=128, matmul_precision="high")
     built = run.build(cfg)
     assert built.step_cfg.model.precision == "high" and built.step_cfg.reward_model.precision == "high"
+
+
+@pytest.mark.parametrize("use_peft", [False, True])
+def test_the_run_keeps_its_frozen_models_in_their_compute_form(checkpoints, tmp_path, use_peft):
+    """bf16 compute: the reference and the reward model are kept as their forwards read them (weights in bf16, norms
+    as loaded; models.params.frozen_params), the policy it trains in float32; a LoRA base stays as loaded (its
+    adapters are merged into it in float32)."""
+    data = hf_fixtures.prompt_dataset(tmp_path / "data")
+    built = run.build(TrainConfig(model_name_or_path=str(checkpoints["llama"]["causal_lm"]),
+                                  reward_model_path=str(checkpoints["llama"]["reward"]), dataset_name=str(data),
+                                  max_new_tokens=4, max_length=160, max_prompt_length=128, bf16=True,
+                                  use_peft=use_peft))
+    dtypes = lambda p: {str(x.dtype) for x in jax.tree.leaves(p)}  # noqa: E731
+    assert dtypes(built.ref_params["layers"]["mlp"]) == ({"float32"} if use_peft else {"bfloat16"})
+    assert dtypes(built.ref_params["layers"]["ln1"]) == {"float32"}
+    assert dtypes(built.rewards.params["layers"]["attn"]) == {"bfloat16"} and built.rewards.params["score"].dtype == "bfloat16"
+    assert dtypes(built.policy_params) == {"float32"}

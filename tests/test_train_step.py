@@ -12,7 +12,9 @@ import jodpo
 from jodpo import train_step as ts
 from jodpo.losses import completion_logprobs, online_dpo_loss
 from jodpo.models import lora
+from jodpo.models.params import frozen_params
 from tests import hf_fixtures
+from tests.test_sampling import _loop_converts
 
 
 @pytest.fixture(scope="module")
@@ -370,3 +372,52 @@ def test_sampler_weights_sample_what_the_state_samples(neox, lora_rank):
     for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert np.asarray(want.mask).sum() > 0
+
+
+def test_frozen_models_in_their_compute_form_give_the_same_step(checkpoints, neox):
+    """``frozen_params`` (what the program keeps of the reference and the reward model with bf16 compute: weights in
+    bf16, norms as loaded) gives the fused bf16 step exactly the numbers of float32 frozen models cast on every
+    forward, at about half their bytes; float32 compute and LoRA bases keep theirs as they are."""
+    model, params = neox
+    rm, rm_params = jodpo.load_model(str(checkpoints["neox"]["reward"]), task="reward")
+    model, rm = model.replace(dtype="bfloat16"), rm.replace(dtype="bfloat16")
+    ref_bf16, rm_bf16 = frozen_params(model, params), frozen_params(rm, rm_params)
+    assert jax.tree.leaves(ref_bf16["layers"]["attn"])[0].dtype == jnp.bfloat16 and ref_bf16["embed"].dtype == jnp.bfloat16
+    assert {x.dtype for x in jax.tree.leaves(ref_bf16["layers"]["ln1"])} == {jnp.dtype("float32")}  # norms as loaded
+    assert rm_bf16["score"].dtype == jnp.bfloat16
+    size = lambda p: sum(x.nbytes for x in jax.tree.leaves(p))  # noqa: E731
+    assert size(ref_bf16) < 0.52 * size(params) and size(rm_bf16) < 0.52 * size(rm_params)
+    cfg = _cfg(model, reward_model=rm, missing_eos_penalty=1.0)
+    ids, mask = _prompts(model, 2, 2)
+    runs = []
+    for ref, rmp in ((params, rm_params), (ref_bf16, rm_bf16)):
+        state = ts.init_state(cfg, params, jax.random.key(3))
+        for _ in range(2):  # the second step samples from updated parameters
+            state, metrics, samples, rewards = ts.jit_online_step(cfg, state, ref, rmp, ids, mask)
+        runs.append((state.params, metrics, samples.tokens, rewards))
+    (p0, m0, t0, r0), (p1, m1, t1, r1) = runs
+    # the same bf16 operands reach every dot: bitwise on the CPU; a GPU may pick another kernel for a dot whose
+    # operand is converted in the same fusion, so there the bf16 products may sum in another order
+    same = np.testing.assert_array_equal if jax.default_backend() == "cpu" else functools.partial(
+        np.testing.assert_allclose, rtol=2e-2, atol=2e-3)
+    np.testing.assert_array_equal(np.asarray(t0), np.asarray(t1))
+    same(np.asarray(r0), np.asarray(r1))
+    for k in m0:
+        same(np.asarray(m0[k]), np.asarray(m1[k]), err_msg=k)
+    for a, b in zip(jax.tree.leaves(p0), jax.tree.leaves(p1)):
+        same(np.asarray(a), np.asarray(b))
+    assert float(m0["objective/kl"]) != 0  # the second step's policy is not the reference: the comparison has teeth
+    # and their forwards convert no weight: float32 frozen models are converted on every forward
+    B = ids.shape[1]
+    c, cm = samples.tokens[0, :B], samples.mask[0, :B]
+
+    def weight_converts(fn, p):
+        shapes = {x.shape[1:] for x in jax.tree.leaves(p["layers"])} | {x.shape for x in jax.tree.leaves(p)}
+        return [s for s in _loop_converts(jax.make_jaxpr(fn)(p), inside=True) if s in shapes]
+
+    score = lambda p: ts.score_completions(cfg, p, ids, mask, samples)  # noqa: E731
+    reference = lambda p: completion_logprobs(model, p, ids[0], mask[0], c, cm)  # noqa: E731
+    assert weight_converts(score, rm_params) and weight_converts(reference, params)
+    assert not weight_converts(score, rm_bf16) and not weight_converts(reference, ref_bf16)
+    assert frozen_params(model.replace(dtype="float32"), params) is params
+    assert frozen_params(model.replace(lora_rank=4, lora_alpha=8.0), params) is params

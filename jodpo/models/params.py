@@ -1,6 +1,7 @@
 """The parameters of ``jodpo.models.core``'s decoder: their shapes and logical axis names in one table
 (``param_specs``, the one source of shapes, read by loading, export and sharding), random initialisation, and
-the per-call transforms the sampler applies (``compute_params``, ``split_layers``)."""
+the per-call transforms the sampler applies (``compute_params``, ``split_layers``), and the frozen models' form
+(``frozen_params``)."""
 from __future__ import annotations
 
 import jax
@@ -108,6 +109,18 @@ def compute_params(model: Model, params: Params) -> Params:
         return x.astype(dt)
 
     return jax.tree_util.tree_map_with_path(cast, params)
+
+
+def frozen_params(model: Model, params: Params) -> Params:
+    """A frozen model's parameters (the reference, the reward model, a judge) as its forwards read them: with a
+    compute dtype narrower than theirs, ``compute_params`` once (weights in the compute dtype, norms as loaded), so
+    the forwards compute the same numbers as casting them every time, from half the bytes (float32 -> bf16), and
+    convert nothing; otherwise ``params`` as they are (nothing is ever widened). Arrays keep their shardings."""
+    dt = jnp.dtype(model.dtype)
+    if model.lora_rank or not any(jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize > dt.itemsize
+                                  for x in jax.tree.leaves(params)):
+        return params
+    return compute_params(model, params)
 
 
 def split_layers(params: Params) -> Params:
