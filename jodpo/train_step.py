@@ -138,7 +138,8 @@ class TrainState:
     params: Params
     opt_state: optax.OptState
     rng: jax.Array  # the run's key; never advanced (steps fold in their index)
-    sampler_params: Params | None = None  # async_mode: the policy before the previous update, which samples
+    sampler_params: Params | None = None  # async_mode: the policy before the previous update, which samples, as
+    # the sampler reads it (``sampler_weights``: in the compute dtype, or LoRA adapters as they are)
 
 
 @flax.struct.dataclass
@@ -159,13 +160,14 @@ def init_state(cfg: StepConfig, params: Params, rng: jax.Array) -> TrainState:
     params = jax.tree.map(jnp.copy, params)
     return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                       opt_state=make_optimizer(cfg.optimizer).init(params), rng=rng,
-                      sampler_params=jax.tree.map(jnp.copy, params) if cfg.async_mode else None)
+                      sampler_params=sampler_weights(cfg, params) if cfg.async_mode else None)
 
 
 def _sampled(cfg: StepConfig, old: TrainState, new: TrainState) -> TrainState:
     """async_mode: after the step's updates the sampler gets the parameters from before them, so the next step
-    samples one update behind (what a sampler running beside the trainer would have)."""
-    return new.replace(sampler_params=old.params) if cfg.async_mode else new
+    samples one update behind (what a sampler running beside the trainer would have), in the form it samples with
+    (a bf16 run's lagging copy holds half the bytes of the float32 policy; the same numbers)."""
+    return new.replace(sampler_params=sampler_weights(cfg, old.params)) if cfg.async_mode else new
 
 
 def policy_params(cfg: StepConfig, params: Params, base: Params) -> Params:

@@ -421,3 +421,28 @@ def test_frozen_models_in_their_compute_form_give_the_same_step(checkpoints, neo
     assert not weight_converts(score, rm_bf16) and not weight_converts(reference, ref_bf16)
     assert frozen_params(model.replace(dtype="float32"), params) is params
     assert frozen_params(model.replace(lora_rank=4, lora_alpha=8.0), params) is params
+
+
+def test_async_mode_keeps_its_lagging_policy_as_the_sampler_reads_it(neox):
+    """async_mode in bf16: the lagging copy is held in the compute form (weights bf16, norms as they are), about half
+    the float32 policy's bytes, and samples token for token what the float32 copy it replaces samples; after an
+    update it is the pre-update policy in that form."""
+    model, params = neox
+    model = model.replace(dtype="bfloat16")
+    cfg = dataclasses.replace(_cfg(model), async_mode=True)
+    state = ts.init_state(cfg, params, jax.random.key(4))
+    assert state.sampler_params["layers"]["mlp"]["up"].dtype == jnp.bfloat16
+    assert state.sampler_params["layers"]["ln1"]["scale"].dtype == jnp.float32
+    size = lambda p: sum(x.nbytes for x in jax.tree.leaves(p))  # noqa: E731
+    assert size(state.sampler_params) < 0.52 * size(state.params)
+    ids, mask = _prompts(model, 2, 2, seed=9)
+    got = ts.jit_sample_completions(cfg, state, ids, mask)
+    want = ts.jit_sample_completions(cfg, state.replace(sampler_params=params), ids, mask)  # float32, as before
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    before = jax.tree.map(np.asarray, state.params)
+    rewards = jnp.asarray(np.arange(8, dtype=np.float32).reshape(2, 4))
+    state, _ = ts.jit_update(cfg, state, params, ids, mask, got, rewards)
+    assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(before)))
+    for a, b in zip(jax.tree.leaves(state.sampler_params), jax.tree.leaves(ts.sampler_weights(cfg, before))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
