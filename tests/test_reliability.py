@@ -106,9 +106,8 @@ def _nan_argv(nan_policy, checkpoints, tmp_path, *extra):
 
 
 def _run_cli(argv: list[str]) -> subprocess.CompletedProcess:
-    """``python -m jodpo.train`` in a process of its own, as a user runs it. (In-process, after the hundreds of
-    programs a pytest worker has compiled, jaxlib 0.10.2 twice aborted while serialising this run's step into the
-    compilation cache; alone it never did.)"""
+    """``python -m jodpo.train`` in a process of its own, as a user runs it (its output and exit code as they
+    are, and none of a long-lived pytest worker's compiled programs: see conftest's _release_compiled_programs)."""
     return subprocess.run([sys.executable, "-m", "jodpo.train", *argv], cwd=ROOT, env=subproc.env(),
                           capture_output=True, text=True, timeout=600)
 
