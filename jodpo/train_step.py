@@ -29,7 +29,7 @@ import optax
 from jodpo.losses import LossOptions, check_loss_options, completion_logprobs, dpo_loss, online_dpo_loss
 from jodpo.models.core import Model, Params
 from jodpo.models.lora import attach
-from jodpo.models.params import compute_params
+from jodpo.models.params import frozen_params
 from jodpo.rewards import score_tokens
 from jodpo.sampling import Samples, SamplingConfig, sample
 
@@ -215,10 +215,11 @@ def sample_with(cfg: StepConfig, params: Params, rng: jax.Array, step: jax.Array
 
 
 def sampler_weights(cfg: StepConfig, params: Params) -> Params:
-    """What a sampler elsewhere needs of the trained ``params``: with LoRA the adapters as they are (the base is
-    sent once), else the weights in the compute dtype, as ``sample`` would cast them (half the bytes to send in a
-    bf16 run; the same numbers). Always new arrays, never the state's own, so the state can be donated at once."""
-    return jax.tree.map(jnp.copy, params if cfg.model.lora_rank else compute_params(cfg.model, params))
+    """What a sampler elsewhere (or ``async_mode``'s lagging copy) needs of the trained ``params``: ``frozen_params``
+    of them, i.e. with LoRA the adapters as they are (the base is sent once), else the weights in the compute dtype
+    where that is narrower, as ``sample`` would cast them (half the bytes in a bf16 run; the same numbers). Always
+    new arrays, never the state's own, so the state can be donated at once."""
+    return jax.tree.map(jnp.copy, frozen_params(cfg.model, params))
 
 
 def score_completions(cfg: StepConfig, rm_params: Params, prompt_ids: jax.Array, prompt_mask: jax.Array,

@@ -112,10 +112,11 @@ def compute_params(model: Model, params: Params) -> Params:
 
 
 def frozen_params(model: Model, params: Params) -> Params:
-    """A frozen model's parameters (the reference, the reward model, a judge) as its forwards read them: with a
-    compute dtype narrower than theirs, ``compute_params`` once (weights in the compute dtype, norms as loaded), so
-    the forwards compute the same numbers as casting them every time, from half the bytes (float32 -> bf16), and
-    convert nothing; otherwise ``params`` as they are (nothing is ever widened). Arrays keep their shardings."""
+    """Parameters held for forwards only (the frozen reference, reward model and judge; a sampler's weights) as
+    those forwards read them: with a compute dtype narrower than theirs, ``compute_params`` once (weights in the
+    compute dtype, norms as loaded), so the forwards compute the same numbers as casting them every time, from half
+    the bytes (float32 -> bf16), and convert nothing; otherwise ``params`` as they are (nothing is ever widened;
+    LoRA adapters, merged in float32, are left alone). Arrays keep their shardings."""
     dt = jnp.dtype(model.dtype)
     if model.lora_rank or not any(jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize > dt.itemsize
                                   for x in jax.tree.leaves(params)):
