@@ -145,21 +145,25 @@ def _judge_against_references(run: Run, idx: np.ndarray, tokens: np.ndarray) -> 
     return run.judge.preferences(prompts, references, completions)
 
 
-def evaluate(run: Run, state) -> dict:
-    """One completion per evaluation prompt, scored; with reference completions, the win rate against them (by the
-    rewards, or by the judge: then the win rate is all there is). The batches have the training buckets' shapes, so
-    each shape compiles once for the whole run."""
-    batches = _eval_batches(run)
+def eval_samples(run: Run, state):
+    """Yields ``(idx, ids, mask, samples)`` per evaluation batch: one completion per prompt (dispatched, not
+    waited for). The batches have the training buckets' shapes, so each shape compiles once for the whole run."""
     # Every evaluation draws with the same key (step -1, never a training step): scores at different steps differ
     # by the policy, not by the draw.
     eval_state = state.replace(step=jnp.int32(-1))
     if eval_state.sampler_params is not None:  # async_mode: evaluate the current policy, not the lagging sampler
         eval_state = eval_state.replace(sampler_params=state.params)
-    scores = []
-    for idx in batches:
+    for idx in _eval_batches(run):
         ids, mask = map(run.put, D.prompt_batch([run.eval.ids[i] for i in idx], 1, run.buckets,
                                                 run.step_cfg.sampling.pad_token_id))
-        samples = run.steps.sample_completions(run.step_cfg, eval_state, ids, mask, 1, run.ref_params)
+        yield idx, ids, mask, run.steps.sample_completions(run.step_cfg, eval_state, ids, mask, 1, run.ref_params)
+
+
+def evaluate(run: Run, state) -> dict:
+    """One completion per evaluation prompt (``eval_samples``), scored; with reference completions, the win rate
+    against them (by the rewards, or by the judge: then the win rate is all there is)."""
+    scores = []
+    for idx, ids, mask, samples in eval_samples(run, state):
         if run.judge is not None:  # the chance that the reference is the better one
             s = _judge_against_references(run, idx, S.to_host(samples.tokens)[0])
         elif run.rewards.on_device:  # as in training: the reward model reads the token ids on the device
@@ -173,7 +177,7 @@ def evaluate(run: Run, state) -> dict:
     if run.judge is not None:
         return {"eval/win_rate": J.win_rate(scores)}
     out = {"eval/objective/scores": float(np.mean(scores))}
-    references = _reference_scores(run, batches)
+    references = _reference_scores(run, _eval_batches(run))
     if references is not None:
         out["eval/win_rate"] = float(np.mean(scores > references))
     return out
@@ -182,6 +186,18 @@ def evaluate(run: Run, state) -> dict:
 # --------------------------------------------------------------------------------------------------
 # The loop
 # --------------------------------------------------------------------------------------------------
+
+
+def initial_state(run: Run):
+    """The run's first ``TrainState`` (from ``cfg.seed``), laid out as the step's outputs are, and ``run.steps``
+    jitted for that layout. The state holds the policy from then on: ``run.policy_params`` is dropped."""
+    key = jax.random.PRNGKey(run.cfg.seed)
+    init = functools.partial(ts.init_state, run.step_cfg)
+    state_sharding = S.like_params(jax.eval_shape(init, run.policy_params, key), run.trainable_shardings(), run.mesh)
+    run.steps = ts.jit_steps(state_sharding, S.replicated(run.mesh))
+    state = jax.jit(init, out_shardings=state_sharding)(run.policy_params, key)
+    run.policy_params = None
+    return state
 
 
 def _check_same_config(out: Path, cfg: TrainConfig) -> None:
@@ -221,12 +237,7 @@ def train(cfg: TrainConfig, allow_config_change: bool = False) -> dict:
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     run = build(cfg)
-    key = jax.random.PRNGKey(cfg.seed)
-    init = functools.partial(ts.init_state, run.step_cfg)
-    state_sharding = S.like_params(jax.eval_shape(init, run.policy_params, key), run.trainable_shardings(), run.mesh)
-    run.steps = ts.jit_steps(state_sharding, S.replicated(run.mesh))
-    state = jax.jit(init, out_shardings=state_sharding)(run.policy_params, key)
-    run.policy_params = None  # the state holds the policy now
+    state = initial_state(run)
     ckpt = Checkpointer(out / "checkpoints", cfg.save_total_limit)
     start = 0
     restored = ckpt.restore_latest(abstract_like(state))

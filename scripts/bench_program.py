@@ -8,9 +8,13 @@ float32``, 53 new tokens, warmup_ratio 0.1; ``--steps`` optimizer steps with a c
 and an evaluation every ``--eval-steps`` (on ``--eval-prompts`` prompts of the test split):
 
 1. **step**: ``train_step.jit_online_step`` in the train mode's jodpo worker, built from the same command line
-   by ``jodpo.run.build`` (same config, buckets, dtypes, remat, data order); two untimed calls (the first
-   compiles; the second compiles again, as in the train mode: the state the step returned does not match
-   ``init_state``'s in the jit signature; the program's state, built under the step's output shardings, does), then the median of ``--step-repeats`` timed calls.
+   by ``jodpo.run.build`` (same config, buckets, dtypes, remat, data order) and started by
+   ``train.initial_state`` (the program's first state, laid out as the step's outputs); two untimed calls (the
+   first compiles), then the median of ``--step-repeats`` timed calls.
+   Then, on that state, what the loop's stalls are measured against: two checkpoint saves as the program makes them
+   (``Checkpointer.save`` timed to its return, which is what a save blocks the loop for: the non-finite check and
+   the device-to-host copy; then to ``wait()``: the whole save), and an evaluation (``train.evaluate``, and its
+   sampling alone, ``train.eval_samples``), warm.
 2. **program**: ``python -m jodpo.train`` in a subprocess, run through ``bench.py _program`` (``runpy`` runs the
    module as ``-m`` does, then the wrapper writes the process's ``ru_maxrss`` and, on an accelerator, jax's
    ``peak_bytes_in_use``). ``logging_steps=1``, so ``metrics.jsonl`` has one line per step; its ``eps`` is
@@ -235,11 +239,12 @@ def bench_program(args) -> dict:
         write_datasets(fx, args)
         phase("fixture")
         argv = train_argv(fx, args, tmp / "run", args.cache_dir or tmp / "xla")
-        w = Worker("jodpo", {"train_argv": argv}, tmp / "step.log")  # build() writes nothing to output_dir
-        try:
+        w = Worker("jodpo", {"train_argv": argv, "save_dir": str(tmp / "save_probe")}, tmp / "step.log")
+        try:  # build() writes nothing to output_dir
             ready = w.ask()
             runs = [w.ask("step") for _ in range(2 + args.step_repeats)]
             rss = w.ask("rss")
+            alone = {"save": w.ask("save"), "eval": w.ask("eval")}
         finally:
             w.close()
         phase("step")
@@ -258,7 +263,7 @@ def bench_program(args) -> dict:
             "load_s": ready["load_s"],
             "prompt_width": ready["prompt_width"], "completion_tokens": [r["completion_tokens"] for r in runs],
             "recompiles_timed": sum(r["compiled"] for r in runs[2:]), "peak_rss_mib": rss["peak_rss_mib"],
-            "device_peak_mib": rss["device_peak_mib"]}
+            "device_peak_mib": rss["device_peak_mib"], "save": alone["save"], "eval": alone["eval"]}
     p = loop_stats(prog, gb) | {"peak_rss_mib": prog["child"]["peak_rss_mib"],
                                 "device_peak_mib": prog["child"]["device_peak_mib"], "device": prog["child"]["device"],
                                 "final_loss": prog["final_metrics"].get("loss"), "kept_checkpoints": prog["kept"]}
@@ -269,6 +274,13 @@ def bench_program(args) -> dict:
                "ratio_cold_over_warm": p["time_to_first_step_s"] / warm["time_to_first_step_s"],
                "overhead_cold_s": overhead(p), "overhead_warm_s": overhead(warm),
                "overhead_ratio_cold_over_warm": overhead(p) / max(overhead(warm), 1e-9)}
+    # the targets of issue 17: a save costs the loop < 2 s beyond what it blocks for (the non-finite check and the
+    # device-to-host copy, timed alone on the step's state); an evaluation no more than its sampling (timed alone)
+    blocking = statistics.median(x["blocking_s"] for x in alone["save"]["saves"])
+    stalls = {"save_blocking_s": blocking,
+              "save_beyond_blocking_s": [x["s"] - blocking for x in p["save_s"]],
+              "eval_sampling_s": alone["eval"]["sampling_s"][0], "evaluate_alone_s": alone["eval"]["evaluate_s"][0],
+              "eval_over_sampling": [x["s"] / alone["eval"]["sampling_s"][0] for x in p["eval_s"]]}
     t = None
     if trl:
         ev = trl["events"]
@@ -287,7 +299,7 @@ def bench_program(args) -> dict:
                          eval_steps=args.eval_steps, step_repeats=args.step_repeats, dtype=args.dtype,
                          compilation_cache="given" if args.cache_dir else "fresh (cold compiles)"),
         "train_command": "python -m jodpo.train " + " ".join(argv),
-        "step": step, "program": p, "restart_warm_cache": restart, "trl": t,
+        "step": step, "program": p, "stalls": stalls, "restart_warm_cache": restart, "trl": t,
         "ratio_program_over_step_steady": p["episodes_per_s_steady"] / step["episodes_per_s"],
         "ratio_program_over_step_whole": p["episodes_per_s_whole"] / step["episodes_per_s"],
         "ratio_program_over_step_after_first": p["episodes_per_s_after_first_step"] / step["episodes_per_s"],
@@ -328,6 +340,13 @@ def print_program(r: dict):
           f"{w['overhead_warm_s']:.1f} s (cold {w['overhead_cold_s']:.1f} s, {w['overhead_ratio_cold_over_warm']:.2f}x)")
     print(f"jodpo saves after {p['saves_after_steps']}, evals after {p['evals_after_steps']}; per save "
           + ", ".join(f"{x['s']:.2f}" for x in p["save_s"]) + " s; per eval " + ", ".join(f"{x['s']:.2f}" for x in p["eval_s"]) + " s")
+    z = r["stalls"]
+    print(f"alone, on the step's state: a save blocks {z['save_blocking_s']:.2f} s (whole save "
+          f"{s['save']['saves'][-1]['whole_s']:.2f} s, {s['save']['state_mib']:.0f} MiB); per save the loop lost "
+          + ", ".join(f"{x:.2f}" for x in z["save_beyond_blocking_s"]) + " s beyond that (target < 2)")
+    print(f"alone: evaluate() {z['evaluate_alone_s']:.2f} s, its sampling {z['eval_sampling_s']:.2f} s; per eval the "
+          "loop lost " + ", ".join(f"{x:.2f}x" for x in z["eval_over_sampling"]) + " the sampling (target <= 1 after "
+          "the first, which compiles)")
     if t:
         evaluation = t["eval_error"] or f"{t['eval_s_direct']:.2f} s"
         print(f"TRL saves after {t['saves_after_steps']} ({', '.join(f'{x:.2f}' for x in t['save_s_direct'])} s each, "

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import numpy as np
 from bench_common import (FIRST_CALL_S, LR, MAX_LENGTH, MISSING_EOS_PENALTY, ROOT, TEMPERATURE, TRL_BETA, Channel,
-                          _jax_matmul_peak, _maxrss_mib, _median_time, _rss_mib, _sync, peak_size, torch_device)
+                          _jax_matmul_peak, _maxrss_mib, _median_time, _rss_mib, _sync, _timed, peak_size,
+                          torch_device)
 
 
 def worker_jodpo(spec: dict, ch: Channel):
@@ -26,8 +27,11 @@ def worker_jodpo(spec: dict, ch: Channel):
     from jodpo.losses import completion_logprobs, online_dpo_loss
 
     t0 = time.perf_counter()
+    run = None
     if "train_argv" in spec:  # scripts/bench.py program: the program's own settings, built as the program does
-        tok, cfg, state, ref, rm_params, batch = _program_setup(jax, ts, spec["train_argv"])
+        run, state = _program_setup(jax, ts, spec["train_argv"])
+        tok, cfg, ref, rm_params = run.tokenizer, run.step_cfg, run.ref_params, run.rewards.params
+        batch = lambda k: run.prompts(run.indices(k))  # noqa: E731 - step k's window [A, B, P], as the program's
         eos, P = cfg.sampling.eos_token_ids, batch(0)[0].shape[-1]
     else:
         fx, B, T = Path(spec["fixture"]), spec["batch"], spec["new_tokens"]
@@ -72,6 +76,10 @@ def worker_jodpo(spec: dict, ch: Channel):
         elif cmd == "rss":
             ch.send(peak_rss_mib=_maxrss_mib(), torch_loaded="torch" in sys.modules,
                     device=str(jax.devices()[0]), device_peak_mib=_jax_device_peak_mib(jax))
+        elif cmd == "save":  # bench.py program: a checkpoint save of the state, as the program's
+            ch.send(**_time_saves(jax, state, Path(spec["save_dir"])))
+        elif cmd == "eval":  # bench.py program: an evaluation, and its sampling alone
+            ch.send(**_time_eval(jax, run, state))
         elif cmd == "peak":
             ch.send(matmul_peak_gflops=_jax_matmul_peak(spec["dtype"]))
         elif cmd == "breakdown":
@@ -84,10 +92,10 @@ def worker_jodpo(spec: dict, ch: Channel):
 
 def _program_setup(jax, ts, train_argv: list[str]):
     """The fused step exactly as ``python -m jodpo.train <train_argv>`` runs it: the config parsed by the program,
-    models, data, buckets and step config from ``jodpo.run.build``, the state from ``init_state`` with the run's
-    seed, step k's prompts as the program draws them (``Run.indices``, ``Run.prompts``: the window [A, B, P])."""
+    models, data, buckets and step config from ``jodpo.run.build``, the first state from ``train.initial_state``
+    (which also jits ``run.steps``, used by the evaluation), step k's prompts as the program draws them (``Run.indices``, ``Run.prompts``: the window [A, B, P])."""
     from jodpo.run import build
-    from jodpo.train import parse_args
+    from jodpo.train import initial_state, parse_args
 
     tcfg, _ = parse_args(train_argv)
     if tcfg.deterministic:  # as the program (not its compilation cache: the cold run must find it empty)
@@ -95,8 +103,40 @@ def _program_setup(jax, ts, train_argv: list[str]):
 
         set_deterministic()
     run = build(tcfg)
-    state = ts.init_state(run.step_cfg, run.policy_params, jax.random.PRNGKey(tcfg.seed))
-    return run.tokenizer, run.step_cfg, state, run.ref_params, run.rewards.params, lambda k: run.prompts(run.indices(k))
+    return run, initial_state(run)
+
+
+def _time_saves(jax, state, directory: Path, saves: int = 2) -> dict:
+    """Checkpoint saves of ``state`` as the program makes them (``Checkpointer.save``, then ``wait``): what a save
+    blocks the loop for (the non-finite check and the device-to-host copy; Orbax writes the rest in the
+    background) and the whole save, each time (the first also creates the directories)."""
+    from jodpo.checkpoint import Checkpointer
+
+    ckpt, out = Checkpointer(directory, save_total_limit=1), []
+    try:
+        for step in range(1, saves + 1):
+            t = time.perf_counter()
+            ckpt.save(step, state, {"step": step})
+            blocking = time.perf_counter() - t
+            ckpt.wait()
+            out.append({"blocking_s": blocking, "whole_s": time.perf_counter() - t})
+    finally:
+        ckpt.close()
+    return {"saves": out, "state_mib": sum(x.nbytes for x in jax.tree.leaves(state)) / 2 ** 20}
+
+
+def _time_eval(jax, run, state, repeats: int = 3) -> dict:
+    """``train.evaluate`` as the program calls it, and its sampling alone (``train.eval_samples``, waited for),
+    each ``repeats`` times after one untimed call of each (compiles, the references' rewards)."""
+    from jodpo.train import eval_samples, evaluate
+
+    def sampling():
+        jax.block_until_ready([x[-1] for x in eval_samples(run, state)])
+
+    evaluate(run, state)
+    sampling()
+    return {"evaluate_s": sorted(_timed(lambda: evaluate(run, state)) for _ in range(repeats)),
+            "sampling_s": sorted(_timed(sampling) for _ in range(repeats))}
 
 
 def _jax_device_peak_mib(jax) -> float | None:

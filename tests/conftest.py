@@ -1,9 +1,13 @@
+import atexit
 import os
+import shutil
 import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ["JODPO_CACHE"] = tempfile.mkdtemp(prefix="jodpo-cache-")  # the tiny world is built fresh per session
+# The tiny world and the compilation cache, fresh per session (per pytest-xdist worker), removed at its end
+os.environ["JODPO_CACHE"] = tempfile.mkdtemp(prefix="jodpo-cache-")
+atexit.register(shutil.rmtree, os.environ["JODPO_CACHE"], ignore_errors=True)
 # With a GPU as jax's default backend, the suite's runs are reproducible (its resume tests compare bitwise), here
 # and in every subprocess; the flag does nothing on a CPU. tests/test_gpu.py checks the `deterministic` field
 # itself without it.
@@ -37,19 +41,30 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def _memory_mappings() -> int | None:
+    try:
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+    except OSError:  # not Linux
+        return None
+
+
 @pytest.fixture(autouse=True)
 def _release_compiled_programs():
-    """Drop jax's compiled programs after each test. XLA:CPU maps memory for every program it compiles, and a
-    pytest worker that compiles for a quarter of an hour passes Linux's default limit of 65530 mappings
-    (vm.max_map_count): the next compilation then aborts inside XLA (seen at about 30000 mappings after four
-    minutes of tests/test_train_step.py). Clearing the caches unmaps them; fixtures keep their arrays."""
+    """Drop jax's compiled programs after a test once the process holds 10000 memory mappings. XLA:CPU maps memory
+    for every program it compiles, and a pytest worker that compiles for a quarter of an hour passes Linux's
+    default limit of 65530 mappings (vm.max_map_count): the next compilation then aborts inside XLA (seen at about
+    30000 mappings after four minutes of tests/test_train_step.py). Clearing the caches unmaps most of them;
+    fixtures keep their arrays. Below the threshold the next tests reuse the programs they share."""
     yield
-    import gc
+    n = _memory_mappings()
+    if n is None or n > 10000:
+        import gc
 
-    import jax
+        import jax
 
-    jax.clear_caches()
-    gc.collect()
+        jax.clear_caches()
+        gc.collect()
 
 
 @pytest.fixture(scope="session")

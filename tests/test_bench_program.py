@@ -88,6 +88,23 @@ def test_program_numbers_and_ratios(program):
     assert set(program["cores_taken_by_others_share"]) >= {"step", "program", "restart", "trl"}
 
 
+def test_stalls_against_the_save_and_the_evaluation_alone(program):
+    """Issue 17's stall targets need what a save blocks for and what an evaluation's sampling takes, each timed
+    alone on the step's state; the loop's losses are then compared with them."""
+    z, p, alone = program["stalls"], program["program"], program["step"]
+    saves = alone["save"]["saves"]
+    assert len(saves) == 2 and all(0 < x["blocking_s"] <= x["whole_s"] for x in saves)
+    assert alone["save"]["state_mib"] > 0
+    assert z["save_blocking_s"] == pytest.approx(np.median([x["blocking_s"] for x in saves]))
+    assert z["save_beyond_blocking_s"] == pytest.approx([x["s"] - z["save_blocking_s"] for x in p["save_s"]])
+    ev = alone["eval"]
+    assert len(ev["evaluate_s"]) == len(ev["sampling_s"]) == 3
+    assert all(_positive(x) for x in ev["evaluate_s"] + ev["sampling_s"])
+    assert z["eval_sampling_s"] == min(ev["sampling_s"]) and z["evaluate_alone_s"] == min(ev["evaluate_s"])
+    assert z["eval_over_sampling"] == pytest.approx([x["s"] / z["eval_sampling_s"] for x in p["eval_s"]])
+    assert "a save blocks" in program["stdout"] and "its sampling" in program["stdout"]
+
+
 def test_loop_stats_attribution():
     """Which step pays for a save or an evaluation, on a made-up timeline: the step after it."""
     sys.path.insert(0, str(ROOT / "scripts"))
