@@ -43,8 +43,13 @@ def all_finite(tree) -> jax.Array:
 class Checkpointer:
     def __init__(self, directory: str | Path, save_total_limit: int | None = None):
         self.directory = Path(directory).absolute()
+        # Uncompressed: float32 weights and Adam moments are noise to zstd (8% smaller on disk), and compressing
+        # them was most of a save's CPU time (2-4 CPU-seconds per 800 MB against 0.5), taken from the training
+        # loop's cores while the save writes in the background. Compressed checkpoints still read.
         self.manager = ocp.CheckpointManager(
-            self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=save_total_limit, create=True))
+            self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=save_total_limit, create=True),
+            item_handlers={"state": ocp.PyTreeCheckpointHandler(use_compression=False),
+                           "meta": ocp.JsonCheckpointHandler()})
 
     def save(self, step: int, state, meta: dict) -> None:
         """Write ``state`` (a pytree of arrays) and ``meta`` (JSON: the data position, the config) as ``step``.
@@ -56,7 +61,7 @@ class Checkpointer:
                             f"so {self.directory} still ends with the last finite checkpoint. Lower the "
                             "learning rate or check the rewards, then resume")
         with self._disk_errors(step):
-            self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+            self.manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state),
                                                             meta=ocp.args.JsonSave(meta)), force=True)
 
     def wait(self) -> None:
@@ -88,8 +93,9 @@ class Checkpointer:
         skipped = []
         for step in reversed(self.steps()):
             try:
-                out = self.manager.restore(step, args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
+                state = ocp.args.PyTreeRestore(abstract_state, ocp.checkpoint_utils.construct_restore_args(
+                    abstract_state))
+                out = self.manager.restore(step, args=ocp.args.Composite(state=state, meta=ocp.args.JsonRestore()))
                 break
             except Exception as e:  # noqa: BLE001 - any unreadable checkpoint: fall back to the previous one
                 log.warning("checkpoint %s/%d is unreadable (%s: %s); trying the previous one", self.directory, step,
