@@ -93,7 +93,8 @@ def worker_jodpo(spec: dict, ch: Channel):
 def _program_setup(jax, ts, train_argv: list[str]):
     """The fused step exactly as ``python -m jodpo.train <train_argv>`` runs it: the config parsed by the program,
     models, data, buckets and step config from ``jodpo.run.build``, the first state from ``train.initial_state``
-    (which also jits ``run.steps``, used by the evaluation), step k's prompts as the program draws them (``Run.indices``, ``Run.prompts``: the window [A, B, P])."""
+    (which also jits ``run.steps``, used by the evaluation), step k's prompts as the program draws them
+    (``Run.indices``, ``Run.prompts``: the window [A, B, P])."""
     from jodpo.run import build
     from jodpo.train import initial_state, parse_args
 
