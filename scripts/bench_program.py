@@ -347,7 +347,9 @@ def print_program(r: dict):
     saves = s["save"]["saves"]
     print(f"alone, on the step's state ({s['save']['state_mib']:.0f} MiB): a save blocks "
           + ", ".join(f"{x['blocking_s']:.2f}" for x in saves) + " s (whole saves "
-          + ", ".join(f"{x['whole_s']:.2f}" for x in saves) + " s); per save the loop lost "
+          + ", ".join(f"{x['whole_s']:.2f}" for x in saves) + " s, "
+          + ", ".join(f"{x['cpu_user_s'] + x['cpu_kernel_s']:.2f}" for x in saves) + " CPU-s of which kernel "
+          + ", ".join(f"{x['cpu_kernel_s']:.2f}" for x in saves) + "); per save the loop lost "
           + ", ".join(f"{x:.2f}" for x in z["save_beyond_blocking_s"]) + " s beyond that (target < 2)")
     print(f"alone: evaluate() {z['evaluate_alone_s']:.2f} s, its sampling {z['eval_sampling_s']:.2f} s; per eval the "
           "loop lost " + ", ".join(f"{x:.2f}x" for x in z["eval_over_sampling"]) + " the sampling, "

@@ -1,6 +1,7 @@
 """scripts/bench.py program on a tiny model: the real program, its fused step, a warm-cache restart and TRL's
 train() side by side (its own file, so pytest-xdist can run it beside tests/test_bench.py's train benchmark)."""
 import json
+import os
 import subprocess
 import sys
 
@@ -94,6 +95,11 @@ def test_stalls_against_the_save_and_the_evaluation_alone(program):
     z, p, alone = program["stalls"], program["program"], program["step"]
     saves = alone["save"]["saves"]
     assert len(saves) == 2 and all(0 < x["blocking_s"] <= x["whole_s"] for x in saves)
+    # the CPU a save takes (Orbax's threads and the kernel's write path), no more than its cores had meanwhile
+    for x in saves:
+        assert x["cpu_user_s"] >= 0 and x["cpu_kernel_s"] >= 0
+        assert 0 < x["cpu_user_s"] + x["cpu_kernel_s"] <= x["whole_s"] * os.cpu_count() + 0.05
+    assert " CPU-s of which kernel " in program["stdout"]
     assert alone["save"]["state_mib"] > 0 and len(p["save_s"]) == 1  # the save after step 3 (6 is the last)
     assert z["save_blocking_s"] == [saves[0]["blocking_s"]]
     assert z["save_beyond_blocking_s"] == pytest.approx([p["save_s"][0]["s"] - saves[0]["blocking_s"]])
