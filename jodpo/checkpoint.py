@@ -35,9 +35,14 @@ def _disk_full(e: BaseException | None) -> bool:
 
 @jax.jit
 def all_finite(tree) -> jax.Array:
-    """True when every floating-point entry of ``tree`` is finite."""
-    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
-    return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
+    """True when every floating-point entry of ``tree`` is finite.
+
+    Reduced as ``max(|x|)`` per leaf (a NaN or an infinity makes it non-finite; a maximum cannot overflow) so that
+    the check needs no memory beyond the state: ``all(isfinite(x))`` materialised a boolean mask of every entry
+    on the CPU, a quarter of the state's bytes at each save."""
+    finite = [jnp.isfinite(jnp.max(jnp.abs(x), initial=0)) for x in jax.tree.leaves(tree)
+              if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack(finite)) if finite else jnp.bool_(True)
 
 
 class Checkpointer:
