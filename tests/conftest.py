@@ -1,5 +1,6 @@
 import atexit
 import glob
+import importlib.util
 import os
 import shutil
 import tempfile
@@ -15,8 +16,11 @@ atexit.register(shutil.rmtree, os.environ["JODPO_CACHE"], ignore_errors=True)
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_gpu_deterministic_ops=true".strip()
 # On a machine without an accelerator, the suite's programs are compiled without LLVM's optimisations (XLA's HLO
 # passes, which decide fusion, layouts and precision, are unchanged): its models are tiny, so its time is
-# compiling, and this takes a third off it. JODPO_TEST_FULL_OPT=1 compiles as a run does.
-if not (glob.glob("/dev/nvidia[0-9]*") or glob.glob("/dev/accel[0-9]*") or os.environ.get("JODPO_TEST_FULL_OPT")):
+# compiling, and this takes a third off it. JODPO_TEST_FULL_OPT=1 compiles as a run does. An accelerator: a GPU
+# (/dev/nvidia0...), a TPU (/dev/accel0... on v4/v5p, /dev/vfio/0... on v5e/v6e), or libtpu installed.
+_ACCELERATOR = (glob.glob("/dev/nvidia[0-9]*") or glob.glob("/dev/accel[0-9]*") or glob.glob("/dev/vfio/[0-9]*")
+                or importlib.util.find_spec("libtpu") is not None)
+if not (_ACCELERATOR or os.environ.get("JODPO_TEST_FULL_OPT")):
     os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 
 import pytest
