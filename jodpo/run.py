@@ -48,6 +48,7 @@ class Run:
     lora_targets: tuple[str, ...] = ()  # the adapted HF modules (use_peft)
     sampler_mesh: Mesh | None = None  # sampler_devices: the devices that sample, apart from ``mesh``
     sampler: object | None = None  # its ``jodpo.split_sampler.SplitSampler``, set by ``train``
+    eval_compile: object | None = None  # the thread compiling the evaluation's programs (``compile_evaluation``)
 
     def indices(self, step: int) -> np.ndarray:
         """The training rows of step ``step`` (a fresh permutation every epoch, from the seed)."""
@@ -73,6 +74,18 @@ class Run:
             raise S.MeshError(f"a batch of {x.shape[1]} rows cannot be split over the {dp} data-parallel devices "
                               "(mesh_data x mesh_fsdp); use a batch size that is a multiple of it")
         return S.put(x, S.batch_sharding(mesh, x.ndim))
+
+    def decode(self, tokens: np.ndarray) -> list[str]:
+        """The texts of ``[..., T]`` token ids (special tokens left out)."""
+        return self.tokenizer.batch_decode(tokens.reshape(-1, tokens.shape[-1]), skip_special_tokens=True)
+
+    def score_on_host(self, data: D.PromptData, rows: list, tokens: np.ndarray, tmask: np.ndarray) -> np.ndarray:
+        """f32[N] rewards of N sampled completions ``[N, T]`` of the prompts ``rows``, on the host (functions, other
+        tokenizers, chat data); every process scores the whole batch, so every process holds the same rewards."""
+        prompts = [data.prompts[i] for i in rows]
+        columns = {k: [v[i] for i in rows] for k, v in data.columns.items()}
+        completion_ids = [t[m > 0].tolist() for t, m in zip(tokens, tmask)]
+        return self.rewards.score(prompts, self.decode(tokens), completion_ids, columns)
 
 
 def _same_tokenizer(a, b) -> bool:

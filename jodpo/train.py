@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jodpo import backend
@@ -23,6 +22,7 @@ from jodpo import judges as J
 from jodpo import sharding as S
 from jodpo import train_step as ts
 from jodpo.checkpoint import Checkpointer, SaveError, abstract_like
+from jodpo.evaluation import compile_evaluation, evaluate
 from jodpo.config import ConfigError, TrainConfig, help_text, load_config_file, parse_override
 from jodpo.logging import RunLogger
 from jodpo.models import CheckpointError
@@ -34,10 +34,6 @@ from jodpo.split_sampler import SplitSampler
 # --------------------------------------------------------------------------------------------------
 # One step of each kind
 # --------------------------------------------------------------------------------------------------
-
-
-def _decode(tokenizer, tokens: np.ndarray) -> list[str]:
-    return tokenizer.batch_decode(tokens.reshape(-1, tokens.shape[-1]), skip_special_tokens=True)
 
 
 def _twice_per_micro_batch(items: list, A: int) -> list:
@@ -66,15 +62,6 @@ def online_step(run: Run, state, step: int):
     return state, metrics, (idx, samples, raw)
 
 
-def score_samples(run: Run, data: D.PromptData, rows: list, tokens: np.ndarray, tmask: np.ndarray) -> np.ndarray:
-    """f32[N] rewards of N sampled completions ``[N, T]`` of the prompts ``rows``, on the host (functions, other
-    tokenizers, chat data); every process scores the whole batch, so every process holds the same rewards."""
-    prompts = [data.prompts[i] for i in rows]
-    columns = {k: [v[i] for i in rows] for k, v in data.columns.items()}
-    completion_ids = [t[m > 0].tolist() for t, m in zip(tokens, tmask)]
-    return run.rewards.score(prompts, _decode(run.tokenizer, tokens), completion_ids, columns)
-
-
 def _rewards(run: Run, idx: np.ndarray, ids, mask, samples) -> jax.Array:
     """f32[A, 2B] raw rewards (or judge verdicts) of a window's samples, on the device: scored there when the reward
     model reads the token ids (no host round trip), else on the host and put back."""
@@ -84,7 +71,7 @@ def _rewards(run: Run, idx: np.ndarray, ids, mask, samples) -> jax.Array:
     if run.judge is not None:
         return run.put(judge_samples(run, idx, tokens))
     A = tokens.shape[0]
-    raw = score_samples(run, run.train, _twice_per_micro_batch(list(idx), A), tokens.reshape(-1, tokens.shape[-1]),
+    raw = run.score_on_host(run.train, _twice_per_micro_batch(list(idx), A), tokens.reshape(-1, tokens.shape[-1]),
                         tmask.reshape(-1, tmask.shape[-1]))
     return run.put(raw.reshape(A, -1))
 
@@ -93,7 +80,7 @@ def judge_samples(run: Run, idx: np.ndarray, tokens: np.ndarray) -> np.ndarray:
     """f32[A, 2B] judge verdicts (``judges.pair_scores`` per micro-batch) of sampled ``[A, 2B, T]`` completions: the
     whole window goes to the judge in one call."""
     A, B = tokens.shape[0], tokens.shape[1] // 2
-    texts = np.asarray(_decode(run.tokenizer, tokens), object).reshape(A, 2, B)
+    texts = np.asarray(run.decode(tokens), object).reshape(A, 2, B)
     first, second = list(texts[:, 0].reshape(-1)), list(texts[:, 1].reshape(-1))
     prompts = [run.train.prompts[i] for i in idx]  # micro-batch a holds idx[a * B:(a + 1) * B]
     if isinstance(prompts[0], list):  # chat data: the judge reads the completions as the assistant's messages
@@ -111,76 +98,6 @@ def offline_step(run: Run, state, step: int):
     batch = ts.PreferenceBatch(*(run.put(x.reshape(A, -1, x.shape[-1])) for x in (ids, mask, c, cm, r, rm)))
     state, metrics = run.steps.offline_step(run.step_cfg, state, run.ref_params, batch)
     return state, metrics, None
-
-
-def _eval_batches(run: Run):
-    """Index arrays of the evaluation batches: as many whole multiples of the data-parallel size as the set has
-    (build() turns evaluation off for a set smaller than the data-parallel size)."""
-    dp = S.data_parallel_size(run.mesh)
-    B = min(run.cfg.per_device_eval_batch_size * dp, len(run.eval) // dp * dp)
-    return [np.arange(start, start + B) for start in range(0, len(run.eval) - B + 1, B)]
-
-
-def _reference_scores(run: Run, batches) -> np.ndarray | None:
-    """The rewards of the evaluation set's reference completions: the rewards are frozen, so they are computed
-    at the first evaluation and kept for the run."""
-    data = run.eval
-    if data.references is None:
-        return None
-    if run.eval_reference_scores is None:
-        run.eval_reference_scores = np.concatenate([
-            run.rewards.score([data.prompts[i] for i in idx], [data.references[i] for i in idx], None,
-                              {k: [v[i] for i in idx] for k, v in data.columns.items()}) for idx in batches])
-    return run.eval_reference_scores
-
-
-def _judge_against_references(run: Run, idx: np.ndarray, tokens: np.ndarray) -> np.ndarray:
-    """f32[B]: the judge's probability that the dataset's reference beats the policy's completion (TRL's
-    judge_tldr puts the reference first too)."""
-    data = run.eval
-    prompts, references = [data.prompts[i] for i in idx], [data.references[i] for i in idx]
-    completions = _decode(run.tokenizer, tokens)
-    if isinstance(prompts[0], list):  # both as the assistant's messages
-        references, completions = D.assistant_messages(references), D.assistant_messages(completions)
-    return run.judge.preferences(prompts, references, completions)
-
-
-def eval_samples(run: Run, state):
-    """Yields ``(idx, ids, mask, samples)`` per evaluation batch: one completion per prompt (dispatched, not
-    waited for). The batches have the training buckets' shapes, so each shape compiles once for the whole run."""
-    # Every evaluation draws with the same key (step -1, never a training step): scores at different steps differ
-    # by the policy, not by the draw.
-    eval_state = state.replace(step=jnp.int32(-1))
-    if eval_state.sampler_params is not None:  # async_mode: evaluate the current policy, not the lagging sampler
-        eval_state = eval_state.replace(sampler_params=state.params)
-    for idx in _eval_batches(run):
-        ids, mask = map(run.put, D.prompt_batch([run.eval.ids[i] for i in idx], 1, run.buckets,
-                                                run.step_cfg.sampling.pad_token_id))
-        yield idx, ids, mask, run.steps.sample_completions(run.step_cfg, eval_state, ids, mask, 1, run.ref_params)
-
-
-def evaluate(run: Run, state) -> dict:
-    """One completion per evaluation prompt (``eval_samples``), scored; with reference completions, the win rate
-    against them (by the rewards, or by the judge: then the win rate is all there is)."""
-    scores = []
-    for idx, ids, mask, samples in eval_samples(run, state):
-        if run.judge is not None:  # the chance that the reference is the better one
-            s = _judge_against_references(run, idx, S.to_host(samples.tokens)[0])
-        elif run.rewards.on_device:  # as in training: the reward model reads the token ids on the device
-            s = S.to_host(run.steps.score_completions(run.step_cfg, run.rewards.params, ids, mask, samples))[0]
-        else:
-            s = score_samples(run, run.eval, list(idx), S.to_host(samples.tokens)[0], S.to_host(samples.mask)[0])
-        scores.append(np.asarray(s, np.float32))
-    if not scores:
-        return {}
-    scores = np.concatenate(scores)
-    if run.judge is not None:
-        return {"eval/win_rate": J.win_rate(scores)}
-    out = {"eval/objective/scores": float(np.mean(scores))}
-    references = _reference_scores(run, _eval_batches(run))
-    if references is not None:
-        out["eval/win_rate"] = float(np.mean(scores > references))
-    return out
 
 
 # --------------------------------------------------------------------------------------------------
@@ -260,10 +177,13 @@ def train(cfg: TrainConfig, allow_config_change: bool = False) -> dict:
         logger.message("async_mode: sampling and the update take turns on the same devices (one step off-policy, "
                        + ("nothing to overlap on one device)" if jax.device_count() == 1 else
                           "no overlap; sampler_devices=k gives sampling devices of its own so that the two overlap)"))
+    compile_evaluation(run, state)  # in the background, while the first step compiles and runs
     try:
         with StopSignals() as stop:
             return _loop(run, state, start, ckpt, logger, stop)
     finally:
+        if run.eval_compile is not None:  # a run stopped before its first evaluation
+            run.eval_compile.join()
         ckpt.close()
         logger.close()
 
@@ -316,7 +236,7 @@ def _loop(run: Run, state, start: int, ckpt: Checkpointer, logger: RunLogger, st
         if sampled is not None and (done % table_every == 0 or done == run.total_steps):
             idx, samples, raw = sampled
             B = len(idx) // run.cfg.micro_batches
-            texts = _decode(run.tokenizer, S.to_host(samples.tokens)[0, :B])
+            texts = run.decode(S.to_host(samples.tokens)[0, :B])
             rows = [(str(run.train.prompts[i]), t, float(r)) for i, t, r in zip(idx[:B], texts, S.to_host(raw)[0])]
             logger.table(done, rows[:4])
         if run.eval is not None and (done == run.total_steps or (cfg.eval_steps and done % cfg.eval_steps == 0)):

@@ -13,8 +13,8 @@ and an evaluation every ``--eval-steps`` (on ``--eval-prompts`` prompts of the t
    first compiles), then the median of ``--step-repeats`` timed calls.
    Then, on that state, what the loop's stalls are measured against: two checkpoint saves as the program makes them
    (``Checkpointer.save`` timed to its return, which is what a save blocks the loop for: the non-finite check and
-   the device-to-host copy; then to ``wait()``: the whole save), and an evaluation (``train.evaluate``, and its
-   sampling alone, ``train.eval_samples``), warm.
+   the device-to-host copy; then to ``wait()``: the whole save), and an evaluation (``evaluation.evaluate``, and its
+   sampling alone, ``evaluation.eval_samples``), warm.
 2. **program**: ``python -m jodpo.train`` in a subprocess, run through ``bench.py _program`` (``runpy`` runs the
    module as ``-m`` does, then the wrapper writes the process's ``ru_maxrss`` and, on an accelerator, jax's
    ``peak_bytes_in_use``). ``logging_steps=1``, so ``metrics.jsonl`` has one line per step; its ``eps`` is
@@ -353,7 +353,8 @@ def print_program(r: dict):
           + ", ".join(f"{x:.2f}" for x in z["save_beyond_blocking_s"]) + " s beyond that (target < 2)")
     print(f"alone: evaluate() {z['evaluate_alone_s']:.2f} s, its sampling {z['eval_sampling_s']:.2f} s; per eval the "
           "loop lost " + ", ".join(f"{x:.2f}x" for x in z["eval_over_sampling"]) + " the sampling, "
-          + ", ".join(f"{x:.2f}x" for x in z["eval_over_evaluate_alone"]) + " evaluate() (the first compiles)")
+          + ", ".join(f"{x:.2f}x" for x in z["eval_over_evaluate_alone"])
+          + " evaluate() (the first also scores the references, once per run)")
     if t:
         evaluation = t["eval_error"] or f"{t['eval_s_direct']:.2f} s"
         print(f"TRL saves after {t['saves_after_steps']} ({', '.join(f'{x:.2f}' for x in t['save_s_direct'])} s each, "

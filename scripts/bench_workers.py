@@ -131,9 +131,9 @@ def _time_saves(jax, state, directory: Path, saves: int = 2) -> dict:
 
 
 def _time_eval(jax, run, state, repeats: int = 3) -> dict:
-    """``train.evaluate`` as the program calls it, and its sampling alone (``train.eval_samples``, waited for),
-    each ``repeats`` times after one untimed call of each (compiles, the references' rewards)."""
-    from jodpo.train import eval_samples, evaluate
+    """``evaluation.evaluate`` as the program calls it, and its sampling alone (``evaluation.eval_samples``, waited
+    for), each ``repeats`` times after one untimed call of each (compiles, the references' rewards)."""
+    from jodpo.evaluation import eval_samples, evaluate
 
     def sampling():
         jax.block_until_ready([x[-1] for x in eval_samples(run, state)])

@@ -1,0 +1,47 @@
+"""The evaluation's programs compile in the background when a run starts, with the arguments the evaluation
+passes: its first call then compiles nothing (and the background compile does not change what it computes)."""
+import logging
+
+import pytest
+
+from jodpo import evaluation, run, train
+from jodpo.config import TrainConfig
+from tests import hf_fixtures
+
+EVAL_PROGRAMS = ("jit(sample_completions)", "jit(score_completions)")
+
+
+def _compiled(caplog) -> list[str]:
+    return [p for r in caplog.records for p in EVAL_PROGRAMS if f"Finished XLA compilation of {p}" in r.getMessage()]
+
+
+@pytest.fixture
+def log_compiles(caplog):
+    """jax's compile messages, from every thread (``jax.log_compiles`` would only raise the calling thread's)."""
+    caplog.set_level(logging.DEBUG, logger="jax._src.dispatch")
+    return caplog
+
+
+def test_the_first_evaluation_compiles_nothing_after_the_background_compile(checkpoints, tmp_path, log_compiles):
+    data = hf_fixtures.prompt_dataset(tmp_path / "data")
+    cfg = TrainConfig(model_name_or_path=str(checkpoints["neox"]["causal_lm"]),
+                      reward_model_path=str(checkpoints["neox"]["reward"]), dataset_name=str(data),
+                      max_new_tokens=5, max_length=160, max_prompt_length=128, per_device_eval_batch_size=4, eval_steps=1,
+                      prompt_buckets=(56, 64, 128), output_dir=str(tmp_path / "out"))
+    built = run.build(cfg)
+    state = train.initial_state(built)
+    shapes = {evaluation._eval_prompts(built, idx)[0].shape for idx in evaluation._eval_batches(built)}
+    assert len(shapes) == 2  # two batches of 4 prompts in two buckets: each shape is compiled ahead
+    reference = evaluation.evaluate(built, state)  # compiled as it runs
+    assert sorted(_compiled(log_compiles)) == sorted(EVAL_PROGRAMS * 2)
+
+    built = run.build(cfg.replace(per_device_eval_batch_size=2))  # new shapes, nothing compiled yet
+    state = train.initial_state(built)
+    log_compiles.clear()
+    evaluation.compile_evaluation(built, state).join()
+    assert sorted(_compiled(log_compiles)) == sorted(EVAL_PROGRAMS * len(
+        {evaluation._eval_prompts(built, idx)[0].shape for idx in evaluation._eval_batches(built)}))
+    log_compiles.clear()
+    out = evaluation.evaluate(built, state)
+    assert _compiled(log_compiles) == [] and built.eval_compile is None
+    assert set(out) == set(reference) == {"eval/objective/scores", "eval/win_rate"}
