@@ -22,8 +22,8 @@ from jodpo import judges as J
 from jodpo import sharding as S
 from jodpo import train_step as ts
 from jodpo.checkpoint import Checkpointer, SaveError, abstract_like
-from jodpo.evaluation import compile_evaluation, evaluate
 from jodpo.config import ConfigError, TrainConfig, help_text, load_config_file, parse_override
+from jodpo.evaluation import compile_evaluation, evaluate
 from jodpo.logging import RunLogger
 from jodpo.models import CheckpointError
 from jodpo.models.export import write_metadata
@@ -72,7 +72,7 @@ def _rewards(run: Run, idx: np.ndarray, ids, mask, samples) -> jax.Array:
         return run.put(judge_samples(run, idx, tokens))
     A = tokens.shape[0]
     raw = run.score_on_host(run.train, _twice_per_micro_batch(list(idx), A), tokens.reshape(-1, tokens.shape[-1]),
-                        tmask.reshape(-1, tmask.shape[-1]))
+                            tmask.reshape(-1, tmask.shape[-1]))
     return run.put(raw.reshape(A, -1))
 
 
