@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 import warnings
 
 import jax
@@ -48,7 +49,7 @@ class Run:
     lora_targets: tuple[str, ...] = ()  # the adapted HF modules (use_peft)
     sampler_mesh: Mesh | None = None  # sampler_devices: the devices that sample, apart from ``mesh``
     sampler: object | None = None  # its ``jodpo.split_sampler.SplitSampler``, set by ``train``
-    eval_compile: object | None = None  # the thread compiling the evaluation's programs (``compile_evaluation``)
+    eval_compile: threading.Thread | None = None  # the thread compiling the evaluation's programs (``compile_evaluation``)
 
     def indices(self, step: int) -> np.ndarray:
         """The training rows of step ``step`` (a fresh permutation every epoch, from the seed)."""
