@@ -8,7 +8,8 @@
   python scripts/bench.py program [--steps 12] [--save-steps 5] [--eval-steps 4] [--no-trl]
                                   [--dtype bfloat16|float32] [--out F.json]  (same shape flags; scripts/bench_program.py)
   python scripts/bench.py memory [--batch 8] [--accumulation 2] [--prompt-len 128] [--dtype bfloat16|float32]
-                                 [--remat full|none|dots] [--out F.json]  (same shape flags; scripts/bench_memory.py)
+                                 [--remat full|none|dots] [--tpu v5p:1x1x1] [--out F.json]
+                                 (same shape flags; scripts/bench_memory.py)
 
 ``sample``: jodpo's sampler vs transformers' ``generate`` (KV cache on) on the same random
 Pythia-70m-shaped GPT-NeoX (hidden 512, 6 layers, 8 heads, vocab 50304), batch and lengths, fp32 on the
@@ -20,7 +21,7 @@ against its own fused step's, saves, evaluations and loading included, and TRL's
 (scripts/bench_program.py says how each number is measured).
 
 ``memory``: the fused step's device memory (and its pieces') from XLA's compiled ``memory_analysis()``, at any
-shape, without weights or an accelerator (scripts/bench_memory.py).
+shape, without weights or an accelerator; ``--tpu`` compiles for a TPU chip with libtpu (scripts/bench_memory.py).
 
 ``train``: jodpo's real online DPO step (``train_step.jit_online_step``: sample two completions per prompt,
 score them on device with the reward model, update) vs TRL 1.16's ``OnlineDPOTrainer`` step on one fixture

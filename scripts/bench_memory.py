@@ -5,13 +5,17 @@ weights: the models are built from a ``config.json`` alone, the arrays are ``jax
 For the step and each of its pieces (sampling, reward scoring, the update) it reports XLA's argument, output,
 aliased (donated and reused) and temporary bytes, and the peak they imply (arguments + outputs - aliased +
 temporaries), next to the arithmetic of the big residents: the policy, its gradient and Adam moments, the frozen
-reference and reward model, the KV cache and the LM head's logits. The numbers are the CPU compiler's buffer
-assignment; a GPU's differs in its fusions, not in what is resident.
+reference and reward model, the KV cache and the LM head's logits. The numbers are the buffer assignment of jax's
+default backend's compiler, or with ``--tpu TOPOLOGY`` (``v5p:1x1x1``, ``v6e:1x1``, ...) of XLA:TPU's, which libtpu
+runs on any machine, without a TPU: one chip of that topology, compiled for ahead of time. A CPU has no bf16
+arithmetic and converts bf16 programs to float32, so for a bf16 step the TPU compiler's numbers are the ones to read
+(docs/performance.md).
 """
 from __future__ import annotations
 
 import functools
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -39,6 +43,36 @@ def _models(a, tmp: Path):
     return out
 
 
+def _device(a):
+    """The device the pieces are compiled for: jax's default one, or one chip of the TPU topology ``a.tpu``
+    (``jax.experimental.topologies``: libtpu's compiler, no TPU attached; jax itself stays on the CPU)."""
+    import jax
+    if not a.tpu:
+        return jax.devices()[0]
+    try:
+        import libtpu  # noqa: F401
+    except ImportError:
+        raise SystemExit("--tpu needs libtpu, the TPU compiler: pip install --target DIR 'libtpu==<the version "
+                         "jax[tpu] pins>' and put DIR on PYTHONPATH (docs/performance.md), not into the test "
+                         "environment")
+    # no TPU metadata server and no worker list here: libtpu asks for both unless told there are none; and nothing
+    # runs on a chip, so another process holding libtpu's lock (a jax that found it installed) is no conflict
+    for k, v in dict(TPU_SKIP_MDS_QUERY="1", TPU_WORKER_HOSTNAMES="localhost", TPU_WORKER_ID="0",
+                     ALLOW_MULTIPLE_LIBTPU_LOAD="1").items():
+        os.environ.setdefault(k, v)
+    jax.config.update("jax_platforms", "cpu")  # jax's own backend: the TPU is only compiled for
+    from jax.experimental import topologies
+    return topologies.get_topology_desc(topology_name=a.tpu, platform="tpu", chips_per_host_bounds=(1, 1, 1),
+                                        num_slices=1).devices[0]
+
+
+def _on(device, tree):
+    """``tree``'s arrays as ``ShapeDtypeStruct``s placed on ``device`` (what the compile is for)."""
+    import jax
+    s = jax.sharding.SingleDeviceSharding(device)
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree)
+
+
 def _analysis(compiled) -> dict:
     m = compiled.memory_analysis()
     r = {k: getattr(m, f"{k}_size_in_bytes") / MiB for k in ("argument", "output", "alias", "temp")}
@@ -53,6 +87,8 @@ def bench_memory(a) -> dict:
     import jodpo
     from jodpo import train_step as ts
     from jodpo.models import params as params_mod
+
+    device = _device(a)
 
     with tempfile.TemporaryDirectory() as tmp:
         policy, rm = _models(a, Path(tmp))
@@ -76,12 +112,17 @@ def bench_memory(a) -> dict:
 
     pieces, compile_s = {}, {}
     for name, fn, args in (
-            ("online_step", ts.jit_online_step, (cfg, state, ref, rm_params, ids, ids)),
-            ("sample_completions", ts.jit_sample_completions, (cfg, state, ids, ids)),
-            ("score_completions", ts.jit_score_completions, (cfg, rm_params, ids, ids, samples)),
-            ("update", ts.jit_update, (cfg, state, ref, ids, ids, samples, rewards))):
+            ("online_step", ts.jit_online_step, (state, ref, rm_params, ids, ids)),
+            ("sample_completions", ts.jit_sample_completions, (state, ids, ids)),
+            ("score_completions", ts.jit_score_completions, (rm_params, ids, ids, samples)),
+            ("update", ts.jit_update, (state, ref, ids, ids, samples, rewards))):
         t = time.perf_counter()
-        pieces[name] = _analysis(fn.lower(*args).compile())
+        try:
+            pieces[name] = _analysis(fn.lower(cfg, *_on(device, args)).compile())
+        except jax.errors.JaxRuntimeError as e:  # more than the chip's memory: XLA:TPU refuses to compile it
+            if not a.tpu:
+                raise
+            pieces[name] = {"error": str(e).splitlines()[0][:300]}
         compile_s[name] = round(time.perf_counter() - t, 1)
 
     n = sum(x.size for x in jax.tree.leaves(params))
@@ -102,7 +143,7 @@ def bench_memory(a) -> dict:
             "model": f"GPT-NeoX, hidden {a.hidden}, {a.layers} layers, {a.heads} heads, vocab {a.vocab}",
             "settings": dict(batch=B, accumulation=A, prompt_len=P, new_tokens=T, dtype=a.dtype, remat=a.remat,
                              param_dtype=a.param_dtype, frozen_param_dtype=a.frozen_param_dtype,
-                             attention=a.attention, backend=jax.default_backend()),
+                             attention=a.attention, device=device.device_kind, platform=device.platform),
             "parameters": n, "reward_model_parameters": n_rm,
             "resident": {k: round(v, 3) for k, v in resident.items()}, "compiled": pieces, "compile_s": compile_s}
 
@@ -114,6 +155,9 @@ def print_memory(r: dict) -> None:
         print(f"  {k:<40} {v:>10.1f} MiB")
     print(f"{'XLA memory_analysis (MiB)':<22} {'argument':>10} {'output':>10} {'aliased':>10} {'temp':>10} {'peak':>10}")
     for name, m in r["compiled"].items():
+        if "error" in m:
+            print(f"{name:<22} {m['error']}")
+            continue
         print(f"{name:<22} {m['argument_mib']:>10.1f} {m['output_mib']:>10.1f} {m['alias_mib']:>10.1f} "
               f"{m['temp_mib']:>10.1f} {m['peak_mib']:>10.1f}")
 
@@ -131,4 +175,6 @@ def add_parser(sub, defaults: dict) -> None:
     p.add_argument("--frozen-param-dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--remat", choices=("none", "full", "dots"), default="full")
     p.add_argument("--attention", choices=("xla", "cudnn"), default="xla")
+    p.add_argument("--tpu", metavar="TOPOLOGY", help="compile for one chip of this TPU topology (e.g. v5p:1x1x1, "
+                   "v6e:1x1) with libtpu, ahead of time, on any machine; default: jax's default device")
     p.add_argument("--out", type=Path)

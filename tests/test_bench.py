@@ -1,5 +1,6 @@
 """scripts/bench.py train on a tiny model, both sides (jodpo and TRL in their worker processes): every field
 of the JSON is there and the values are consistent with each other and with the shapes asked for."""
+import importlib.util
 import json
 import math
 import subprocess
@@ -163,3 +164,30 @@ def test_memory_analysis_of_the_step(tmp_path):
     assert step["argument_mib"] >= state_mib + frozen - 0.01  # the state, the reference and the reward model
     for m in r["compiled"].values():
         assert abs(m["peak_mib"] - (m["argument_mib"] + m["output_mib"] - m["alias_mib"] + m["temp_mib"])) < 0.01
+    import jax
+    assert r["settings"]["platform"] == jax.devices()[0].platform  # jax's default device, without --tpu
+
+
+_TINY_MEMORY = ["memory", "--hidden", "64", "--layers", "1", "--heads", "4", "--vocab", "512", "--batch", "2",
+                "--prompt-len", "16", "--new-tokens", "4"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is not None, reason="libtpu is installed here")
+def test_memory_for_a_tpu_without_libtpu_says_how_to_get_it():
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), *_TINY_MEMORY, "--tpu", "v5p:1x1x1"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "--tpu needs libtpu" in proc.stderr and "PYTHONPATH" in proc.stderr
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                    reason="needs libtpu (the TPU compiler) importable: see docs/performance.md")
+def test_memory_analysis_for_a_tpu_chip(tmp_path):
+    """The same analysis from XLA:TPU's compiler, for a TPU this machine does not have."""
+    out = tmp_path / "memory.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), *_TINY_MEMORY, "--tpu", "v5p:1x1x1",
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r = json.loads(out.read_text())
+    assert r["settings"]["platform"] == "tpu" and r["settings"]["device"].startswith("TPU")
+    step = r["compiled"]["online_step"]
+    assert step["alias_mib"] > 0 and step["temp_mib"] > 0 and step["argument_mib"] > step["alias_mib"]
