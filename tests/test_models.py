@@ -195,3 +195,22 @@ def test_model_is_hashable_and_static(checkpoints):
     assert jax.tree.structure(axes, is_leaf=lambda x: isinstance(x, tuple)) == jax.tree.structure(params)
     for ax, p in zip(jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple)), jax.tree.leaves(params)):
         assert len(ax) == p.ndim
+
+
+def test_a_differentiated_layer_keeps_no_float32_copy_of_its_activations(checkpoints):
+    """A LayerNorm's and an exact GELU's autodiff residuals outweigh their inputs (three float32 copies of the
+    normalised input; four of the MLP's widest activation), so the backward recomputes them from their inputs: with
+    bf16 compute a layer keeps no float32 array of the hidden width and one of the MLP width, as torch keeps."""
+    model, params = jodpo.load_model(str(checkpoints["neox"]["causal_lm"]))
+    model = model.replace(dtype="bfloat16")
+    ids, mask = hf_fixtures.padded_batch(np.random.default_rng(0), [7, 5], model.pad_token_id, "left")
+    D, F = params["layers"]["mlp"]["up"].shape[1:]
+
+    def loss(p):
+        h, _ = core.hidden_states(model, p, jnp.asarray(ids), jnp.asarray(mask))
+        return h.astype(jnp.float32).sum()
+
+    _, backward = jax.vjp(loss, params)  # a pytree of what the backward keeps
+    kept = [x for x in jax.tree.leaves(backward) if x.ndim >= 3 and x.shape[-3:-1] == ids.shape]  # activations
+    assert not [x.shape for x in kept if x.dtype == jnp.float32 and x.shape[-1] == D]
+    assert [x.shape for x in kept if x.shape[-1] == F] == [(model.num_layers, *ids.shape, F)]
