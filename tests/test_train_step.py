@@ -446,3 +446,53 @@ def test_async_mode_keeps_its_lagging_policy_as_the_sampler_reads_it(neox):
     assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(before)))
     for a, b in zip(jax.tree.leaves(state.sampler_params), jax.tree.leaves(ts.sampler_weights(cfg, before))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _scan_outputs(jaxpr) -> list:
+    """(shape, dtype) of every output of every ``scan`` in ``jaxpr``, nested ones included."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "scan":
+            found += [(v.aval.shape, v.aval.dtype) for v in eqn.outvars]
+        for v in eqn.params.values():
+            for sub in (v if isinstance(v, (tuple, list)) else (v,)):
+                if hasattr(sub, "eqns") or hasattr(getattr(sub, "jaxpr", None), "eqns"):
+                    found += _scan_outputs(sub)
+    return found
+
+
+def test_accumulation_differentiates_the_weights_as_the_forward_reads_them(neox):
+    """float32 master weights, bf16 compute, two micro-batches: each micro-batch is differentiated with respect to
+    the bf16 weights (the layers' backward stacks bf16 gradients, half the bytes), the embedding table's float32,
+    and the sum is float32: the float32 path's gradient up to the rounding of a bf16 sum. One micro-batch keeps the
+    float32 path."""
+    model, params = neox
+    model = model.replace(dtype="bfloat16")
+    cfg = _cfg(model)
+    ids, mask = _prompts(model, 2, 2)
+    samples = ts.jit_sample_completions(cfg, ts.init_state(cfg, params, jax.random.key(0)), ids, mask)
+    rewards = jnp.asarray(np.random.default_rng(1).normal(size=(2, 4)), jnp.float32)
+    batches = (ids, mask, samples.tokens, samples.mask, rewards)
+
+    def loss_fn(p, mb):
+        i, m, t, tm, r = mb
+        return online_dpo_loss(model, p, params, i, m, t, tm, r, beta=0.1)
+
+    grads, _ = jax.jit(lambda p, b: ts._accumulate(model, loss_fn, p, b))(params, batches)
+    f32_path = jax.jit(lambda p, mb: jax.grad(lambda q: loss_fn(q, mb)[0])(p))
+    want = jax.tree.map(lambda a, b: (a + b) / 2, *(f32_path(params, jax.tree.map(lambda x: x[a], batches))
+                                                     for a in range(2)))
+    for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(want)):
+        assert g.dtype == jnp.float32, path
+        scale = float(jnp.max(jnp.abs(w)))
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-2, atol=2e-2 * scale, err_msg=str(path))
+    up = params["layers"]["mlp"]["up"]
+    stacked = lambda A: sorted(str(dt) for shape, dt in _scan_outputs(jax.make_jaxpr(  # noqa: E731
+        lambda p: ts._accumulate(model, loss_fn, p, jax.tree.map(lambda x: x[:A], batches)))(params))
+        if shape == up.shape)
+    # stacked [L, ...] arrays of a layer weight's shape: with two micro-batches the layers' backward stacks their bf16
+    # gradients and the only float32 one is the sum; with one, the forward keeps each layer's bf16 cast of its weight
+    # and the backward stacks the float32 gradients, converted inside the layer loop
+    assert stacked(2) == ["bfloat16", "float32"]
+    assert stacked(1) == ["bfloat16", "bfloat16", "float32", "float32"]
