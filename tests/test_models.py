@@ -200,7 +200,7 @@ def test_model_is_hashable_and_static(checkpoints):
 def test_a_differentiated_layer_keeps_no_float32_copy_of_its_activations(checkpoints):
     """A LayerNorm's and an exact GELU's autodiff residuals outweigh their inputs (three float32 copies of the
     normalised input; four of the MLP's widest activation), so the backward recomputes them from their inputs: with
-    bf16 compute a layer keeps no float32 array of the hidden width and one of the MLP width, as torch keeps."""
+    bf16 compute a layer keeps no float32 array of the hidden width and one of the MLP width (torch keeps two)."""
     model, params = jodpo.load_model(str(checkpoints["neox"]["causal_lm"]))
     model = model.replace(dtype="bfloat16")
     ids, mask = hf_fixtures.padded_batch(np.random.default_rng(0), [7, 5], model.pad_token_id, "left")
