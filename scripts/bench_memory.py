@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import tempfile
 import time
@@ -55,15 +56,22 @@ def _device(a):
         raise SystemExit("--tpu needs libtpu, the TPU compiler: pip install --target DIR 'libtpu==<the version "
                          "jax[tpu] pins>' and put DIR on PYTHONPATH (docs/performance.md), not into the test "
                          "environment")
-    # no TPU metadata server and no worker list here: libtpu asks for both unless told there are none; and nothing
-    # runs on a chip, so another process holding libtpu's lock (a jax that found it installed) is no conflict
+    # No TPU metadata server, worker list or accelerator type here: libtpu asks for each (and warns) unless told.
+    # Nothing runs on a chip, so another process holding libtpu's lock (a jax that found it installed) is no conflict.
+    family, _, dims = a.tpu.partition(":")
+    name, cores = {"v4": ("v4", 2), "v5p": ("v5p", 2), "v5e": ("v5litepod", 1)}.get(family, (family, 1))
+    chips = math.prod(int(d) for d in dims.split("x") if d.isdigit()) or 1
     for k, v in dict(TPU_SKIP_MDS_QUERY="1", TPU_WORKER_HOSTNAMES="localhost", TPU_WORKER_ID="0",
-                     ALLOW_MULTIPLE_LIBTPU_LOAD="1").items():
+                     TPU_ACCELERATOR_TYPE=f"{name}-{cores * chips}", ALLOW_MULTIPLE_LIBTPU_LOAD="1").items():
         os.environ.setdefault(k, v)
     jax.config.update("jax_platforms", "cpu")  # jax's own backend: the TPU is only compiled for
     from jax.experimental import topologies
-    return topologies.get_topology_desc(topology_name=a.tpu, platform="tpu", chips_per_host_bounds=(1, 1, 1),
-                                        num_slices=1).devices[0]
+    try:
+        return topologies.get_topology_desc(topology_name=a.tpu, platform="tpu", chips_per_host_bounds=(1, 1, 1),
+                                            num_slices=1).devices[0]
+    except jax.errors.JaxRuntimeError as e:
+        raise SystemExit(f"--tpu {a.tpu}: libtpu does not know this topology ({str(e).splitlines()[0][:200]}); "
+                         "give a TPU family and one chip's dimensions, e.g. v5p:1x1x1, v6e:1x1, v5e:1x1, v4:1x1x1")
 
 
 def _on(device, tree):

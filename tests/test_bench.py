@@ -191,3 +191,7 @@ def test_memory_analysis_for_a_tpu_chip(tmp_path):
     assert r["settings"]["platform"] == "tpu" and r["settings"]["device"].startswith("TPU")
     step = r["compiled"]["online_step"]
     assert step["alias_mib"] > 0 and step["temp_mib"] > 0 and step["argument_mib"] > step["alias_mib"]
+    assert "WARNING" not in proc.stderr  # libtpu is told what it would otherwise look for, and warn about
+    bad = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), *_TINY_MEMORY, "--tpu", "v9z:1x1"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "--tpu v9z:1x1: libtpu does not know this topology" in bad.stderr
