@@ -226,20 +226,23 @@ def test_bucket_errors_and_config_validation():
     assert hash(jodpo.SamplingConfig(eos_token_ids=[1, 2])) == hash(jodpo.SamplingConfig(eos_token_ids=(1, 2)))
 
 
-def _loop_converts(jaxpr, inside=False) -> list:
-    """Shapes of the float32 -> other-dtype converts of 2-D or larger arrays inside while loops of ``jaxpr``."""
+def jaxpr_eqns(jaxpr, inside=False):
+    """Every equation of ``jaxpr`` and of the jaxprs nested in it, depth first, each with whether it runs inside a
+    while loop (``inside``: the whole of ``jaxpr`` does)."""
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-    found = []
     for eqn in jaxpr.eqns:
-        if inside and eqn.primitive.name == "convert_element_type":
-            a = eqn.invars[0].aval
-            if a.dtype == jnp.float32 and a.ndim >= 2 and eqn.params["new_dtype"] != jnp.float32:
-                found.append(a.shape)
+        yield eqn, inside
         for v in eqn.params.values():
             for sub in (v if isinstance(v, (tuple, list)) else (v,)):
                 if hasattr(sub, "eqns") or hasattr(getattr(sub, "jaxpr", None), "eqns"):
-                    found += _loop_converts(sub, inside or eqn.primitive.name == "while")
-    return found
+                    yield from jaxpr_eqns(sub, inside or eqn.primitive.name == "while")
+
+
+def _loop_converts(jaxpr, inside=False) -> list:
+    """Shapes of the float32 -> other-dtype converts of 2-D or larger arrays inside while loops of ``jaxpr``."""
+    return [eqn.invars[0].aval.shape for eqn, looped in jaxpr_eqns(jaxpr, inside)
+            if looped and eqn.primitive.name == "convert_element_type" and eqn.invars[0].aval.dtype == jnp.float32
+            and eqn.invars[0].aval.ndim >= 2 and eqn.params["new_dtype"] != jnp.float32]
 
 
 def test_decode_loop_converts_no_weights(checkpoints):

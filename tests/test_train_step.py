@@ -14,7 +14,7 @@ from jodpo.losses import completion_logprobs, online_dpo_loss
 from jodpo.models import lora
 from jodpo.models.params import frozen_params
 from tests import hf_fixtures
-from tests.test_sampling import _loop_converts
+from tests.test_sampling import _loop_converts, jaxpr_eqns
 
 
 @pytest.fixture(scope="module")
@@ -450,16 +450,8 @@ def test_async_mode_keeps_its_lagging_policy_as_the_sampler_reads_it(neox):
 
 def _scan_outputs(jaxpr) -> list:
     """(shape, dtype) of every output of every ``scan`` in ``jaxpr``, nested ones included."""
-    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "scan":
-            found += [(v.aval.shape, v.aval.dtype) for v in eqn.outvars]
-        for v in eqn.params.values():
-            for sub in (v if isinstance(v, (tuple, list)) else (v,)):
-                if hasattr(sub, "eqns") or hasattr(getattr(sub, "jaxpr", None), "eqns"):
-                    found += _scan_outputs(sub)
-    return found
+    return [(v.aval.shape, v.aval.dtype) for eqn, _ in jaxpr_eqns(jaxpr) if eqn.primitive.name == "scan"
+            for v in eqn.outvars]
 
 
 def test_accumulation_differentiates_the_weights_as_the_forward_reads_them(neox):
