@@ -21,7 +21,7 @@ from jodpo import data as D
 from jodpo import judges as J
 from jodpo import sharding as S
 from jodpo import train_step as ts
-from jodpo.checkpoint import Checkpointer, SaveError, abstract_like
+from jodpo.checkpoint import Checkpointer, SaveError
 from jodpo.config import ConfigError, TrainConfig, help_text, load_config_file, parse_override
 from jodpo.evaluation import compile_evaluation, evaluate
 from jodpo.logging import RunLogger
@@ -105,14 +105,25 @@ def offline_step(run: Run, state, step: int):
 # --------------------------------------------------------------------------------------------------
 
 
-def initial_state(run: Run):
-    """The run's first ``TrainState`` (from ``cfg.seed``), laid out as the step's outputs are, and ``run.steps``
-    jitted for that layout. The state holds the policy from then on: ``run.policy_params`` is dropped."""
-    key = jax.random.PRNGKey(run.cfg.seed)
+def state_layout(run: Run):
+    """The run's first ``TrainState`` as ShapeDtypeStructs laid out as the step's outputs are (shapes, dtypes,
+    shardings; nothing computed or allocated), and ``run.steps`` jitted for that layout: what a checkpoint is
+    restored into, and what ``initial_state`` fills."""
     init = functools.partial(ts.init_state, run.step_cfg)
-    state_sharding = S.like_params(jax.eval_shape(init, run.policy_params, key), run.trainable_shardings(), run.mesh)
-    run.steps = ts.jit_steps(state_sharding, S.replicated(run.mesh))
-    state = jax.jit(init, out_shardings=state_sharding)(run.policy_params, key)
+    shapes = jax.eval_shape(init, run.policy_params, jax.random.PRNGKey(run.cfg.seed))
+    sharding = S.like_params(shapes, run.trainable_shardings(), run.mesh)
+    run.steps = ts.jit_steps(sharding, S.replicated(run.mesh))
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, sharding)
+
+
+def initial_state(run: Run, layout=None):
+    """The run's first ``TrainState`` (from ``cfg.seed``), laid out as ``layout`` (``state_layout(run)`` by
+    default, which also jits ``run.steps``). The state holds the policy from then on: ``run.policy_params`` is
+    dropped."""
+    layout = state_layout(run) if layout is None else layout
+    init = jax.jit(functools.partial(ts.init_state, run.step_cfg),
+                   out_shardings=jax.tree.map(lambda x: x.sharding, layout))
+    state = init(run.policy_params, jax.random.PRNGKey(run.cfg.seed))
     run.policy_params = None
     return state
 
@@ -154,13 +165,18 @@ def train(cfg: TrainConfig, allow_config_change: bool = False) -> dict:
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     run = build(cfg)
-    state = initial_state(run)
+    layout = state_layout(run)
     ckpt = Checkpointer(out / "checkpoints", cfg.save_total_limit)
     start = 0
-    restored = ckpt.restore_latest(abstract_like(state))
-    if restored is not None:
-        if not allow_config_change:
-            _check_same_config(out, cfg)
+    if ckpt.steps() and not allow_config_change:  # before reading: another shape is not "unreadable"
+        _check_same_config(out, cfg)
+    # A resumed run restores straight into the layout: the first state is never built, so the device holds one
+    # state, not two, while the checkpoint is read.
+    restored = ckpt.restore_latest(layout)
+    if restored is None:
+        state = initial_state(run, layout)
+    else:
+        run.policy_params = None
         start, state, meta = restored
         if meta["dataset_rows"] != len(run.train):
             raise ConfigError(f"{out}: the checkpoint was trained on {meta['dataset_rows']} rows, the dataset now has "
@@ -177,7 +193,6 @@ def train(cfg: TrainConfig, allow_config_change: bool = False) -> dict:
         logger.message("async_mode: sampling and the update take turns on the same devices (one step off-policy, "
                        + ("nothing to overlap on one device)" if jax.device_count() == 1 else
                           "no overlap; sampler_devices=k gives sampling devices of its own so that the two overlap)"))
-    compile_evaluation(run, state)  # in the background, while the first step compiles and runs
     try:
         with StopSignals() as stop:
             return _loop(run, state, start, ckpt, logger, stop)
@@ -221,6 +236,8 @@ def _loop(run: Run, state, start: int, ckpt: Checkpointer, logger: RunLogger, st
 
     for step in range(start, run.total_steps):
         state, metrics, sampled = step_fn(run, state, step)
+        if step == start:  # dispatched, so compiled: the evaluation compiles in the background while it runs
+            compile_evaluation(run, state)
         if skipped is not None:
             check_skipped(skipped, step)
         skipped = metrics["skipped_update"]

@@ -25,6 +25,10 @@ def _metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+def _live_bytes() -> int:
+    return sum(x.nbytes for x in jax.live_arrays())
+
+
 def test_tiny_default_learns_and_writes_every_output(tiny_run):
     lines = [m for m in _metrics(tiny_run) if "loss" in m]
     for name in TRL_NAMES:
@@ -40,13 +44,25 @@ def test_tiny_default_learns_and_writes_every_output(tiny_run):
     assert sorted(int(p.name) for p in (tiny_run / "checkpoints").iterdir() if p.name.isdigit()) == [100, 200]
 
 
-def test_stopped_run_resumes_exactly(tiny_run, tmp_path):
+def test_stopped_run_resumes_exactly(tiny_run, tmp_path, monkeypatch):
     """Lose the last checkpoint (as if stopped after step 100): the rerun continues from 100 and ends with
-    the same metrics, bit for bit."""
+    the same metrics, bit for bit. It reads the checkpoint straight into its layout: while it does, the device
+    holds no first state of the run (the weights it loaded, and the reward model, but not a second state)."""
     out = tmp_path / "resumed"
     shutil.copytree(tiny_run, out)
     shutil.rmtree(out / "checkpoints" / "200")
+    before, seen = _live_bytes(), []
+    restore = train.Checkpointer.restore_latest
+
+    def watched(self, layout):
+        state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(layout))
+        seen.append((_live_bytes() - before, state_bytes))
+        return restore(self, layout)
+
+    monkeypatch.setattr(train.Checkpointer, "restore_latest", watched)
     assert train.main(["--config", "tiny.py", f"--config.output_dir={out}"]) == 0
+    [(held, state_bytes)] = seen
+    assert 0 < held < state_bytes, (held, state_bytes)
     # Resuming with another config is refused (naming the field) and destroys nothing.
     before = (out / "metrics.jsonl").read_text()
     assert train.main(["--config", "tiny.py", f"--config.output_dir={out}", "--config.learning_rate=0.1"]) == 2
