@@ -16,6 +16,7 @@ import numpy as np
 
 from jodpo import data as D
 from jodpo import judges as J
+from jodpo import rewards as R
 from jodpo import sharding as S
 from jodpo.run import Run
 
@@ -57,6 +58,21 @@ def _reference_scores(run: Run, batches) -> np.ndarray | None:
             run.rewards.score([data.prompts[i] for i in idx], [data.references[i] for i in idx], None,
                               {k: [v[i] for i in idx] for k, v in data.columns.items()}) for idx in batches])
     return run.eval_reference_scores
+
+
+def _reference_batches(run: Run) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The reward model's inputs (ids, mask) of the reference completions, one per distinct shape, when the first
+    evaluation will score them with the reward model (``_reference_scores``); else none."""
+    data = run.eval
+    if run.judge is not None or data.references is None or run.rewards.model is None or \
+            run.eval_reference_scores is not None:
+        return []
+    shapes = {}
+    for idx in _eval_batches(run):
+        ids, mask = R.text_batch(run.rewards.model, run.rewards.tokenizer, [data.prompts[i] for i in idx],
+                                 [data.references[i] for i in idx])
+        shapes.setdefault(ids.shape, (ids, mask))
+    return list(shapes.values())
 
 
 def _judge_against_references(run: Run, idx: np.ndarray, tokens: np.ndarray) -> np.ndarray:
@@ -112,9 +128,11 @@ def evaluate(run: Run, state) -> dict:
 
 def compile_evaluation(run: Run, state) -> threading.Thread | None:
     """Start compiling the evaluation's programs (its sampling and, with the reward model on the device, its
-    scoring; once per prompt shape) in a background thread, with the exact arguments ``evaluate`` passes, so that
-    its calls find them compiled; sets ``run.eval_compile`` (``eval_samples`` waits for it). A failure only
-    logs: the evaluation then compiles when it first runs. None when the run does not evaluate."""
+    scoring; once per prompt shape; and the reward model's scoring of the reference completions, once per run)
+    in a background thread, with the exact arguments ``evaluate`` passes, so that its calls find them compiled;
+    sets ``run.eval_compile`` (``eval_samples`` waits for it). A failure only logs: the evaluation then compiles
+    when it first runs. None when the run does not evaluate. The thread only compiles: it runs nothing on the
+    devices (a multi-process run must launch its programs in the same order on every process)."""
     if run.eval is None or run.steps is None:
         return None
     # Shapes and shardings only: the step donates the state's buffers while this thread works.
@@ -124,6 +142,7 @@ def compile_evaluation(run: Run, state) -> threading.Thread | None:
     for idx in _eval_batches(run):
         ids, mask = _eval_prompts(run, idx)
         shapes.setdefault(ids.shape, (ids, mask))
+    references = _reference_batches(run)  # tokenized here: the tokenizer is not used from two threads
 
     def work():
         try:
@@ -134,6 +153,8 @@ def compile_evaluation(run: Run, state) -> threading.Thread | None:
                 if _scored_on_device(run):
                     run.steps.score_completions.lower(run.step_cfg, run.rewards.params, ids, mask,
                                                       sample.out_info).compile()
+            for ids, mask in references:
+                R.jit_reward_scores.lower(run.rewards.model, run.rewards.params, ids, mask).compile()
         except Exception as e:  # noqa: BLE001 - only a head start: the evaluation compiles as usual without it
             log.warning("compiling the evaluation in the background failed (%s: %s); it compiles at the first "
                         "evaluation instead", type(e).__name__, e)

@@ -92,11 +92,11 @@ def check_shared_vocab(policy: Model, rm: Model) -> None:
                          "save it), or the reward model trained for this policy")
 
 
-def score_texts(rm: Model, rm_params: Params, rm_tokenizer, prompts: Sequence, completions: Sequence[str],
-                pad_to_multiple: int = 64) -> np.ndarray:
-    """Scores of decoded completions re-tokenized with the reward model's own tokenizer (its chat template
-    for chat prompts), right-padded as TRL does. Lengths are padded to a multiple of ``pad_to_multiple``
-    so that the jitted scorer sees few shapes."""
+def text_batch(rm: Model, rm_tokenizer, prompts: Sequence, completions: Sequence[str],
+               pad_to_multiple: int = 64) -> tuple[np.ndarray, np.ndarray]:
+    """i32[N, L] ids and mask of prompt + completion texts in the reward model's own tokenizer (its chat template
+    for chat prompts), right-padded as TRL does. Lengths are padded to a multiple of ``pad_to_multiple`` so that
+    the jitted scorer sees few shapes."""
     if prompts and isinstance(prompts[0], list):  # chat: messages + the assistant's reply
         texts = [rm_tokenizer.apply_chat_template(p + [{"role": "assistant", "content": c}], tokenize=False)
                  for p, c in zip(prompts, completions)]
@@ -107,11 +107,17 @@ def score_texts(rm: Model, rm_params: Params, rm_tokenizer, prompts: Sequence, c
     L = -(-ids.shape[1] // pad_to_multiple) * pad_to_multiple
     pad = rm.pad_token_id if rm.pad_token_id is not None else rm_tokenizer.pad_token_id
     ids = np.pad(ids, ((0, 0), (0, L - ids.shape[1])), constant_values=pad)
-    mask = np.pad(mask, ((0, 0), (0, L - mask.shape[1])))
-    return np.asarray(_jit_reward_scores(rm, rm_params, ids, mask))
+    return ids, np.pad(mask, ((0, 0), (0, L - mask.shape[1])))
 
 
-_jit_reward_scores = jax.jit(reward_scores, static_argnums=0)
+def score_texts(rm: Model, rm_params: Params, rm_tokenizer, prompts: Sequence, completions: Sequence[str],
+                pad_to_multiple: int = 64) -> np.ndarray:
+    """Scores of decoded completions re-tokenized with the reward model's own tokenizer (``text_batch``)."""
+    ids, mask = text_batch(rm, rm_tokenizer, prompts, completions, pad_to_multiple)
+    return np.asarray(jit_reward_scores(rm, rm_params, ids, mask))
+
+
+jit_reward_scores = jax.jit(reward_scores, static_argnums=0)  # what score_texts calls (evaluation compiles it ahead)
 
 
 def call_reward_functions(fns: Sequence[RewardFn], prompts, completions, completion_ids, weights=None,
