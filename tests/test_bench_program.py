@@ -57,6 +57,15 @@ def test_restart_with_a_warm_cache(program):
     assert "restart" in program["phases_s"] and "restart with the compilation cache warm" in program["stdout"]
 
 
+def test_resumed_run_restores_the_previous_checkpoint(program):
+    u, p = program["resume"], program["program"]
+    assert u["resumed_from_step"] == SAVE and u["first_step"] == SAVE + 1  # the newest (STEPS) removed
+    assert _positive(u["time_to_first_step_s"]) and _positive(u["first_step_s"])
+    assert u["ratio_cold_over_resumed"] == pytest.approx(p["time_to_first_step_s"] / u["time_to_first_step_s"])
+    assert u["overhead_resumed_s"] == pytest.approx(u["time_to_first_step_s"] - p["steady_median_step_s"])
+    assert "resume" in program["phases_s"] and f"resumed from the checkpoint of step {SAVE}" in program["stdout"]
+
+
 def test_program_numbers_and_ratios(program):
     p, t, st = program["program"], program["trl"], program["step"]
     gb = 2 * B
