@@ -107,7 +107,8 @@ class TrainConfig:
     output_dir: str = _f("trainer_output", "where metrics.jsonl, tensorboard/, config.json and checkpoints/ go")
     logging_steps: int = _f(10, "log every this many optimizer steps")
     save_steps: float = _f(500, "checkpoint every this many steps (< 1: a fraction of the run); the last is saved")
-    save_total_limit: int | None = _f(None, "checkpoints kept (None: all)")
+    save_total_limit: int | None = _f(None, "checkpoints kept, the newest (None: all); from 2 on, the oldest is "
+                                            "deleted just before a save, so the disk never holds more")
     eval_steps: int | None = _f(None, "evaluate every this many steps (None: only at the end if eval data exists)")
     max_nonfinite_steps: int = _f(10, "stop the run after this many updates in a row skipped for a NaN/Inf loss or gradient")
     num_sample_generations: int = _f(10, "times a table of sample completions is printed over the run")
@@ -123,7 +124,9 @@ class TrainConfig:
     attn_implementation: str = _f("xla", "attention of the forwards and the prefill: xla (any backend) | cudnn "
                                          "(cuDNN flash attention: an NVIDIA GPU and bf16 compute)")
     # --- jodpo's own
-    remat: str = _f("auto", "auto (from gradient_checkpointing) | none | full | dots")
+    remat: str = _f("auto", "auto (from gradient_checkpointing) | none | full | dots; in every mode the backward "
+                            "recomputes the norms and the MLP's activation from their inputs rather than keep float32 "
+                            "copies")
     prompt_buckets: tuple[int, ...] = _f((), "padded prompt lengths (default: powers of two up to max_prompt_length)")
     decode_chunk: int = _f(8, "decode steps between checks that every completion has ended")
     # --- devices (docs/tpu.md)

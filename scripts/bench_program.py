@@ -11,9 +11,10 @@ and an evaluation every ``--eval-steps`` (on ``--eval-prompts`` prompts of the t
    by ``jodpo.run.build`` (same config, buckets, dtypes, remat, data order) and started by
    ``train.initial_state`` (the program's first state, laid out as the step's outputs); two untimed calls (the
    first compiles), then the median of ``--step-repeats`` timed calls.
-   Then, on that state, what the loop's stalls are measured against: two checkpoint saves as the program makes them
-   (``Checkpointer.save`` timed to its return, which is what a save blocks the loop for: the non-finite check and
-   the device-to-host copy; then to ``wait()``: the whole save), and an evaluation (``evaluation.evaluate``, and its
+   Then, on that state, what the loop's stalls are measured against: checkpoint saves as the program makes them,
+   one more than the recipe keeps, so that the last deletes the oldest first (``Checkpointer.save`` timed to its
+   return, which is what a save blocks the loop for: the non-finite check and the device-to-host copy; then to
+   ``wait()``: the whole save), and an evaluation (``evaluation.evaluate``, and its
    sampling alone, ``evaluation.eval_samples``), warm.
 2. **program**: ``python -m jodpo.train`` in a subprocess, run through ``bench.py _program`` (``runpy`` runs the
    module as ``-m`` does, then the wrapper writes the process's ``ru_maxrss`` and, on an accelerator, jax's
@@ -72,7 +73,8 @@ def add_parser(sub, defaults: dict):
     for k in ("vocab", "hidden", "layers", "heads"):
         p.add_argument(f"--{k}", type=int, default=defaults[k])
     p.add_argument("--steps", type=int, default=12, help="optimizer steps of each run")
-    p.add_argument("--save-steps", type=int, default=5, help="checkpoint every this many steps (and the last)")
+    p.add_argument("--save-steps", type=int, default=3,
+                   help="checkpoint every this many steps (and the last); the recipe keeps 2, so the third deletes one")
     p.add_argument("--eval-steps", type=int, default=4, help="evaluate every this many steps (and the last)")
     p.add_argument("--step-repeats", type=int, default=5, help="timed calls of the fused step")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16",

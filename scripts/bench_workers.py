@@ -77,7 +77,7 @@ def worker_jodpo(spec: dict, ch: Channel):
             ch.send(peak_rss_mib=_maxrss_mib(), torch_loaded="torch" in sys.modules,
                     device=str(jax.devices()[0]), device_peak_mib=_jax_device_peak_mib(jax))
         elif cmd == "save":  # bench.py program: a checkpoint save of the state, as the program's
-            ch.send(**_time_saves(jax, state, Path(spec["save_dir"])))
+            ch.send(**_time_saves(jax, state, Path(spec["save_dir"]), run.cfg.save_total_limit))
         elif cmd == "eval":  # bench.py program: an evaluation, and its sampling alone
             ch.send(**_time_eval(jax, run, state))
         elif cmd == "peak":
@@ -107,17 +107,18 @@ def _program_setup(jax, ts, train_argv: list[str]):
     return run, initial_state(run)
 
 
-def _time_saves(jax, state, directory: Path, saves: int = 2) -> dict:
-    """Checkpoint saves of ``state`` as the program makes them (``Checkpointer.save``, then ``wait``): what a save
-    blocks the loop for (the non-finite check and the device-to-host copy; Orbax writes the rest in the
-    background) and the whole save, each time (the first also creates the directories); and the CPU seconds the
-    whole save took, user and kernel (nothing else runs in this process meanwhile): what the write takes from
-    the cores a training step would use, on this filesystem."""
+def _time_saves(jax, state, directory: Path, limit: int | None) -> dict:
+    """Checkpoint saves of ``state`` as the program makes them (``Checkpointer.save``, then ``wait``; one more
+    than the run's ``save_total_limit`` keeps, so that the last one deletes the oldest): what a save blocks the
+    loop for (the non-finite check and the device-to-host copy; Orbax writes the rest in the background) and
+    the whole save, each time (the first also creates the directories); and the CPU seconds the whole save took,
+    user and kernel (nothing else runs in this process meanwhile): what the write takes from the cores a training
+    step would use, on this filesystem."""
     from jodpo.checkpoint import Checkpointer
 
-    ckpt, out = Checkpointer(directory, save_total_limit=1), []
+    ckpt, out = Checkpointer(directory, save_total_limit=limit), []
     try:
-        for step in range(1, saves + 1):
+        for step in range(1, (limit or 1) + 2):
             c, t = os.times(), time.perf_counter()
             ckpt.save(step, state, {"step": step})
             blocking = time.perf_counter() - t

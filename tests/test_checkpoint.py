@@ -1,10 +1,11 @@
-"""The checkpoint's non-finite check: every leaf, dtype, length and position, and no mask of the whole state."""
+"""The checkpoint's non-finite check: every leaf, dtype, length and position, and no mask of the whole state;
+save_total_limit's rotation: what is on disk while a checkpoint is written."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jodpo.checkpoint import all_finite
+from jodpo.checkpoint import Checkpointer, all_finite
 
 
 def _tree(dtype, n):
@@ -42,3 +43,31 @@ def test_the_check_holds_no_mask_of_the_state():
     if mem is None:
         pytest.skip("this backend reports no memory analysis")
     assert mem.temp_size_in_bytes <= 4 * (1 << 20) + 64 * 1024, mem
+
+
+def _on_disk(directory) -> list[int]:
+    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
+
+
+@pytest.mark.parametrize("limit, while_writing, kept", [
+    (2, [[], [1], [2], [3]], [3, 4]),  # the oldest goes just before the write: never more than 2 on disk
+    (3, [[], [1], [1, 2], [2, 3]], [2, 3, 4]),
+    (1, [[], [1], [2], [3]], [4]),  # the only checkpoint stays until the next one is complete
+    (None, [[], [1], [1, 2], [1, 2, 3]], [1, 2, 3, 4]),
+])
+def test_save_total_limit_keeps_the_newest_and_a_complete_one_while_writing(tmp_path, limit, while_writing, kept):
+    ckpt = Checkpointer(tmp_path, limit)
+    seen, save = [], ckpt.manager.save
+
+    def watched(step, *args, **kwargs):  # what is on disk, complete, when the write of ``step`` begins
+        ckpt.manager.wait_until_finished()  # as Orbax's save does first
+        seen.append(_on_disk(tmp_path))
+        return save(step, *args, **kwargs)
+
+    ckpt.manager.save = watched
+    for step in range(1, 5):
+        ckpt.save(step, {"w": jnp.full((3,), step, jnp.float32)}, {"step": step})
+    ckpt.close()
+    assert seen == while_writing and _on_disk(tmp_path) == ckpt.steps() == kept
+    restored = Checkpointer(tmp_path).restore_latest({"w": jax.ShapeDtypeStruct((3,), jnp.float32)})
+    assert restored[0] == 4 and np.array_equal(restored[1]["w"], np.full((3,), 4.0))
