@@ -2,8 +2,9 @@
 model on the device, reward functions on the host, or a judge against the references), and the win rate
 against the dataset's reference completions when it has them.
 
-``compile_evaluation`` compiles the evaluation's programs in a background thread when the run starts, so that
-the first evaluation costs what the later ones cost: on an accelerator the host's cores idle while the step runs.
+``compile_evaluation`` compiles the evaluation's programs in a background thread once the run's first step is
+dispatched, so that the first evaluation costs what the later ones cost: on an accelerator the host's cores idle
+while the step runs.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The evaluation's programs compile in the background when a run starts, with the arguments the evaluation
+"""The evaluation's programs compile in the background from a run's first step, with the arguments the evaluation
 passes: its first call then compiles nothing (and the background compile does not change what it computes)."""
 import logging
 
