@@ -19,7 +19,7 @@ from jodpo.config import ConfigError, TrainConfig
 from jodpo.losses import LossOptions
 from jodpo.models import load_model, load_tokenizer
 from jodpo.models import lora
-from jodpo.models.params import frozen_params
+from jodpo.models.params import frozen_params, param_shapes
 from jodpo.rewards import RewardSet, check_shared_vocab, import_reward_function
 from jodpo.sampling import SamplingConfig
 
@@ -32,8 +32,10 @@ class Run:
     tokenizer: object
     step_cfg: ts.StepConfig
     mesh: Mesh
-    policy_params: dict  # the policy's starting parameters (the reference's own arrays when the dtypes agree), or
-    # with LoRA its fresh adapters (the reference is then the base they ride on)
+    policy_params: dict | None  # the policy's starting parameters (the reference's own arrays when the dtypes agree),
+    # or with LoRA its fresh adapters (the reference is then the base they ride on); None while unread: in
+    # param_dtype apart from the reference, they are read when the run starts from them (``policy()``), never
+    # when it resumes from a checkpoint
     ref_params: dict
     rewards: RewardSet | None  # None with a judge, and for offline DPO
     judge: J.LLMJudge | J.CallableJudge | None
@@ -59,6 +61,19 @@ class Run:
         """i32[A, B, P] host ids and mask of the prompts of rows ``idx``, in the step's micro-batches."""
         return D.prompt_batch([self.train.ids[i] for i in idx], self.cfg.micro_batches, self.buckets,
                               self.step_cfg.sampling.pad_token_id)
+
+    def policy(self) -> dict:
+        """The policy's starting parameters, read in ``param_dtype`` now if ``build`` did not."""
+        if self.policy_params is None:
+            _, self.policy_params = load_model(self.cfg.model_name_or_path, "causal_lm", self.cfg.param_dtype,
+                                               revision=self.cfg.model_revision, mesh=self.mesh)
+        return self.policy_params
+
+    def policy_shapes(self):
+        """ShapeDtypeStructs of ``policy()``, without reading anything."""
+        if self.policy_params is None:
+            return param_shapes(self.step_cfg.model, self.cfg.param_dtype)
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.policy_params)
 
     def trainable_shardings(self):
         """Shardings of what the optimizer trains: the policy's parameters, or its LoRA adapters."""
@@ -113,9 +128,8 @@ def build(cfg: TrainConfig) -> Run:
             raise ConfigError(str(e)) from None
         policy_params = lora.init_adapters(model, targets, jax.random.fold_in(jax.random.PRNGKey(cfg.seed), 1),
                                            cfg.param_dtype)
-    elif cfg.param_dtype != cfg.frozen_param_dtype:  # read again, so neither copy is rounded through the other
-        _, policy_params = load_model(cfg.model_name_or_path, "causal_lm", cfg.param_dtype,
-                                      revision=cfg.model_revision, mesh=mesh)
+    elif cfg.param_dtype != cfg.frozen_param_dtype:  # read again (so neither copy is rounded through the other)
+        policy_params = None  # when the run starts from it: Run.policy()
     remat = cfg.remat if cfg.remat != "auto" else ("full" if cfg.gradient_checkpointing else "none")
     model = model.replace(dtype="bfloat16" if cfg.bf16 else "float32", remat=remat, precision=cfg.matmul_precision,
                           attention=cfg.attn_implementation)

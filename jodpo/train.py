@@ -110,7 +110,7 @@ def state_layout(run: Run):
     shardings; nothing computed or allocated), and ``run.steps`` jitted for that layout: what a checkpoint is
     restored into, and what ``initial_state`` fills."""
     init = functools.partial(ts.init_state, run.step_cfg)
-    shapes = jax.eval_shape(init, run.policy_params, jax.random.PRNGKey(run.cfg.seed))
+    shapes = jax.eval_shape(init, run.policy_shapes(), jax.random.PRNGKey(run.cfg.seed))
     sharding = S.like_params(shapes, run.trainable_shardings(), run.mesh)
     run.steps = ts.jit_steps(sharding, S.replicated(run.mesh))
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, sharding)
@@ -123,7 +123,7 @@ def initial_state(run: Run, layout=None):
     layout = state_layout(run) if layout is None else layout
     init = jax.jit(functools.partial(ts.init_state, run.step_cfg),
                    out_shardings=jax.tree.map(lambda x: x.sharding, layout))
-    state = init(run.policy_params, jax.random.PRNGKey(run.cfg.seed))
+    state = init(run.policy(), jax.random.PRNGKey(run.cfg.seed))
     run.policy_params = None
     return state
 
@@ -170,8 +170,8 @@ def train(cfg: TrainConfig, allow_config_change: bool = False) -> dict:
     start = 0
     if ckpt.steps() and not allow_config_change:  # before reading: another shape is not "unreadable"
         _check_same_config(out, cfg)
-    # A resumed run restores straight into the layout: the first state is never built, so the device holds one
-    # state, not two, while the checkpoint is read.
+    # A resumed run restores straight into the layout: the first state is never built (nor, in a param_dtype of
+    # its own, the policy read), so the device holds one state, not two, while the checkpoint is read.
     restored = ckpt.restore_latest(layout)
     if restored is None:
         state = initial_state(run, layout)

@@ -11,6 +11,7 @@ import pytest
 import jodpo
 from jodpo import config as C
 from jodpo import data as D
+from jodpo import run as run_module
 from jodpo import train
 from tests import hf_fixtures
 
@@ -70,6 +71,36 @@ def test_stopped_run_resumes_exactly(tiny_run, tmp_path, monkeypatch):
     a = [{k: v for k, v in m.items() if k != "eps"} for m in _metrics(tiny_run)]
     b = [{k: v for k, v in m.items() if k != "eps"} for m in _metrics(out)]
     assert a == b
+
+
+def test_a_resumed_run_reads_no_policy_weights_of_its_own_dtype(checkpoints, tmp_path, monkeypatch):
+    """A float32 policy beside a bfloat16 reference (frozen_param_dtype): a fresh run reads the weights once per
+    dtype; a resumed run reads only the reference's (and the reward model), its policy being in the checkpoint;
+    and it ends as the uninterrupted run does, bit for bit."""
+    out = tmp_path / "out"
+    cfg = C.TrainConfig(model_name_or_path=str(checkpoints["llama"]["causal_lm"]),
+                        reward_model_path=str(checkpoints["llama"]["reward"]),
+                        dataset_name=str(hf_fixtures.prompt_dataset(tmp_path / "data")), output_dir=str(out),
+                        max_steps=2, save_steps=1, per_device_train_batch_size=2, learning_rate=1e-3, logging_steps=1,
+                        max_new_tokens=6, max_length=120, max_prompt_length=96, bf16=False,
+                        frozen_param_dtype="bfloat16")
+    reads, load = [], run_module.load_model
+
+    def counted(path, task="causal_lm", dtype="float32", **kwargs):
+        reads.append((task, str(dtype)))
+        return load(path, task, dtype, **kwargs)
+
+    monkeypatch.setattr(run_module, "load_model", counted)
+    train.train(cfg)
+    assert sorted(reads) == [("causal_lm", "bfloat16"), ("causal_lm", "float32"), ("reward", "bfloat16")]
+    resumed = tmp_path / "resumed"
+    shutil.copytree(out, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "2")
+    reads.clear()
+    train.train(cfg.replace(output_dir=str(resumed)))
+    assert sorted(reads) == [("causal_lm", "bfloat16"), ("reward", "bfloat16")]
+    strip = lambda p: [{k: v for k, v in m.items() if k != "eps"} for m in _metrics(p)]  # noqa: E731
+    assert strip(resumed) == strip(out)
 
 
 @pytest.mark.parametrize("name", [n for n in CONFIGS if n != "tiny.py"])
