@@ -145,11 +145,12 @@ def _env() -> dict:
     return dict(os.environ, OMP_NUM_THREADS=str(os.cpu_count()), OMP_WAIT_POLICY="PASSIVE")
 
 
-def run_program(argv: list[str], tmp: Path, out_dir: Path, steps: int, save_steps: int, first_only=False) -> dict:
+def run_program(argv: list[str], tmp: Path, out_dir: Path, steps: int = 0, save_steps: int = 1,
+                first_only=False) -> dict:
     """One ``python -m jodpo.train`` run, timed from launch to exit, its steps from ``metrics.jsonl``. The saves
     are the program's schedule (every ``save_steps`` and the last step); the recipe keeps only the newest
     (``save_total_limit``), so the kept checkpoint directories must be the newest of them. ``first_only``: killed
-    (SIGKILL) as soon as the first step is logged; only the time to it is returned."""
+    (SIGKILL) as soon as the first step is logged; only the time to it, and its number, are returned."""
     stats, log = tmp / "program_stats.json", tmp / "program.log"
     metrics, lines = out_dir / "metrics.jsonl", []
     seen = len(metrics.read_text()) if metrics.exists() else 0  # a resumed run's log: only its new lines count
@@ -196,7 +197,7 @@ def resume_program(argv: list[str], tmp: Path, out_dir: Path, kept: list[int]) -
         return None
     shutil.rmtree(out_dir / "checkpoints" / str(kept[-1]))
     truncate_metrics(out_dir / "metrics.jsonl", kept[-2])
-    return run_program(argv, tmp, out_dir, 0, 1, first_only=True) | {"resumed_from_step": kept[-2]}
+    return run_program(argv, tmp, out_dir, first_only=True) | {"resumed_from_step": kept[-2]}
 
 
 def run_trl(fx: Path, a, tmp: Path) -> dict:
