@@ -186,11 +186,11 @@ def _check(c: TrainConfig) -> None:
     sizes = (c.mesh_data, c.mesh_fsdp, c.mesh_tensor)
     if sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):
         raise ConfigError(f"mesh_data, mesh_fsdp, mesh_tensor must be >= 1, with at most one -1; got {sizes}")
-    from jodpo.models.core import PRECISIONS
+    from jodpo.models.model import PRECISIONS
 
     if c.matmul_precision not in PRECISIONS:
         raise ConfigError(f"matmul_precision must be one of {PRECISIONS}, got {c.matmul_precision!r}")
-    from jodpo.models.core import ATTENTIONS
+    from jodpo.models.model import ATTENTIONS
 
     if c.attn_implementation not in ATTENTIONS:
         raise ConfigError(f"attn_implementation must be one of {ATTENTIONS}, got {c.attn_implementation!r}")

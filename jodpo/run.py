@@ -70,10 +70,11 @@ class Run:
         return self.policy_params
 
     def policy_shapes(self):
-        """ShapeDtypeStructs of ``policy()``, without reading anything."""
+        """What ``jax.eval_shape`` needs of ``policy()``, without reading anything: its arrays once read, else
+        their ShapeDtypeStructs."""
         if self.policy_params is None:
             return param_shapes(self.step_cfg.model, self.cfg.param_dtype)
-        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.policy_params)
+        return self.policy_params
 
     def trainable_shardings(self):
         """Shardings of what the optimizer trains: the policy's parameters, or its LoRA adapters."""

@@ -1,8 +1,8 @@
 """The decoder every family shares, as pure functions of ``(model, params, ...)``.
 
-``Model`` is the static architecture (frozen, hashable: a valid ``static_argnums`` of ``jax.jit``);
-``params`` is a plain nested dict of arrays whose per-layer leaves are stacked on a leading ``layers``
-axis, so the layers run as one ``lax.scan`` (one compiled layer body, whatever the depth).
+``Model`` (``jodpo.models.model``) is the static architecture; ``params`` is a plain nested dict of arrays whose
+per-layer leaves are stacked on a leading ``layers`` axis, so the layers run as one ``lax.scan`` (one compiled
+layer body, whatever the depth).
 
 The families differ only in switches on ``Model``:
   GPT-NeoX  LayerNorm with bias, parallel residual, partial rotary, GELU MLP with biases;
@@ -17,88 +17,13 @@ Positions always come from the masks (count of real tokens before), so left padd
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-Params = dict[str, Any]
-Cache = dict[str, jax.Array]
-
-
-@dataclasses.dataclass(frozen=True)
-class Model:
-    """Static architecture of a decoder (and its head). Hashable; holds no arrays."""
-
-    family: str  # "gpt_neox" | "llama" | "qwen2" (Mistral and SmolLM load as "llama")
-    task: str  # "causal_lm" (LM head) | "reward" (score head, num_labels=1)
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    mlp_dim: int
-    norm: str  # "layernorm" | "rmsnorm"
-    norm_eps: float
-    activation: str  # transformers' hidden_act name
-    gated_mlp: bool  # SwiGLU-style gate * up
-    mlp_bias: bool
-    qkv_bias: bool
-    out_bias: bool
-    parallel_residual: bool
-    rotary_dim: int  # leading head dims that are rotated (partial rotary for Pythia)
-    inv_freq: tuple[float, ...]  # RoPE inverse frequencies, scaling (linear, llama3) already applied
-    tie_embeddings: bool
-    sliding_windows: tuple[int, ...] = ()  # per layer, 0 = full attention; () = all full
-    pad_token_id: int | None = None
-    eos_token_ids: tuple[int, ...] = ()
-    dtype: str = "float32"  # compute dtype; log-softmax and attention softmax stay in float32
-    remat: str = "none"  # "none" | "full" | "dots": rematerialisation of the layer body
-    # How float32 dots are computed (jax.lax.Precision names): "highest" is true float32 on every backend,
-    # "high"/"default" let GPUs use TF32 and TPUs fewer bf16 passes. bfloat16 compute ignores it (see einsum).
-    precision: str = "highest"
-    # Attention of the cache-free forwards (training, scoring, reference) and the prefill: "xla" (jodpo's einsum
-    # attention, any backend) or "cudnn" (cuDNN flash attention through jax.nn.dot_product_attention: NVIDIA GPUs,
-    # bf16/fp16 compute). The decode steps' attention over the cache is always jodpo's own (bandwidth-bound).
-    attention: str = "xla"
-    # LoRA (jodpo.models.lora): adapters in params["layers"]["lora"], when there, add lora_alpha / lora_rank * a.b to
-    # their weights (PEFT's scaling); params without them (the reference: the adapters off) run the base model.
-    lora_rank: int = 0
-    lora_alpha: float = 0.0
-    # The source config.json (for export); not part of the identity of the compiled function.
-    hf_config: str = dataclasses.field(default="{}", compare=False, repr=False)
-
-    def __post_init__(self):
-        try:
-            jax.lax.Precision(self.precision)
-        except ValueError:
-            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}") from None
-        if self.attention not in ATTENTIONS:
-            raise ValueError(f"attention must be one of {ATTENTIONS}, got {self.attention!r}")
-
-    def replace(self, **changes) -> "Model":
-        return dataclasses.replace(self, **changes)
-
-
-# jax's names for the precision of float32 dots; "highest" = "float32", "high" = "tensorfloat32" (TF32 on GPUs,
-# 3 bf16 passes on TPUs), "default" = "bfloat16" = "fastest" (TF32 on GPUs, 1 bf16 pass on TPUs).
-PRECISIONS = ("highest", "high", "default", "float32", "tensorfloat32", "bfloat16", "fastest")
-ATTENTIONS = ("xla", "cudnn")
-
-
-def einsum(model: Model, spec: str, *operands: jax.Array, **kwargs) -> jax.Array:
-    """``jnp.einsum`` under the model's precision policy: every dot of the models (so of the sampler, the
-    scorers and the losses) goes through here. float32 operands get ``model.precision`` (``"highest"``: the
-    same float32 products on a CPU, a GPU that would otherwise use TF32, and a TPU that would use one bf16
-    pass); bfloat16 operands are exact in any mode and keep the backend's fast path."""
-    f32 = any(jnp.dtype(op.dtype) == jnp.float32 for op in operands)
-    precision = jax.lax.Precision(model.precision) if f32 else None
-    return jnp.einsum(spec, *operands, precision=precision, **kwargs)
-
+from jodpo.models.model import ATTENTIONS, PRECISIONS, Cache, Model, Params, einsum  # noqa: F401 - re-exported
 
 # --------------------------------------------------------------------------------------------------
 # Building blocks
