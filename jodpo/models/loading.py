@@ -39,11 +39,11 @@ def resolve_path(path_or_hub_id: str, revision: str | None = None, with_bin: boo
     """A local directory as is; otherwise a hub snapshot through huggingface_hub (cache, HF_HUB_OFFLINE
     and ``revision`` honoured), fetching only config, weights and tokenizer files."""
     path = Path(os.path.expanduser(str(path_or_hub_id)))
-    if path.is_dir():
+    if path.is_dir() or (path.is_file() and path.suffix == ".gguf"):
         return path
     if path.exists() or str(path_or_hub_id).startswith((".", "/", "~")) or str(path_or_hub_id).count("/") > 1:
-        raise CheckpointError(f"{path_or_hub_id}: not a model directory (no such directory). "
-                              "Pass a directory holding config.json and weights, or a hub id like 'org/name'.")
+        raise CheckpointError(f"{path_or_hub_id}: not a model directory (no such directory). Pass a directory "
+                              "holding config.json and weights, a .gguf file, or a hub id like 'org/name'.")
     import huggingface_hub
     from huggingface_hub import errors as hf_errors
 
@@ -187,10 +187,11 @@ def model_from_dir(path: Path, task: str, dtype) -> Model:
         raise CheckpointError(f"{path}: {e}") from e
 
 
-def load_params(model: Model, path: Path, dtype=jnp.float32, place=None) -> Params:
+def load_params(model: Model, path: Path, dtype=jnp.float32, place=None, tensors=None) -> Params:
     """Stream the checkpoint's tensors into layer-stacked host arrays; each leaf goes to the device (and
     its host copy is freed) as soon as all its layers are in, so the peak stays near twice the model.
-    ``place(leaf_path, host_array)`` puts a leaf on the devices (default: ``jnp.asarray``)."""
+    ``place(leaf_path, host_array)`` puts a leaf on the devices (default: ``jnp.asarray``); ``tensors`` yields
+    ``(transformers name, array)`` pairs (default: the directory's safetensors or .bin files)."""
     np_dtype = np.dtype(jnp.dtype(dtype))
     leaves: dict[tuple[str, ...], np.ndarray] = {}  # host buffers still being filled
     need: dict[tuple[str, ...], int] = {}  # tensors still missing per leaf
@@ -206,7 +207,7 @@ def load_params(model: Model, path: Path, dtype=jnp.float32, place=None) -> Para
     done: dict[tuple[str, ...], jax.Array] = {}
     pending: dict[tuple[int, int | None], dict[int, np.ndarray]] = {}
     seen: set[str] = set()
-    for name, tensor in iter_tensors(path):
+    for name, tensor in iter_tensors(path) if tensors is None else tensors:
         name = _strip_prefix(name, model)
         if name not in slots:
             if name.endswith(families.IGNORED_SUFFIXES) or (name == "lm_head.weight" and model.task == "causal_lm"):
@@ -250,8 +251,9 @@ def load_model(path_or_hub_id: str, task: str = "causal_lm", dtype=jnp.float32, 
     """Load a transformers checkpoint as ``(model, params)``.
 
     Args:
-      path_or_hub_id: a local directory, or a hub id (fetched through huggingface_hub; HF_HUB_OFFLINE
-        and the local cache are honoured).
+      path_or_hub_id: a local directory, a ``.gguf`` file (llama.cpp's format, Llama and Qwen2 families,
+        dequantized to ``dtype``; also a directory holding one and no config.json), or a hub id (fetched through
+        huggingface_hub; HF_HUB_OFFLINE and the local cache are honoured).
       task: ``"causal_lm"`` for a policy (``*ForCausalLM``) or ``"reward"`` for a
         ``*ForSequenceClassification`` reward model with ``num_labels=1``.
       dtype: parameter and compute dtype (float32 or bfloat16).
@@ -263,16 +265,39 @@ def load_model(path_or_hub_id: str, task: str = "causal_lm", dtype=jnp.float32, 
         every backend, as torch computes; ``"high"`` or ``"default"`` let a GPU use TF32 (faster, ~1e-3
         relative) and a TPU fewer bf16 passes. ``model.replace(precision=...)`` changes it later.
     """
+    from jodpo.models import gguf
+
     path = resolve_path(path_or_hub_id, revision)
-    if not any(path.glob("*.safetensors")):  # a hub repo with only .bin weights: fetch those too
-        path = resolve_path(path_or_hub_id, revision, with_bin=True)
-    model = model_from_dir(path, task, dtype).replace(precision=precision)
+    gguf_file, tensors = gguf.find(path), None
+    if gguf_file is not None:
+        model, tensors = _gguf_model(gguf_file, task, dtype)
+    else:
+        if not any(path.glob("*.safetensors")):  # a hub repo with only .bin weights: fetch those too
+            path = resolve_path(path_or_hub_id, revision, with_bin=True)
+        model = model_from_dir(path, task, dtype)
+    model = model.replace(precision=precision)
     place = None
     if mesh is not None:
         from jodpo.sharding import placer
 
         place = placer(model, mesh, jnp.dtype(dtype))
-    return model, load_params(model, path, dtype, place)
+    return model, load_params(model, gguf_file or path, dtype, place, tensors)
+
+
+def _gguf_model(file: Path, task: str, dtype):
+    """The ``Model`` of a GGUF file and the iterator of its dequantized tensors."""
+    from jodpo.models import gguf
+
+    if task != "causal_lm":
+        raise CheckpointError(f"{file}: a GGUF file holds a causal LM; a reward model must be a "
+                              "*ForSequenceClassification transformers checkpoint with num_labels=1.")
+    g = gguf.GGUF(file)
+    cfg = g.hf_config()
+    try:
+        model = families.model_from_hf_config(cfg, task, dtype=jnp.dtype(dtype).name, eos_token_ids=g.eos_token_ids())
+    except families.UnsupportedModelError as e:
+        raise CheckpointError(f"{file}: {e}") from e
+    return model, g.tensors(cfg.num_attention_heads, cfg.num_key_value_heads)
 
 
 def load_tokenizer(path_or_hub_id: str, revision: str | None = None):
@@ -282,9 +307,12 @@ def load_tokenizer(path_or_hub_id: str, revision: str | None = None):
     """
     from transformers import AutoTokenizer
 
+    from jodpo.models import gguf
+
     path = resolve_path(path_or_hub_id, revision)
+    gguf_file = gguf.find(path)
     try:
-        tok = AutoTokenizer.from_pretrained(path)
+        tok = gguf.tokenizer(gguf_file) if gguf_file else AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path}: no usable tokenizer ({e}). Save one with tokenizer.save_pretrained(...).") from e
     tok.padding_side = "left"
