@@ -7,6 +7,9 @@ import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Real weights and text from the package index (jodpo/assets.py) stay in the user's cache between sessions
+os.environ.setdefault("JODPO_ASSETS", os.path.join(os.environ.get("JODPO_CACHE", os.path.expanduser("~/.cache/jodpo")),
+                                                   "assets"))
 # The tiny world and the compilation cache, fresh per session (per pytest-xdist worker), removed at its end
 os.environ["JODPO_CACHE"] = tempfile.mkdtemp(prefix="jodpo-cache-")
 atexit.register(shutil.rmtree, os.environ["JODPO_CACHE"], ignore_errors=True)
