@@ -80,12 +80,16 @@ def figure(runs: Sequence[str | Path], labels: Sequence[str] | None = None, metr
     rows = math.ceil(len(present) / cols)
     fig = Figure(figsize=(4.2 * cols, 3.0 * rows), layout="constrained")  # no pyplot: no GUI, no global state
     axes = fig.subplots(rows, cols, squeeze=False).reshape(-1)
+    every = [m["step"] for lines in data.values() for m in lines]
+    pad = 0.03 * max(1, max(every) - min(every))
+    span = (min(every) - pad, max(every) + pad)  # every panel spans all the steps (evaluations come sparse)
     for ax, metric in zip(axes, present):
         for i, (name, lines) in enumerate(data.items()):
             steps, values = series(lines, metric)
             if steps:  # a run keeps its colour in every panel; a sparse series (evaluations) gets markers
                 ax.plot(steps, values, label=name, color=f"C{i % 10}", marker="o" if len(steps) <= 12 else None,
                         markersize=3)
+        ax.set_xlim(*span)
         ax.set_title(CURVES.get(metric, metric), fontsize=10)
         ax.set_xlabel("step", fontsize=9)
         ax.tick_params(labelsize=8)

@@ -13,12 +13,12 @@ from tests import subproc
 @pytest.fixture
 def two_runs(tiny_run, tmp_path):
     """tiny_run, and a second run that stopped half-way through writing a line at step 100 (its scores halved, as
-    a distinguishable second curve)."""
+    a distinguishable second curve, and a judge's eval/win_rate at its evaluations, which tiny_run has not)."""
     lines = [json.loads(line) for line in (tiny_run / "metrics.jsonl").read_text().splitlines()]
     other = tmp_path / "half"
     other.mkdir()
-    rows = [m | {"objective/scores": m["objective/scores"] / 2} if "objective/scores" in m else m
-            for m in lines if m["step"] <= 100]
+    rows = [m | {"objective/scores": m["objective/scores"] / 2} if "objective/scores" in m else
+            m | {"eval/win_rate": 0.625} for m in lines if m["step"] <= 100]
     (other / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in rows) + '{"step": 110, "lo')
     return tiny_run, other, lines, rows
 
@@ -27,14 +27,17 @@ def test_figure_draws_each_metric_of_each_run(two_runs):
     full, half, lines, rows = two_runs
     fig = plot.figure([full, half], labels=["beta 0.1", "half"])
     panels = {ax.get_title(): ax for ax in fig.axes if ax.get_visible()}
-    # the tiny run logs no eval/win_rate (its eval data has no references): that panel is left out
-    assert sorted(panels) == sorted(t for m, t in plot.CURVES.items() if m != "eval/win_rate")
+    assert sorted(panels) == sorted(plot.CURVES.values())
     for metric, title in plot.CURVES.items():
-        if metric == "eval/win_rate":
-            continue
         drawn = {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in panels[title].lines}
-        assert drawn == {"beta 0.1": plot.series(lines, metric), "half": plot.series(rows, metric)}, metric
+        expected = {"beta 0.1": plot.series(lines, metric), "half": plot.series(rows, metric)}
+        assert drawn == {k: v for k, v in expected.items() if v[0]}, metric
+    assert plot.series(rows, "eval/win_rate") == ([100], [0.625])
     assert [t.get_text() for t in fig.legends[0].get_texts()] == ["beta 0.1", "half"]
+    # the tiny run alone logs no eval/win_rate (its eval data has no references): that panel is left out
+    alone = plot.figure([full])
+    assert "eval/win_rate" not in " ".join(ax.get_title() for ax in alone.axes if ax.get_visible())
+    assert sum(ax.get_visible() for ax in alone.axes) == len(plot.CURVES) - 1 and not alone.legends
 
 
 def test_plot_command_writes_a_png_of_several_runs(two_runs, tmp_path):
