@@ -82,6 +82,7 @@ def test_a_resumed_run_reads_no_policy_weights_of_its_own_dtype(checkpoints, tmp
     hold metrics.jsonl under TRL's W&B names, the completion tables and the config, and the resumed run continues
     the same W&B run."""
     monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_PROJECT", "jodpo-tests")
     for name in ("WANDB_DIR", "WANDB_RUN_ID"):
         monkeypatch.delenv(name, raising=False)
     out = tmp_path / "out"
@@ -108,6 +109,7 @@ def test_a_resumed_run_reads_no_policy_weights_of_its_own_dtype(checkpoints, tmp
     assert (step_1, step_2) == (1, 2) and set(first["tables"]["completions"][0][0]) == {"step", "prompt",
                                                                                           "completion", "score"}
     assert first["config"] == json.loads((out / "config.json").read_text())
+    assert (first["name"], first["project"]) == ("resumable", "jodpo-tests")
     resumed = tmp_path / "resumed"
     shutil.copytree(out, resumed)
     shutil.rmtree(resumed / "checkpoints" / "2")

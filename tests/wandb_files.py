@@ -41,9 +41,9 @@ def records(path: Path) -> list:
 
 
 def offline_run(wandb_dir: Path) -> dict:
-    """The one offline run under ``wandb_dir``: {"id", "config", "history", "tables"}: history is the list of logged
-    scalar dicts (values decoded from JSON; W&B's own ``_step``, ``_runtime``, ``_timestamp`` dropped), tables maps
-    each logged table's key to the list of its logged versions, each a list of rows as dicts."""
+    """The one offline run under ``wandb_dir``: {"id", "name", "project", "config", "history", "tables"}: history
+    is the list of logged scalar dicts (values decoded from JSON; W&B's own ``_step``, ``_runtime``, ``_timestamp``
+    dropped), tables maps each logged table's key to the list of its logged versions, each a list of rows as dicts."""
     [path] = sorted(Path(wandb_dir).glob("wandb/offline-run-*/run-*.wandb"))
     run, history, tables = None, [], {}
     for r in records(path):
@@ -60,4 +60,5 @@ def offline_run(wandb_dir: Path) -> dict:
             if set(row) - {"train/global_step"}:  # a row that held only tables is in tables
                 history.append(row)
     config = {u.key: json.loads(u.value_json) for u in run.config.update if u.key != "_wandb"}
-    return {"id": run.run_id, "config": config, "history": history, "tables": tables}
+    return {"id": run.run_id, "name": run.display_name, "project": run.project, "config": config,
+            "history": history, "tables": tables}
