@@ -106,6 +106,9 @@ class TrainConfig:
     seed: int = _f(42, "seed of the data order, the sampling and any random initialisation")
     output_dir: str = _f("trainer_output", "where metrics.jsonl, tensorboard/, config.json and checkpoints/ go")
     logging_steps: int = _f(10, "log every this many optimizer steps")
+    report_to: str | tuple[str, ...] = _f("tensorboard", "trackers besides metrics.jsonl: tensorboard | wandb | a list "
+                                                       "of them | all | none (docs/tracking.md)")
+    run_name: str | None = _f(None, "the run's name in W&B (None: W&B picks one)")
     save_steps: float = _f(500, "checkpoint every this many steps (< 1: a fraction of the run); the last is saved")
     save_total_limit: int | None = _f(None, "checkpoints kept, the newest (None: all); from 2 on, the oldest is "
                                             "deleted just before a save, so the disk never holds more")
@@ -222,6 +225,9 @@ def _check(c: TrainConfig) -> None:
             raise ConfigError(f"judge_answer_tokens must be two different strings, got {c.judge_answer_tokens!r}")
     if c.sampler_devices < 0:
         raise ConfigError(f"sampler_devices must be >= 0 (0: sample on the training devices), got {c.sampler_devices}")
+    from jodpo.tracking import trackers
+
+    trackers(c.report_to)  # unknown names, and a tracker not installed, fail before the run starts
     if c.remat not in ("auto", "none", "full", "dots"):
         raise ConfigError(f"remat must be auto, none, full or dots, got {c.remat!r}")
     if not c.save_steps > 0:
@@ -333,7 +339,9 @@ def parse_override(arg: str) -> tuple[str, object]:
         value = ast.literal_eval(text)
     except (ValueError, SyntaxError):
         value = text
-    if name in FIELDS and str in _types_of(name) and value is not None and not isinstance(value, str):
+    kinds = _types_of(name) if name in FIELDS else ()
+    listed = isinstance(value, (list, tuple)) and any(typing.get_origin(t) is tuple for t in kinds)
+    if str in kinds and value is not None and not isinstance(value, str) and not listed:
         value = text  # a string field given something that parses as a number: keep the text
     return name, coerce(name, value)
 

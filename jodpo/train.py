@@ -135,7 +135,8 @@ def _check_same_config(out: Path, cfg: TrainConfig) -> None:
     new = json.loads(json.dumps(cfg.to_dict()))
     # a field added to jodpo after the run started reads as its default (which is what the run used)
     old = json.loads(json.dumps(TrainConfig().to_dict())) | json.loads(saved.read_text())
-    moved = ("output_dir", "compilation_cache_dir")  # where things are kept is not what the run computes
+    # where things are kept, and where they are reported, is not what the run computes
+    moved = ("output_dir", "compilation_cache_dir", "report_to", "run_name")
     changed = sorted(k for k in new if old.get(k) != new[k] and k not in moved)
     if changed:
         detail = ", ".join(f"{k}: {old.get(k)!r} -> {new[k]!r}" for k in changed[:6])
@@ -186,7 +187,8 @@ def train(cfg: TrainConfig, allow_config_change: bool = False) -> dict:
     if jax.process_index() == 0:
         (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
         _write_source_model(run, out / "source_model")
-    logger = RunLogger(out, run.total_steps, start, enabled=jax.process_index() == 0)
+    logger = RunLogger(out, run.total_steps, start, enabled=jax.process_index() == 0, report_to=cfg.report_to,
+                       run_name=cfg.run_name, config=cfg.to_dict())
     if start:
         logger.message(f"resumed from {ckpt.directory}/{start}")
     if cfg.async_mode and run.sampler is None:

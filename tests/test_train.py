@@ -7,13 +7,15 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+import wandb
 
 import jodpo
 from jodpo import config as C
 from jodpo import data as D
 from jodpo import run as run_module
 from jodpo import train
-from tests import hf_fixtures
+from jodpo.tracking import wandb_name
+from tests import hf_fixtures, wandb_files
 
 CONFIGS = sorted(p.name for p in C.CONFIGS_DIR.glob("*.py"))
 TRL_NAMES = ["loss", "grad_norm", "lr", "episode", "step", "epoch", "eps", "objective/kl", "objective/entropy",
@@ -76,14 +78,20 @@ def test_stopped_run_resumes_exactly(tiny_run, tmp_path, monkeypatch):
 def test_a_resumed_run_reads_no_policy_weights_of_its_own_dtype(checkpoints, tmp_path, monkeypatch):
     """A float32 policy beside a bfloat16 reference (frozen_param_dtype): a fresh run reads the weights once per
     dtype; a resumed run reads only the reference's (and the reward model), its policy being in the checkpoint;
-    and it ends as the uninterrupted run does, bit for bit."""
+    and it ends as the uninterrupted run does, bit for bit. Both report to W&B too (offline): the run's W&B files
+    hold metrics.jsonl under TRL's W&B names, the completion tables and the config, and the resumed run continues
+    the same W&B run."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_PROJECT", "jodpo-tests")
+    for name in ("WANDB_DIR", "WANDB_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
     out = tmp_path / "out"
     cfg = C.TrainConfig(model_name_or_path=str(checkpoints["llama"]["causal_lm"]),
                         reward_model_path=str(checkpoints["llama"]["reward"]),
                         dataset_name=str(hf_fixtures.prompt_dataset(tmp_path / "data")), output_dir=str(out),
                         max_steps=2, save_steps=1, per_device_train_batch_size=2, learning_rate=1e-3, logging_steps=1,
                         max_new_tokens=6, max_length=120, max_prompt_length=96, bf16=False,
-                        frozen_param_dtype="bfloat16")
+                        frozen_param_dtype="bfloat16", report_to=("tensorboard", "wandb"), run_name="resumable")
     reads, load = [], run_module.load_model
 
     def counted(path, task="causal_lm", dtype="float32", **kwargs):
@@ -93,14 +101,27 @@ def test_a_resumed_run_reads_no_policy_weights_of_its_own_dtype(checkpoints, tmp
     monkeypatch.setattr(run_module, "load_model", counted)
     train.train(cfg)
     assert sorted(reads) == [("causal_lm", "bfloat16"), ("causal_lm", "float32"), ("reward", "bfloat16")]
+    wandb.teardown()  # W&B's service finishes writing the run's file after run.finish() returns; this waits for it
+    first = wandb_files.offline_run(out)
+    assert first["history"] == [{wandb_name(k): v for k, v in m.items()} for m in _metrics(out)]
+    assert {"train/loss", "train/objective/scores", "train/global_step"} <= set(first["history"][0])
+    [(_, step_1), (_, step_2)] = [(len(t), t[0]["step"]) for t in first["tables"]["completions"]]
+    assert (step_1, step_2) == (1, 2) and set(first["tables"]["completions"][0][0]) == {"step", "prompt",
+                                                                                          "completion", "score"}
+    assert first["config"] == json.loads((out / "config.json").read_text())
+    assert (first["name"], first["project"]) == ("resumable", "jodpo-tests")
     resumed = tmp_path / "resumed"
     shutil.copytree(out, resumed)
     shutil.rmtree(resumed / "checkpoints" / "2")
+    shutil.rmtree(resumed / "wandb")  # the W&B files already synced (or kept elsewhere); the run's id stays
     reads.clear()
     train.train(cfg.replace(output_dir=str(resumed)))
     assert sorted(reads) == [("causal_lm", "bfloat16"), ("reward", "bfloat16")]
     strip = lambda p: [{k: v for k, v in m.items() if k != "eps"} for m in _metrics(p)]  # noqa: E731
     assert strip(resumed) == strip(out)
+    wandb.teardown()
+    second = wandb_files.offline_run(resumed)
+    assert second["id"] == first["id"] and [h["train/global_step"] for h in second["history"]] == [2]
 
 
 @pytest.mark.parametrize("name", [n for n in CONFIGS if n != "tiny.py"])
