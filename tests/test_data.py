@@ -28,3 +28,9 @@ def test_dataset_mixer_takes_counts_and_fractions_in_order(tmp_path):
         C.TrainConfig(dataset_mixer={a: 1.0}, dataset_name=b)
     with pytest.raises(C.ConfigError, match="non-negative"):
         C.coerce("dataset_mixer", {a: -1})
+
+
+def test_chat_prompts_display_as_the_conversation():
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Héllo <|im_end|> 🙂"}]
+    assert D.display_text(chat) == "system: Be brief.\nuser: Héllo <|im_end|> 🙂"
+    assert D.display_text("plain text") == "plain text"
