@@ -19,6 +19,7 @@ import numpy as np
 from jodpo import backend
 from jodpo import data as D
 from jodpo import judges as J
+from jodpo import rundir
 from jodpo import sharding as S
 from jodpo import train_step as ts
 from jodpo.checkpoint import Checkpointer, SaveError
@@ -162,8 +163,18 @@ def train(cfg: TrainConfig, allow_config_change: bool = False) -> dict:
     refused unless ``allow_config_change``. SIGTERM or SIGINT saves the current step and raises ``Stopped``;
     ``max_nonfinite_steps`` skipped updates in a row raise ``Diverged``; a checkpoint that cannot be written
     (disk full, non-finite state) raises ``SaveError``. None of them touches the checkpoints already saved."""
-    out = Path(cfg.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = rundir.prepare(cfg.output_dir)
+    lock = rundir.lock_for_job(out)  # held until train returns or raises, whatever ends it
+    try:
+        if jax.process_index() == 0:
+            print(f"jodpo.train: writing to {out}", flush=True)
+        return _train(cfg, out, allow_config_change)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train(cfg: TrainConfig, out: Path, allow_config_change: bool) -> dict:
     run = build(cfg)
     layout = state_layout(run)
     ckpt = Checkpointer(out / "checkpoints", cfg.save_total_limit)

@@ -123,7 +123,9 @@ def test_troubleshooting_lists_every_message():
         assert case in DOC and phrase in DOC, f"docs/troubleshooting.md does not list: {case}: {phrase}"
     for phrase in ("no space left on device while saving", "stopped by SIGTERM at step", "updates in a row had a "
                    "non-finite", "has non-finite values (NaN or Inf); it was not saved", "tokenizer has no pad token",
-                   "max_new_tokens", "is not empty"):
+                   "max_new_tokens", "is not empty", "is in use by another run (pid", "is an existing file, not a "
+                   "directory", "cannot be created (", "is not writable (", "output_dir is empty: the run would write",
+                   "jodpo.train: writing to", "fix the file"):
         assert phrase in DOC, phrase
 
 

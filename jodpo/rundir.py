@@ -1,0 +1,144 @@
+"""The run directory (``output_dir``): checked and created before anything is read, and locked for the run's life.
+
+Two runs writing one ``output_dir`` at once tear each other's checkpoints and interleave ``metrics.jsonl``, so a
+run holds ``output_dir/jodpo.lock`` (created exclusively; it names the holder's host and pid) from its start to its
+exit, whatever the exit. A run killed without a chance to release it (SIGKILL, a lost VM) leaves the file behind:
+on the same host a lock whose pid is no longer alive is stale and taken over; a lock held from another host is
+refused with what it says, since no process of that host can be asked. In a multi-process run process 0 takes the
+lock for the job and tells the others whether it did.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+from jodpo.config import ConfigError
+
+LOCK_NAME = "jodpo.lock"
+
+
+class RunDirError(ConfigError):
+    """``output_dir`` cannot be used: not creatable, a file, or in use by another run."""
+
+
+def prepare(output_dir: str) -> Path:
+    """``output_dir`` as an absolute path (``~`` expanded), created if missing, refused in one line if it is empty,
+    an existing file, or cannot be created or written."""
+    if not output_dir.strip():
+        raise RunDirError("output_dir is empty: the run would write into the current directory; give a directory "
+                          "(--config.output_dir=runs/NAME)")
+    out = Path(output_dir).expanduser().absolute()
+    if out.exists() and not out.is_dir():
+        raise RunDirError(f"output_dir {str(out)!r} is an existing file, not a directory; choose another path")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise RunDirError(f"output_dir {str(out)!r} cannot be created ({e.strerror or e}); choose a directory on a "
+                          "writable filesystem") from None
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, as another user's process
+        return True
+    return True
+
+
+class RunLock:
+    """``output_dir/jodpo.lock``: ``acquire()`` or a ``RunDirError`` naming the directory and the holder."""
+
+    def __init__(self, output_dir: Path):
+        self.directory = Path(output_dir)
+        self.path = self.directory / LOCK_NAME
+        self.held = False
+
+    def acquire(self) -> "RunLock":
+        me = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+        for _ in range(3):  # a stale lock is taken over once; a race for it is lost to whoever won
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                holder = self._holder()
+                if holder is None or self._stale(holder):
+                    self._set_aside()
+                    continue
+                raise RunDirError(f"output_dir {str(self.directory)!r} is in use by another run (pid {holder['pid']} "
+                                  f"on {holder['host']}, since {holder.get('since', '?')}); wait for it to end or use "
+                                  f"another output_dir (if that process is gone, delete {self.path})") from None
+            except OSError as e:
+                raise RunDirError(f"output_dir {str(self.directory)!r} is not writable ({e.strerror or e}); choose a "
+                                  "directory on a writable filesystem") from None
+            with os.fdopen(fd, "w") as f:
+                json.dump(me, f)
+            self.held = True
+            return self
+        raise RunDirError(f"output_dir {str(self.directory)!r}: could not take {self.path} (other runs are starting "
+                          "there); start one run per output_dir")
+
+    def _holder(self) -> dict | None:
+        """What the lock file says, or None when it cannot say it (written half by a process killed meanwhile)."""
+        try:
+            holder = json.loads(self.path.read_text())
+            return holder if isinstance(holder, dict) and isinstance(holder.get("pid"), int) else None
+        except FileNotFoundError:
+            return {"host": "", "pid": -1}  # released meanwhile: stale, so try again
+        except (OSError, ValueError):
+            return None
+
+    @staticmethod
+    def _stale(holder: dict) -> bool:
+        return holder["pid"] < 0 or holder.get("host") == socket.gethostname() and not _alive(holder["pid"])
+
+    def _set_aside(self) -> None:
+        """Remove a stale lock. Renamed first: of several runs finding it stale, one rename succeeds, and the
+        others then find the lock the winner took."""
+        aside = self.path.with_name(f"{LOCK_NAME}.stale.{os.getpid()}")
+        try:
+            os.rename(self.path, aside)
+            aside.unlink()
+        except FileNotFoundError:
+            pass
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            try:
+                self.path.unlink()
+            except FileNotFoundError:
+                pass
+
+    def __enter__(self) -> "RunLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def lock_for_job(out: Path) -> RunLock | None:
+    """The run's lock, taken by process 0 of the job (the others get None). Every process raises if process 0 could
+    not take it, so that no process goes on alone."""
+    import jax
+
+    lock, error = None, None
+    if jax.process_index() == 0:
+        try:
+            lock = RunLock(out).acquire()
+        except RunDirError as e:
+            error = e
+    if jax.process_count() > 1:
+        import numpy as np
+        from jax.experimental import multihost_utils
+
+        ok = int(multihost_utils.broadcast_one_to_all(np.int32(error is None)))
+        if not ok and error is None:
+            error = RunDirError(f"output_dir {str(out)!r}: process 0 could not lock it (its message says why)")
+    if error is not None:
+        raise error
+    return lock
