@@ -125,11 +125,24 @@ def prepare_prompts(ds, tokenizer, max_prompt_length: int) -> PromptData:
     if len(ds) == 0:
         raise DataError("the dataset is empty")
     prompts = list(ds["prompt"])
+    empty = sum(_is_empty(p) for p in prompts)
+    if empty:
+        import warnings
+
+        warnings.warn(f"{empty} of {len(prompts)} prompts are empty; they train on completions of nothing (the "
+                      "model's text from its start); drop those rows if that is not meant", stacklevel=2)
     ids = _truncate_left(_tokenize(tokenizer, [_render_prompt(tokenizer, p) for p in prompts]), max_prompt_length,
                          "prompts")
     columns = {c: list(ds[c]) for c in ds.column_names if c != "prompt"}
     refs = columns.get("completion")
     return PromptData(prompts, ids, columns, [_reference_text(r) for r in refs] if refs is not None else None)
+
+
+def _is_empty(prompt) -> bool:
+    """An empty or blank text prompt, or chat messages with no text."""
+    if isinstance(prompt, list):
+        return not "".join(str(m.get("content") or "") for m in prompt).strip()
+    return not str(prompt or "").strip()
 
 
 def _reference_text(completion) -> str:

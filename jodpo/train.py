@@ -6,6 +6,7 @@ A short loop over the pieces: load models, data and rewards; restore the latest 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import shutil
@@ -29,6 +30,7 @@ from jodpo.logging import RunLogger
 from jodpo.models import CheckpointError
 from jodpo.models.export import write_metadata
 from jodpo.preemption import StopSignals
+from jodpo.rewards import RewardError
 from jodpo.run import Run, build
 from jodpo.split_sampler import SplitSampler
 
@@ -246,7 +248,9 @@ def _loop(run: Run, state, start: int, ckpt: Checkpointer, logger: RunLogger, st
                                 "seed": cfg.seed})
 
     for step in range(start, run.total_steps):
-        state, metrics, sampled = step_fn(run, state, step)
+        with _reward_errors(f"at step {step + 1}: batch {step % run.steps_per_epoch} of epoch "
+                            f"{step // run.steps_per_epoch}"):
+            state, metrics, sampled = step_fn(run, state, step)
         if step == start:  # dispatched, so compiled: the evaluation compiles in the background while it runs
             compile_evaluation(run, state)
         if skipped is not None:
@@ -268,7 +272,8 @@ def _loop(run: Run, state, start: int, ckpt: Checkpointer, logger: RunLogger, st
             rows = [(str(run.train.prompts[i]), t, float(r)) for i, t, r in zip(idx[:B], texts, S.to_host(raw)[0])]
             logger.table(done, rows[:4])
         if run.eval is not None and (done == run.total_steps or (cfg.eval_steps and done % cfg.eval_steps == 0)):
-            ev = evaluate(run, state)
+            with _reward_errors(f"in the evaluation at step {done}"):
+                ev = evaluate(run, state)
             logger.log({"step": done} | ev)
             last |= ev
         logger.advance()
@@ -282,6 +287,15 @@ def _loop(run: Run, state, start: int, ckpt: Checkpointer, logger: RunLogger, st
             raise Stopped(f"stopped by {signal_name} at step {done}; saved {ckpt.directory}/{done}; run the same "
                           "command to resume")
     return last
+
+
+@contextlib.contextmanager
+def _reward_errors(where: str):
+    """A reward function's failure, said with the step (and batch) it failed at."""
+    try:
+        yield
+    except RewardError as e:
+        raise RewardError(f"{e} ({where}); fix the function, then run the same command to resume") from e
 
 
 def parse_args(argv: list[str]) -> tuple[TrainConfig, argparse.Namespace]:

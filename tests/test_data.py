@@ -28,3 +28,16 @@ def test_dataset_mixer_takes_counts_and_fractions_in_order(tmp_path):
         C.TrainConfig(dataset_mixer={a: 1.0}, dataset_name=b)
     with pytest.raises(C.ConfigError, match="non-negative"):
         C.coerce("dataset_mixer", {a: -1})
+
+
+def test_empty_prompts_warn_with_their_count(tokenizer_dir):
+    import datasets
+
+    from jodpo.models import load_tokenizer
+
+    rows = datasets.Dataset.from_list([{"prompt": p} for p in ("hello there", "", "  ", "the cat")])
+    with pytest.warns(UserWarning, match="2 of 4 prompts are empty; they train on completions of nothing"):
+        data = D.prepare_prompts(rows, load_tokenizer(str(tokenizer_dir)), 16)
+    assert len(data) == 4 and len(data.ids[1]) == 0
+    chat = datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": c}]} for c in ("hi", "")])
+    assert D._is_empty(chat[1]["prompt"]) and not D._is_empty(chat[0]["prompt"])

@@ -62,6 +62,14 @@ def world(checkpoints, tmp_path_factory):
     return root, cfg, bad
 
 
+def reward_server_down(prompts, completions, **kwargs):
+    raise ConnectionError("my reward server is down")
+
+
+def reward_words(prompts, completions, **kwargs):
+    return ["good"] * len(completions)
+
+
 CASES = {  # name: (argv after --config CFG, the phrase the one-line message must contain)
     "missing config file": (None, "config file 'no_such_config.py' not found"),
     "unknown field": (["--config.lerning_rate=1e-6"], "unknown field 'lerning_rate'. Did you mean 'learning_rate'?"),
@@ -92,6 +100,22 @@ CASES = {  # name: (argv after --config CFG, the phrase the one-line message mus
     "no prompt column": (["--config.dataset_name={bad}/no_prompt.jsonl"], "the dataset has no 'prompt' column"),
     "empty dataset": (["--config.dataset_name={bad}/empty.jsonl"], "is empty"),
     "prompts all too long": (["--config.max_prompt_length=2"], "are longer than max_prompt_length=2 tokens"),
+    "reward model path that does not exist": (["--config.reward_model_path=/no/such/rm"],
+                                              "reward_model_path: /no/such/rm: not a model directory"),
+    "reward model path that is not a model": (["--config.reward_model_path={bad}"],
+                                              "reward_model_path: {bad}: no config.json"),
+    "judge path that does not exist": (["--config.reward_model_path=None", "--config.judge=/no/such/judge"],
+                                       "judge: /no/such/judge: not a model directory"),
+    "reward function that raises": (["--config.reward_model_path=None",
+                                     "--config.reward_funcs=['tests.test_errors:reward_server_down']"],
+                                    "reward function tests.test_errors:reward_server_down raised ConnectionError: my "
+                                    "reward server is down (at step 1: batch 0 of epoch 0); fix the function"),
+    "reward function that returns strings": (["--config.reward_model_path=None",
+                                              "--config.reward_funcs=['tests.test_errors:reward_words']"],
+                                             "reward function tests.test_errors:reward_words returned 'good' (str) for "
+                                             "completion 0; it must return a number or None per completion (at step 1"),
+    "greedy online training": (["--config.temperature=0"], "temperature=0 decodes greedily, so both completions of a "
+                                                           "prompt are the same"),
     "mesh does not fit the devices": (["--config.mesh_data=2", "--config.mesh_fsdp=1"],
                                       "mesh (data=2, fsdp=1, tensor=1) needs 2 devices, there are 1"),
     "sampler takes every device": (["--config.sampler_devices=1"],
@@ -110,22 +134,26 @@ def test_bad_input_is_one_clear_line_and_destroys_nothing(world, checkpoints, tm
     extra, phrase = CASES[case]
     argv = ["--config", "no_such_config.py"] if extra is None else ["--config", str(cfg)] + [
         a.format(bad=bad, policy=checkpoints["neox"]["causal_lm"]) for a in extra]
+    phrase = phrase.format(bad=bad)
     rc = train.main(argv + [f"--config.output_dir={out}"])
     err = capsys.readouterr().err.strip().splitlines()
     errors = [line for line in err if line.startswith("jodpo.train: error: ")]
     assert rc == 2 and len(errors) == 1 and phrase in errors[0], err
     assert "Traceback" not in "\n".join(err)
-    assert (out / "keep.txt").read_text() == "precious" and not (out / "checkpoints").exists()
+    assert (out / "keep.txt").read_text() == "precious"
+    assert not (out / "checkpoints").exists() or not any((out / "checkpoints").iterdir())  # nothing saved
 
 
 def test_troubleshooting_lists_every_message():
     for case, (_, phrase) in CASES.items():
+        phrase = phrase.format(bad="DIR")
         assert case in DOC and phrase in DOC, f"docs/troubleshooting.md does not list: {case}: {phrase}"
     for phrase in ("no space left on device while saving", "stopped by SIGTERM at step", "updates in a row had a "
                    "non-finite", "has non-finite values (NaN or Inf); it was not saved", "tokenizer has no pad token",
                    "max_new_tokens", "is not empty", "is in use by another run (pid", "is an existing file, not a "
                    "directory", "cannot be created (", "is not writable (", "output_dir is empty: the run would write",
-                   "jodpo.train: writing to", "fix the file"):
+                   "jodpo.train: writing to", "fix the file", "completions got no reward (every reward returned None or "
+                   "NaN)", "prompts are empty; they train on completions of nothing"):
         assert phrase in DOC, phrase
 
 
