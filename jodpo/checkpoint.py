@@ -163,17 +163,20 @@ def find_step_dir(path: str | Path) -> list[Path]:
 def restore_params(step_dir: str | Path, device=None):
     """The policy parameters of one checkpoint step, on one device (the CPU by default), whatever mesh wrote
     them: only ``state/params`` is read."""
-    path = Path(step_dir).absolute() / "state"
+    path = Path(step_dir).absolute()
     dev = jax.sharding.SingleDeviceSharding(device or jax.devices("cpu")[0])
-    ckptr = ocp.PyTreeCheckpointer()
+    # The step as the CheckpointManager wrote it (state and meta), read whole: the step's own metadata file is
+    # found where it is (reading state/ alone logs "Metadata file does not exist" for state/ at every export)
+    ckptr = ocp.Checkpointer(ocp.CompositeCheckpointHandler(state=ocp.PyTreeCheckpointHandler(),
+                                                            meta=ocp.JsonCheckpointHandler()))
     try:
-        meta = ckptr.metadata(path).item_metadata["params"]
+        meta = ckptr.metadata(path).item_metadata["state"]["params"]
         item = {"params": jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=dev), meta)}
         args = ocp.args.PyTreeRestore(item=item, restore_args=jax.tree.map(
             lambda _: ocp.ArrayRestoreArgs(sharding=dev), item), partial_restore=True)
-        return ckptr.restore(path, args=args)["params"]
+        return ckptr.restore(path, args=ocp.args.Composite(state=args))["state"]["params"]
     except Exception as e:  # noqa: BLE001 - orbax raises many kinds; the caller needs one
-        raise CheckpointError(f"{path.parent} is not a readable checkpoint ({type(e).__name__}: {e})") from e
+        raise CheckpointError(f"{path} is not a readable checkpoint ({type(e).__name__}: {e})") from e
 
 
 def abstract_like(tree):

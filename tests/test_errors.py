@@ -79,7 +79,8 @@ CASES = {  # name: (argv after --config CFG, the phrase the one-line message mus
     "unknown loss type": (["--config.loss_type=dpo"], "unknown loss_type 'dpo'; choose one of"),
     "missing model path": (["--config.model_name_or_path=/no/such/model"], "not a model directory (no such directory)"),
     "hub offline": (["--config.model_name_or_path=EleutherAI/pythia-70m"],
-                    "not in the local Hugging Face cache and HF_HUB_OFFLINE is set"),
+                    "not in the local Hugging Face cache and HF_HUB_OFFLINE is set. Download it on a machine with "
+                    "network (hf download EleutherAI/pythia-70m)"),
     "unsupported architecture": (["--config.model_name_or_path={bad}/bert"], "architecture ['BertForMaskedLM'] is not "
                                                                              "supported; jodpo supports"),
     "reward model is a causal LM": (["--config.reward_model_path={policy}"], "not a sequence classifier"),
