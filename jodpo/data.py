@@ -11,6 +11,8 @@ permutation of epoch ``k // steps_per_epoch``, so a resumed run sees exactly the
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 from pathlib import Path
 
 import numpy as np
@@ -188,6 +190,20 @@ def prepare_preferences(ds, tokenizer, max_prompt_length: int, max_response_leng
             tokenizer, [_response_text(tokenizer, p, r) for p, r in zip(prompts, ds[col])])]
 
     return PreferenceData(prompt_ids, responses("chosen"), responses("rejected"))
+
+
+def fingerprint(data: "PromptData | PreferenceData") -> str:
+    """A digest of what a run trains on, which a resumed run checks: the prompts as the dataset gives them (text or
+    messages; their tokenization may change with the config), or for preference data the tokenized prompts and
+    responses (what the loss reads)."""
+    h = hashlib.blake2b(digest_size=8)
+    if isinstance(data, PromptData):
+        for p in data.prompts:
+            h.update(json.dumps(p, sort_keys=True).encode() + b"\0")
+    else:
+        for s in (*data.prompt_ids, *data.chosen_ids, *data.rejected_ids):
+            h.update(np.int64(len(s)).tobytes() + np.asarray(s, np.int32).tobytes())
+    return h.hexdigest()
 
 
 # --------------------------------------------------------------------------------------------------

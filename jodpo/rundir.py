@@ -6,16 +6,21 @@ exit, whatever the exit. A run killed without a chance to release it (SIGKILL, a
 on the same host a lock whose pid is no longer alive is stale and taken over; a lock held from another host is
 refused with what it says, since no process of that host can be asked. In a multi-process run process 0 takes the
 lock for the job and tells the others whether it did.
+
+What an earlier start left there is checked before it is resumed: the config (``config.json``), and whether the
+newest checkpoint's arrays fit the configured model (an intact checkpoint of another model is refused, never set
+aside as unreadable); ``source_model/`` is rewritten at every start from the configured model.
 """
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import time
 from pathlib import Path
 
-from jodpo.config import ConfigError
+from jodpo.config import ConfigError, TrainConfig
 
 LOCK_NAME = "jodpo.lock"
 
@@ -142,3 +147,52 @@ def lock_for_job(out: Path) -> RunLock | None:
     if error is not None:
         raise error
     return lock
+
+
+# --------------------------------------------------------------------------------------------------
+# What the directory holds from an earlier start: the config, the checkpoints' model, source_model/
+# --------------------------------------------------------------------------------------------------
+
+
+def check_same_config(out: Path, cfg) -> None:
+    saved = out / "config.json"
+    if not saved.exists():
+        return
+    new = json.loads(json.dumps(cfg.to_dict()))
+    # a field added to jodpo after the run started reads as its default (which is what the run used)
+    old = json.loads(json.dumps(TrainConfig().to_dict())) | json.loads(saved.read_text())
+    moved = ("output_dir", "compilation_cache_dir")  # where things are kept is not what the run computes
+    changed = sorted(k for k in new if old.get(k) != new[k] and k not in moved)
+    if changed:
+        detail = ", ".join(f"{k}: {old.get(k)!r} -> {new[k]!r}" for k in changed[:6])
+        raise ConfigError(f"{out} holds a run with a different config ({detail}); resume with the saved config, "
+                          "use a new output_dir, or pass --allow_config_change to resume with the new one")
+
+
+def check_fits(ckpt, step: int, layout, out: Path) -> None:
+    diffs = ckpt.misfit(step, layout)
+    if diffs:
+        more = f"; and {len(diffs) - 3} more" if len(diffs) > 3 else ""
+        raise ConfigError(f"{ckpt.directory}/{step} holds a run whose state does not fit the configured model "
+                          f"({'; '.join(diffs[:3])}{more}); resume with the config it was trained with "
+                          f"({out / 'config.json'}), or use a new output_dir for this model")
+
+
+def write_source_model(model, tokenizer, target: Path) -> None:
+    """The policy's config and tokenizer (no weights) in ``output_dir/source_model``: what
+    ``scripts/export_hf.py`` needs besides the checkpoint, without the hub or the original directory. Written at
+    every start (a resume with ``--allow_config_change`` may have changed them), aside then renamed."""
+    from jodpo.models.export import write_metadata
+
+    tmp = target.with_name(target.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    write_metadata(model, tmp, tokenizer)
+    if target.exists():
+        old = target.with_name(target.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        target.rename(old)
+        tmp.rename(target)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(target)

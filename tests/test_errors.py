@@ -154,7 +154,10 @@ def test_troubleshooting_lists_every_message():
                    "max_new_tokens", "is not empty", "is in use by another run (pid", "is an existing file, not a "
                    "directory", "cannot be created (", "is not writable (", "output_dir is empty: the run would write",
                    "jodpo.train: writing to", "fix the file", "completions got no reward (every reward returned None or "
-                   "NaN)", "prompts are empty; they train on completions of nothing"):
+                   "NaN)", "prompts are empty; they train on completions of nothing",
+                   "stopping after this step, which is saved first", "interrupted: stopped at once; a checkpoint being "
+                   "written was abandoned", "holds a run whose state does not fit the configured model",
+                   "the checkpoint was trained on other data (the same 16 rows, different content: fingerprint"):
         assert phrase in DOC, phrase
 
 
@@ -168,10 +171,62 @@ def test_batch_not_divisible_by_the_data_parallel_size():
         run.put(np.zeros((1, 6, 3), np.int32))
 
 
-def test_disk_full_while_saving_keeps_the_previous_checkpoints(world, tmp_path, capsys, monkeypatch):
+@pytest.fixture(scope="module")
+def finished(world, tmp_path_factory):
+    """The world's run to its end (2 steps), a checkpoint at each step: copied by the tests that resume it."""
+    _, cfg, _ = world
+    out = tmp_path_factory.mktemp("finished") / "out"
+    assert train.main(["--config", str(cfg), f"--config.output_dir={out}", "--config.save_steps=1"]) == 0
+    return out
+
+
+def _resume(finished, tmp_path, world, *extra):
+    out = tmp_path / "out"
+    shutil.copytree(finished, out)
+    return out, train.main(["--config", str(world[1]), f"--config.output_dir={out}", "--config.save_steps=1", *extra])
+
+
+def test_a_checkpoint_of_another_model_is_refused_and_kept(world, finished, checkpoints, tmp_path, capsys):
+    out, rc = _resume(finished, tmp_path, world, "--allow_config_change",
+                      f"--config.model_name_or_path={checkpoints['llama']['causal_lm']}")
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("jodpo.train: error: ")]
+    assert rc == 2 and len(errors) == 1, errors
+    assert f"{out}/checkpoints/2 holds a run whose state does not fit the configured model (params/" in errors[0]
+    assert (f"resume with the config it was trained with ({out}/config.json), or use a new output_dir for this model"
+            in errors[0])
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["1", "2"]  # nothing set aside as unreadable
+    for f in ("config.json", "source_model/config.json", "metrics.jsonl"):
+        assert (out / f).read_text() == (finished / f).read_text(), f
+
+
+def test_a_resume_with_another_model_config_rewrites_source_model(world, finished, checkpoints, tmp_path):
+    policy = tmp_path / "policy"  # the same shapes, another config.json
+    shutil.copytree(checkpoints["neox"]["causal_lm"], policy)
+    conf = json.loads((policy / "config.json").read_text())
+    conf["layer_norm_eps"] = 1e-3
+    (policy / "config.json").write_text(json.dumps(conf))
+    out, rc = _resume(finished, tmp_path, world, "--allow_config_change", f"--config.model_name_or_path={policy}")
+    assert rc == 0
+    assert json.loads((out / "source_model" / "config.json").read_text())["layer_norm_eps"] == 1e-3  # not stale
+    assert not list(out.glob("source_model.*"))
+
+
+def test_a_resume_on_other_data_with_as_many_rows_is_refused(world, finished, tmp_path, capsys):
+    data = tmp_path / "data"
+    shutil.copytree(json.loads((finished / "config.json").read_text())["dataset_name"], data)
+    rows = (data / "train.jsonl").read_text().replace("r/test", "r/other")
+    (data / "train.jsonl").write_text(rows)
+    out, rc = _resume(finished, tmp_path, world, "--allow_config_change", f"--config.dataset_name={data}")
+    err = capsys.readouterr().err
+    assert rc == 2 and f"jodpo.train: error: {out}: the checkpoint was trained on other data (the same 16 rows, " \
+        "different content: fingerprint " in err, err[-2000:]
+    assert "resume with the data it was trained on, or use a new output_dir" in err
+
+
+def test_disk_full_while_saving_keeps_the_previous_checkpoints(world, finished, tmp_path, capsys, monkeypatch):
     root, cfg, _ = world
     out = tmp_path / "out"
-    assert train.main(["--config", str(cfg), f"--config.output_dir={out}", "--config.save_steps=1"]) == 0
+    shutil.copytree(finished, out)
     kept = sorted(p.name for p in (out / "checkpoints").iterdir())
     real = Checkpointer.save
 
