@@ -68,7 +68,7 @@ class RunLock:
         me = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
         for _ in range(3):  # a stale lock is taken over once; a race for it is lost to whoever won
             try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+                self._create(json.dumps(me))
             except FileExistsError:
                 holder = self._holder()
                 if holder is None or self._stale(holder):
@@ -80,15 +80,32 @@ class RunLock:
             except OSError as e:
                 raise RunDirError(f"output_dir {str(self.directory)!r} is not writable ({e.strerror or e}); choose a "
                                   "directory on a writable filesystem") from None
-            with os.fdopen(fd, "w") as f:
-                json.dump(me, f)
             self.held = True
             return self
         raise RunDirError(f"output_dir {str(self.directory)!r}: could not take {self.path} (other runs are starting "
                           "there); start one run per output_dir")
 
+    def _create(self, text: str) -> None:
+        """The lock file, appearing whole: written aside and hard-linked into place (the link fails if the lock
+        exists), so no run ever reads a lock that its holder is still writing. Where the filesystem has no hard
+        links, an exclusive create, then the write."""
+        tmp = self.path.with_name(f"{LOCK_NAME}.{socket.gethostname()}.{os.getpid()}")
+        tmp.write_text(text)
+        try:
+            os.link(tmp, self.path)
+            return
+        except FileExistsError:
+            raise
+        except OSError:  # no hard links here
+            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+        finally:
+            tmp.unlink(missing_ok=True)
+
     def _holder(self) -> dict | None:
-        """What the lock file says, or None when it cannot say it (written half by a process killed meanwhile)."""
+        """What the lock file says, or None when it cannot say it (torn: a process killed while writing it, where the
+        filesystem has no hard links)."""
         try:
             holder = json.loads(self.path.read_text())
             return holder if isinstance(holder, dict) and isinstance(holder.get("pid"), int) else None

@@ -136,7 +136,10 @@ def train(cfg: TrainConfig, allow_config_change: bool = False) -> dict:
     Resuming (``output_dir`` has a checkpoint) with a config that differs from the saved ``config.json`` is
     refused unless ``allow_config_change``. SIGTERM or SIGINT saves the current step and raises ``Stopped``;
     ``max_nonfinite_steps`` skipped updates in a row raise ``Diverged``; a checkpoint that cannot be written
-    (disk full, non-finite state) raises ``SaveError``. None of them touches the checkpoints already saved."""
+    (disk full, non-finite state) raises ``SaveError``. None of them touches the checkpoints already saved.
+    ``output_dir`` is locked for the call (``rundir``): a second run there meanwhile raises ``RunDirError``; so does
+    an ``output_dir`` that cannot be made. A checkpoint whose arrays do not fit the configured model, or a dataset
+    other than the checkpoint's, raises ``ConfigError`` before anything is written."""
     out = rundir.prepare(cfg.output_dir)
     lock = rundir.lock_for_job(out)  # held until train returns or raises, whatever ends it
     try:
