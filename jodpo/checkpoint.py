@@ -105,6 +105,21 @@ class Checkpointer:
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
 
+    def misfit(self, step: int, abstract_state) -> list[str]:
+        """How checkpoint ``step``'s arrays differ from ``abstract_state``'s (paths missing on either side, other
+        shapes), read from its metadata alone; [] when they fit, or when the metadata cannot be read (a damaged
+        checkpoint is for ``restore_latest`` to find)."""
+        try:
+            saved = _shapes(self.manager.item_metadata(step)["state"])
+        except Exception:  # noqa: BLE001 - unreadable metadata: damaged, not misfit
+            return []
+        wanted = _shapes(abstract_state)
+        out = [(k, f"{k}: {saved[k]} in the checkpoint, {wanted[k]} configured") for k in wanted
+               if k in saved and saved[k] != wanted[k]]
+        out += [(k, f"{k}: configured, not in the checkpoint") for k in wanted if k not in saved]
+        out += [(k, f"{k}: in the checkpoint, not configured") for k in saved if k not in wanted]
+        return [line for k, line in sorted(out, key=lambda x: not x[0].startswith("params/"))]  # the model's first
+
     def restore_latest(self, abstract_state):
         """``(step, state, meta)`` of the newest checkpoint that reads back, or None if there is none.
 
@@ -143,6 +158,15 @@ class Checkpointer:
         self.manager.close()
 
 
+def _shapes(tree) -> dict[str, tuple]:
+    """{"params/layers/attn/q": shape} of a state, its ShapeDtypeStructs or Orbax's metadata of it alike (a
+    dataclass's fields, a named tuple's names and dict keys all read as names; None subtrees hold nothing)."""
+    tree = getattr(tree, "tree", tree)  # Orbax's tree metadata wraps the tree
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    name = lambda k: str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))  # noqa: E731
+    return {"/".join(name(k) for k in path): tuple(leaf.shape) for path, leaf in flat}
+
+
 def find_step_dir(path: str | Path) -> list[Path]:
     """Step directories to try for ``path``: one step (``.../checkpoints/<step>``) or, for an output directory
     (or its ``checkpoints/``), all its finished steps, newest first."""
@@ -163,17 +187,20 @@ def find_step_dir(path: str | Path) -> list[Path]:
 def restore_params(step_dir: str | Path, device=None):
     """The policy parameters of one checkpoint step, on one device (the CPU by default), whatever mesh wrote
     them: only ``state/params`` is read."""
-    path = Path(step_dir).absolute() / "state"
+    path = Path(step_dir).absolute()
     dev = jax.sharding.SingleDeviceSharding(device or jax.devices("cpu")[0])
-    ckptr = ocp.PyTreeCheckpointer()
+    # The step as the CheckpointManager wrote it (state and meta), read whole: the step's own metadata file is
+    # found where it is (reading state/ alone logs "Metadata file does not exist" for state/ at every export)
+    ckptr = ocp.Checkpointer(ocp.CompositeCheckpointHandler(state=ocp.PyTreeCheckpointHandler(),
+                                                            meta=ocp.JsonCheckpointHandler()))
     try:
-        meta = ckptr.metadata(path).item_metadata["params"]
+        meta = ckptr.metadata(path).item_metadata["state"]["params"]
         item = {"params": jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=dev), meta)}
         args = ocp.args.PyTreeRestore(item=item, restore_args=jax.tree.map(
             lambda _: ocp.ArrayRestoreArgs(sharding=dev), item), partial_restore=True)
-        return ckptr.restore(path, args=args)["params"]
+        return ckptr.restore(path, args=ocp.args.Composite(state=args))["state"]["params"]
     except Exception as e:  # noqa: BLE001 - orbax raises many kinds; the caller needs one
-        raise CheckpointError(f"{path.parent} is not a readable checkpoint ({type(e).__name__}: {e})") from e
+        raise CheckpointError(f"{path} is not a readable checkpoint ({type(e).__name__}: {e})") from e
 
 
 def abstract_like(tree):

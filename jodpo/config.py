@@ -7,10 +7,12 @@ that returns a ``TrainConfig`` (or a dict of fields); ``--config NAME`` also fin
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import importlib.util
 import types
 import typing
+import traceback
 import warnings
 from pathlib import Path
 
@@ -258,15 +260,34 @@ def load_config_file(name: str) -> TrainConfig:
     path = find_config_file(name)
     spec = importlib.util.spec_from_file_location(f"jodpo_config_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    with _config_file_errors(path):
+        spec.loader.exec_module(module)
     if not hasattr(module, "get_config"):
         raise ConfigError(f"{path} defines no get_config(); it must return a jodpo.config.TrainConfig or a dict")
-    cfg = module.get_config()
+    with _config_file_errors(path):
+        cfg = module.get_config()
     if isinstance(cfg, dict):
         cfg = from_dict(cfg, source=str(path))
     if not isinstance(cfg, TrainConfig):
         raise ConfigError(f"{path}: get_config() returned {type(cfg).__name__}, not a TrainConfig or a dict")
     return cfg
+
+
+@contextlib.contextmanager
+def _config_file_errors(path: Path):
+    """A config file that does not parse, or raises while it runs (a failed import, a typo): one line naming the
+    file and its line. ``ConfigError`` (a bad field value) passes as it is."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except SyntaxError as e:
+        raise ConfigError(f"config file {path}, line {e.lineno}: {type(e).__name__}: {e.msg}; fix the file") from None
+    except Exception as e:  # noqa: BLE001 - whatever the file raised, reported where it raised it
+        lines = [f.lineno for f in traceback.extract_tb(e.__traceback__)
+                 if Path(f.filename).resolve() == path.resolve()]
+        where = f", line {lines[-1]}" if lines else ""
+        raise ConfigError(f"config file {path}{where}: {type(e).__name__}: {e}; fix the file") from None
 
 
 def from_dict(d: dict, source: str = "config") -> TrainConfig:

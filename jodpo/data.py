@@ -11,6 +11,8 @@ permutation of epoch ``k // steps_per_epoch``, so a resumed run sees exactly the
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 from pathlib import Path
 
 import numpy as np
@@ -133,11 +135,24 @@ def prepare_prompts(ds, tokenizer, max_prompt_length: int) -> PromptData:
     if len(ds) == 0:
         raise DataError("the dataset is empty")
     prompts = list(ds["prompt"])
+    empty = sum(_is_empty(p) for p in prompts)
+    if empty:
+        import warnings
+
+        warnings.warn(f"{empty} of {len(prompts)} prompts are empty; they train on completions of nothing (the "
+                      "model's text from its start); drop those rows if that is not meant", stacklevel=2)
     ids = _truncate_left(_tokenize(tokenizer, [_render_prompt(tokenizer, p) for p in prompts]), max_prompt_length,
                          "prompts")
     columns = {c: list(ds[c]) for c in ds.column_names if c != "prompt"}
     refs = columns.get("completion")
     return PromptData(prompts, ids, columns, [_reference_text(r) for r in refs] if refs is not None else None)
+
+
+def _is_empty(prompt) -> bool:
+    """An empty or blank text prompt, or chat messages with no text."""
+    if isinstance(prompt, list):
+        return not "".join(str(m.get("content") or "") for m in prompt).strip()
+    return not str(prompt or "").strip()
 
 
 def _reference_text(completion) -> str:
@@ -183,6 +198,20 @@ def prepare_preferences(ds, tokenizer, max_prompt_length: int, max_response_leng
             tokenizer, [_response_text(tokenizer, p, r) for p, r in zip(prompts, ds[col])])]
 
     return PreferenceData(prompt_ids, responses("chosen"), responses("rejected"))
+
+
+def fingerprint(data: "PromptData | PreferenceData") -> str:
+    """A digest of what a run trains on, which a resumed run checks: the prompts as the dataset gives them (text or
+    messages; their tokenization may change with the config), or for preference data the tokenized prompts and
+    responses (what the loss reads)."""
+    h = hashlib.blake2b(digest_size=8)
+    if isinstance(data, PromptData):
+        for p in data.prompts:
+            h.update(json.dumps(p, sort_keys=True).encode() + b"\0")
+    else:
+        for s in (*data.prompt_ids, *data.chosen_ids, *data.rejected_ids):
+            h.update(np.int64(len(s)).tobytes() + np.asarray(s, np.int32).tobytes())
+    return h.hexdigest()
 
 
 # --------------------------------------------------------------------------------------------------

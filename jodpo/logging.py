@@ -17,11 +17,26 @@ from jodpo.tracking import WandbTracker, trackers
 
 
 def truncate_metrics(path: Path, last_step: int) -> None:
-    """Drop lines logged after ``last_step`` (a run resumed from that checkpoint logs them again)."""
+    """Make ``metrics.jsonl`` what a run resumed from ``last_step`` appends to: each step's lines once, in step
+    order, none after ``last_step`` (the resumed run logs them again). A line torn by a kill is dropped, and a line
+    repeated (a step logged again by a run that crashed before its next save, or by two runs at once) is kept
+    once, as last written; a step's training and evaluation lines are different lines. Rewritten aside and
+    renamed, so a kill meanwhile leaves the old file."""
     if not path.exists():
         return
-    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= last_step]
-    path.write_text("".join(line + "\n" for line in keep))
+    records: dict[tuple, dict] = {}
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int) or record["step"] > last_step:
+            continue
+        key = (record["step"], tuple(sorted(record)))
+        records[key] = record  # the last written, at the place of the first among its step's lines
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in sorted(records.values(), key=lambda r: r["step"])))
+    tmp.replace(path)
 
 
 class RunLogger:

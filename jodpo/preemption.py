@@ -3,15 +3,22 @@
 The handler only records the signal; the training loop asks ``requested()`` after each step. In a
 multi-process run every process must stop at the same step (a checkpoint is written by all of them
 together), so there the processes agree through one tiny all-gather per step: a signal that reached any
-process stops all of them. A second Ctrl-C stops at once.
+process stops all of them. A second Ctrl-C stops at once: ``Interrupted``, a ``KeyboardInterrupt`` (which no
+``except Exception`` catches); the save in flight is abandoned (left as Orbax's temporary directory, which a
+resume ignores) and ``python -m jodpo.train`` exits 130 without waiting for it.
 """
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 
 import jax
 import numpy as np
+
+
+class Interrupted(KeyboardInterrupt):
+    """A second Ctrl-C: the run stops at once, without waiting for (or finishing) the checkpoint being written."""
 
 
 class StopSignals:
@@ -32,8 +39,11 @@ class StopSignals:
 
     def _handle(self, signum, frame) -> None:
         if self.received is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # a second Ctrl-C: do not wait for the checkpoint
+            raise Interrupted  # a second Ctrl-C: do not wait for the checkpoint
         self.received = signal.Signals(signum).name
+        again = " (Ctrl-C again: stop at once, abandoning that save)" if signum == signal.SIGINT else ""
+        print(f"jodpo.train: {self.received}: stopping after this step, which is saved first{again}", file=sys.stderr,
+              flush=True)
 
     def requested(self) -> str | None:
         """The signal to stop for (on every process alike), or None."""

@@ -8,6 +8,7 @@ round trip): EOS and padding become pad slots, and the value is read at the last
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Callable, Sequence
 
 import jax
@@ -120,20 +121,48 @@ def score_texts(rm: Model, rm_params: Params, rm_tokenizer, prompts: Sequence, c
 jit_reward_scores = jax.jit(reward_scores, static_argnums=0)  # what score_texts calls (evaluation compiles it ahead)
 
 
+class RewardError(ValueError):
+    """A reward function that raised or returned something other than a number (or None) per completion."""
+
+
+def function_name(fn) -> str:
+    """``module:function``, as ``reward_funcs`` names it."""
+    name = getattr(fn, "__qualname__", None) or repr(fn)
+    return f"{getattr(fn, '__module__', None) or '?'}:{name}"
+
+
+def _is_number(r) -> bool:
+    return hasattr(type(r), "__float__") and not isinstance(r, (str, bytes))
+
+
+def function_rewards(fn: RewardFn, prompts, completions, completion_ids, **columns) -> np.ndarray:
+    """f32[N]: one reward function's values (NaN for None). A function that raises, or returns anything other than
+    a number or None per completion, is a ``RewardError`` naming it."""
+    try:
+        out = fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+    except Exception as e:  # noqa: BLE001 - the user's function: reported with its name (--debug: traceback)
+        raise RewardError(f"reward function {function_name(fn)} raised {type(e).__name__}: {e}") from e
+    if isinstance(out, (str, bytes)) or not hasattr(out, "__len__"):
+        raise RewardError(f"reward function {function_name(fn)} returned {type(out).__name__}, not a list of "
+                          f"{len(completions)} numbers (or None) per completion")
+    if len(out) != len(completions):
+        raise RewardError(f"reward function {function_name(fn)} returned {len(out)} values for {len(completions)} "
+                          "completions")
+    bad = [(j, r) for j, r in enumerate(out) if r is not None and not _is_number(r)]
+    if bad:
+        raise RewardError(f"reward function {function_name(fn)} returned {bad[0][1]!r} ({type(bad[0][1]).__name__}) "
+                          f"for completion {bad[0][0]}; it must return a number or None per completion")
+    return np.asarray([math.nan if r is None else float(r) for r in out], np.float32)
+
+
 def call_reward_functions(fns: Sequence[RewardFn], prompts, completions, completion_ids, weights=None,
                           **columns) -> np.ndarray:
     """TRL's callable rewards: ``f(prompts=, completions=, completion_ids=, **columns)`` returning a float
     or None per completion; combined as a weighted sum that ignores None and NaN (nansum)."""
-    per_fn = np.zeros((len(completions), len(fns)), np.float32)
-    for i, fn in enumerate(fns):
-        out = fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
-        if len(out) != len(completions):
-            raise ValueError(f"reward function {getattr(fn, '__name__', fn)!r} returned {len(out)} values for "
-                             f"{len(completions)} completions")
-        per_fn[:, i] = [math.nan if r is None else float(r) for r in out]
     w = np.ones(len(fns), np.float32) if weights is None else np.asarray(weights, np.float32)
     if w.shape != (len(fns),):
         raise ValueError(f"reward_weights has {w.size} entries for {len(fns)} reward functions")
+    per_fn = np.stack([function_rewards(fn, prompts, completions, completion_ids, **columns) for fn in fns], 1)
     return np.nansum(per_fn * w[None], axis=1)
 
 
@@ -176,6 +205,7 @@ class RewardSet:
         self.on_device = model is not None and not functions and shared_tokenizer and not chat and (
             self.weights is None or float(self.weights[0]) == 1.0)
         self.chat = chat
+        self.warned_unscored = False
 
     def score(self, prompts: Sequence, completions: Sequence[str], completion_ids, columns: dict,
               model_scores: np.ndarray | None = None) -> np.ndarray:
@@ -188,7 +218,12 @@ class RewardSet:
         if self.functions:
             outs = assistant_messages(completions) if self.chat else completions
             for fn in self.functions:
-                per.append(call_reward_functions([fn], prompts, outs, completion_ids, **columns))
+                per.append(function_rewards(fn, prompts, outs, completion_ids, **columns))
         stack = np.stack(per, 1).astype(np.float32)
+        none = int(np.all(np.isnan(stack), axis=1).sum())
+        if none and not self.warned_unscored:  # scored 0 by the nansum: a pair of them teaches nothing
+            self.warned_unscored = True
+            warnings.warn(f"{none} of {len(stack)} completions got no reward (every reward returned None or NaN) and "
+                          "are scored 0; check the reward functions (warned once per run)", stacklevel=2)
         w = np.ones(stack.shape[1], np.float32) if self.weights is None else self.weights
         return np.nansum(stack * w[None], axis=1)

@@ -2,6 +2,7 @@
 the static step config, the batch and schedule arithmetic."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import threading
@@ -17,7 +18,7 @@ from jodpo import train_step as ts
 from jodpo import judges as J
 from jodpo.config import ConfigError, TrainConfig
 from jodpo.losses import LossOptions
-from jodpo.models import load_model, load_tokenizer
+from jodpo.models import CheckpointError, load_model, load_tokenizer
 from jodpo.models import lora
 from jodpo.models.params import frozen_params, param_shapes
 from jodpo.rewards import RewardSet, check_shared_vocab, import_reward_function
@@ -65,8 +66,9 @@ class Run:
     def policy(self) -> dict:
         """The policy's starting parameters, read in ``param_dtype`` now if ``build`` did not."""
         if self.policy_params is None:
-            _, self.policy_params = load_model(self.cfg.model_name_or_path, "causal_lm", self.cfg.param_dtype,
-                                               revision=self.cfg.model_revision, mesh=self.mesh)
+            with named("model_name_or_path"):
+                _, self.policy_params = load_model(self.cfg.model_name_or_path, "causal_lm", self.cfg.param_dtype,
+                                                   revision=self.cfg.model_revision, mesh=self.mesh)
         return self.policy_params
 
     def policy_shapes(self):
@@ -105,6 +107,15 @@ class Run:
         return self.rewards.score(prompts, self.decode(tokens), completion_ids, columns)
 
 
+@contextlib.contextmanager
+def named(field: str):
+    """A model or tokenizer that cannot be read, said with the config field that gave its path."""
+    try:
+        yield
+    except CheckpointError as e:
+        raise CheckpointError(f"{field}: {e}") from e
+
+
 def _same_tokenizer(a, b) -> bool:
     return type(a).__name__ == type(b).__name__ and a.get_vocab() == b.get_vocab()
 
@@ -115,11 +126,16 @@ def build(cfg: TrainConfig) -> Run:
     if cfg.attn_implementation == "cudnn" and jax.default_backend() != "gpu":
         raise ConfigError(f"attn_implementation='cudnn' needs an NVIDIA GPU, and jax's backend is "
                           f"{jax.default_backend()}: use 'xla'")
+    if cfg.temperature == 0 and (cfg.reward_model_path or cfg.reward_funcs or cfg.judge):  # online: it samples
+        raise ConfigError("temperature=0 decodes greedily, so both completions of a prompt are the same: every pair "
+                          "ties, the loss stays ln 2 and nothing is learned; use a temperature > 0 (TRL's default "
+                          "0.9). Greedy decoding is for evaluation (jodpo.sample with temperature=0)")
     mesh, sampler_mesh = meshes(cfg)
     dp = S.data_parallel_size(mesh)
-    tokenizer = load_tokenizer(cfg.model_name_or_path, cfg.model_revision)
-    model, ref_params = load_model(cfg.model_name_or_path, "causal_lm", cfg.frozen_param_dtype,
-                                   revision=cfg.model_revision, mesh=mesh)
+    with named("model_name_or_path"):
+        tokenizer = load_tokenizer(cfg.model_name_or_path, cfg.model_revision)
+        model, ref_params = load_model(cfg.model_name_or_path, "causal_lm", cfg.frozen_param_dtype,
+                                       revision=cfg.model_revision, mesh=mesh)
     policy_params, targets = ref_params, ()
     if cfg.use_peft:  # the policy is the frozen base plus adapters; nothing else is trained or copied
         model = model.replace(lora_rank=cfg.lora_r, lora_alpha=float(cfg.lora_alpha))
@@ -173,10 +189,11 @@ def build(cfg: TrainConfig) -> Run:
     elif not offline:
         rm_params, rm_tok, shared = None, None, False
         if cfg.reward_model_path:
-            rm, rm_params = load_model(cfg.reward_model_path, "reward", cfg.frozen_param_dtype, mesh=mesh)
+            with named("reward_model_path"):
+                rm, rm_params = load_model(cfg.reward_model_path, "reward", cfg.frozen_param_dtype, mesh=mesh)
+                rm_tok = load_tokenizer(cfg.reward_model_path)
             rm = rm.replace(dtype=model.dtype, precision=model.precision, attention=model.attention)
             rm_params = frozen_params(rm, rm_params)
-            rm_tok = load_tokenizer(cfg.reward_model_path)
             rm_tok.padding_side = "right"
             shared = _same_tokenizer(tokenizer, rm_tok)
             if shared:
@@ -281,11 +298,13 @@ def _load_judge(cfg: TrainConfig, policy, mesh) -> J.LLMJudge | J.CallableJudge:
     as the policy does, its parameters sharded over the mesh like the reward model's."""
     if J.is_import_path(cfg.judge):
         return J.import_judge(cfg.judge)
-    model, params = load_model(cfg.judge, "causal_lm", cfg.frozen_param_dtype, mesh=mesh)
+    with named("judge"):
+        model, params = load_model(cfg.judge, "causal_lm", cfg.frozen_param_dtype, mesh=mesh)
+        tokenizer = load_tokenizer(cfg.judge)
     model = model.replace(dtype=policy.dtype, precision=policy.precision, attention=policy.attention)
     params = frozen_params(model, params)
     try:
-        return J.LLMJudge(model, params, load_tokenizer(cfg.judge), J.read_template(cfg.judge_prompt),
+        return J.LLMJudge(model, params, tokenizer, J.read_template(cfg.judge_prompt),
                           cfg.judge_answer_tokens, cfg.judge_both_orders)
     except J.JudgeError as e:
         raise ConfigError(f"judge {cfg.judge!r}: {e}") from None

@@ -6,9 +6,10 @@ A short loop over the pieces: load models, data and rewards; restore the latest 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
-import shutil
+import os
 import sys
 import time
 from pathlib import Path
@@ -19,6 +20,7 @@ import numpy as np
 from jodpo import backend
 from jodpo import data as D
 from jodpo import judges as J
+from jodpo import rundir
 from jodpo import sharding as S
 from jodpo import train_step as ts
 from jodpo.checkpoint import Checkpointer, SaveError
@@ -26,8 +28,8 @@ from jodpo.config import ConfigError, TrainConfig, help_text, load_config_file, 
 from jodpo.evaluation import compile_evaluation, evaluate
 from jodpo.logging import RunLogger
 from jodpo.models import CheckpointError
-from jodpo.models.export import write_metadata
 from jodpo.preemption import StopSignals
+from jodpo.rewards import RewardError
 from jodpo.run import Run, build
 from jodpo.split_sampler import SplitSampler
 
@@ -128,49 +130,37 @@ def initial_state(run: Run, layout=None):
     return state
 
 
-def _check_same_config(out: Path, cfg: TrainConfig) -> None:
-    saved = out / "config.json"
-    if not saved.exists():
-        return
-    new = json.loads(json.dumps(cfg.to_dict()))
-    # a field added to jodpo after the run started reads as its default (which is what the run used)
-    old = json.loads(json.dumps(TrainConfig().to_dict())) | json.loads(saved.read_text())
-    # where things are kept, and where they are reported, is not what the run computes
-    moved = ("output_dir", "compilation_cache_dir", "report_to", "run_name")
-    changed = sorted(k for k in new if old.get(k) != new[k] and k not in moved)
-    if changed:
-        detail = ", ".join(f"{k}: {old.get(k)!r} -> {new[k]!r}" for k in changed[:6])
-        raise ConfigError(f"{out} holds a run with a different config ({detail}); resume with the saved config, "
-                          "use a new output_dir, or pass --allow_config_change to resume with the new one")
-
-
-def _write_source_model(run: Run, target: Path) -> None:
-    """The policy's config and tokenizer (no weights) in ``output_dir/source_model``: what
-    ``scripts/export_hf.py`` needs besides the checkpoint, without the hub or the original directory."""
-    if target.exists():
-        return
-    tmp = target.with_name(target.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    write_metadata(run.step_cfg.model, tmp, run.tokenizer)
-    tmp.rename(target)
-
-
 def train(cfg: TrainConfig, allow_config_change: bool = False) -> dict:
     """Run (or resume) training as configured; returns the last logged metrics.
 
     Resuming (``output_dir`` has a checkpoint) with a config that differs from the saved ``config.json`` is
     refused unless ``allow_config_change``. SIGTERM or SIGINT saves the current step and raises ``Stopped``;
     ``max_nonfinite_steps`` skipped updates in a row raise ``Diverged``; a checkpoint that cannot be written
-    (disk full, non-finite state) raises ``SaveError``. None of them touches the checkpoints already saved."""
-    out = Path(cfg.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    (disk full, non-finite state) raises ``SaveError``. None of them touches the checkpoints already saved.
+    ``output_dir`` is locked for the call (``rundir``): a second run there meanwhile raises ``RunDirError``; so does
+    an ``output_dir`` that cannot be made. A checkpoint whose arrays do not fit the configured model, or a dataset
+    other than the checkpoint's, raises ``ConfigError`` before anything is written."""
+    out = rundir.prepare(cfg.output_dir)
+    lock = rundir.lock_for_job(out)  # held until train returns or raises, whatever ends it
+    try:
+        if jax.process_index() == 0:
+            print(f"jodpo.train: writing to {out}", flush=True)
+        return _train(cfg, out, allow_config_change)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train(cfg: TrainConfig, out: Path, allow_config_change: bool) -> dict:
     run = build(cfg)
     layout = state_layout(run)
     ckpt = Checkpointer(out / "checkpoints", cfg.save_total_limit)
     start = 0
     if ckpt.steps() and not allow_config_change:  # before reading: another shape is not "unreadable"
-        _check_same_config(out, cfg)
+        rundir.check_same_config(out, cfg)
+    if ckpt.steps():  # an intact checkpoint of another model is refused, never set aside as unreadable
+        rundir.check_fits(ckpt, ckpt.steps()[-1], layout, out)
+    data_fingerprint = D.fingerprint(run.train)
     # A resumed run restores straight into the layout: the first state is never built (nor, in a param_dtype of
     # its own, the policy read), so the device holds one state, not two, while the checkpoint is read.
     restored = ckpt.restore_latest(layout)
@@ -182,11 +172,15 @@ def train(cfg: TrainConfig, allow_config_change: bool = False) -> dict:
         if meta["dataset_rows"] != len(run.train):
             raise ConfigError(f"{out}: the checkpoint was trained on {meta['dataset_rows']} rows, the dataset now has "
                               f"{len(run.train)}; use a new output_dir")
+        if meta.get("dataset_fingerprint", data_fingerprint) != data_fingerprint:  # older checkpoints have none
+            raise ConfigError(f"{out}: the checkpoint was trained on other data (the same {len(run.train)} rows, "
+                              f"different content: fingerprint {meta['dataset_fingerprint']}, now {data_fingerprint}); "
+                              "resume with the data it was trained on, or use a new output_dir")
     if run.sampler_mesh is not None:
         run.sampler = SplitSampler(run, state.rng)
     if jax.process_index() == 0:
         (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
-        _write_source_model(run, out / "source_model")
+        rundir.write_source_model(run.step_cfg.model, run.tokenizer, out / "source_model")
     logger = RunLogger(out, run.total_steps, start, enabled=jax.process_index() == 0, report_to=cfg.report_to,
                        run_name=cfg.run_name, config=cfg.to_dict())
     if start:
@@ -197,11 +191,13 @@ def train(cfg: TrainConfig, allow_config_change: bool = False) -> dict:
                           "no overlap; sampler_devices=k gives sampling devices of its own so that the two overlap)"))
     try:
         with StopSignals() as stop:
-            return _loop(run, state, start, ckpt, logger, stop)
+            return _loop(run, state, start, ckpt, logger, stop, data_fingerprint)
     finally:
-        if run.eval_compile is not None:  # a run stopped before its first evaluation
-            run.eval_compile.join()
-        ckpt.close()
+        # a second Ctrl-C (KeyboardInterrupt) waits for nothing: not the save in flight, not a background compile
+        if not isinstance(sys.exc_info()[1], KeyboardInterrupt):
+            if run.eval_compile is not None:  # a run stopped before its first evaluation
+                run.eval_compile.join()
+            ckpt.close()
         logger.close()
 
 
@@ -213,7 +209,8 @@ class Diverged(RuntimeError):
     """Too many updates in a row were skipped for a non-finite loss or gradient norm."""
 
 
-def _loop(run: Run, state, start: int, ckpt: Checkpointer, logger: RunLogger, stop: StopSignals) -> dict:
+def _loop(run: Run, state, start: int, ckpt: Checkpointer, logger: RunLogger, stop: StopSignals,
+          data_fingerprint: str) -> dict:
     cfg = run.cfg
     step_fn = offline_step if isinstance(run.train, D.PreferenceData) else online_step
     table_every = max(1, run.total_steps // max(1, cfg.num_sample_generations))
@@ -234,10 +231,12 @@ def _loop(run: Run, state, start: int, ckpt: Checkpointer, logger: RunLogger, st
     def save(done):
         ckpt.save(done, state, {"step": done, "epoch": done // run.steps_per_epoch,
                                 "batch_in_epoch": done % run.steps_per_epoch, "dataset_rows": len(run.train),
-                                "seed": cfg.seed})
+                                "dataset_fingerprint": data_fingerprint, "seed": cfg.seed})
 
     for step in range(start, run.total_steps):
-        state, metrics, sampled = step_fn(run, state, step)
+        with _reward_errors(f"at step {step + 1}: batch {step % run.steps_per_epoch} of epoch "
+                            f"{step // run.steps_per_epoch}"):
+            state, metrics, sampled = step_fn(run, state, step)
         if step == start:  # dispatched, so compiled: the evaluation compiles in the background while it runs
             compile_evaluation(run, state)
         if skipped is not None:
@@ -259,7 +258,8 @@ def _loop(run: Run, state, start: int, ckpt: Checkpointer, logger: RunLogger, st
             rows = [(D.display_text(run.train.prompts[i]), t, float(r)) for i, t, r in zip(idx[:B], texts, S.to_host(raw)[0])]
             logger.table(done, rows[:4])
         if run.eval is not None and (done == run.total_steps or (cfg.eval_steps and done % cfg.eval_steps == 0)):
-            ev = evaluate(run, state)
+            with _reward_errors(f"in the evaluation at step {done}"):
+                ev = evaluate(run, state)
             logger.log({"step": done} | ev)
             last |= ev
         logger.advance()
@@ -273,6 +273,15 @@ def _loop(run: Run, state, start: int, ckpt: Checkpointer, logger: RunLogger, st
             raise Stopped(f"stopped by {signal_name} at step {done}; saved {ckpt.directory}/{done}; run the same "
                           "command to resume")
     return last
+
+
+@contextlib.contextmanager
+def _reward_errors(where: str):
+    """A reward function's failure, said with the step (and batch) it failed at."""
+    try:
+        yield
+    except RewardError as e:
+        raise RewardError(f"{e} ({where}); fix the function, then run the same command to resume") from e
 
 
 def parse_args(argv: list[str]) -> tuple[TrainConfig, argparse.Namespace]:
@@ -303,8 +312,6 @@ def parse_args(argv: list[str]) -> tuple[TrainConfig, argparse.Namespace]:
 def init_distributed(args: argparse.Namespace) -> None:
     """Join a multi-process job before anything touches the devices: explicitly from the three flags, or
     by JAX's own cluster detection with --distributed or under a multi-task SLURM / Open MPI launch."""
-    import os
-
     explicit = (args.coordinator_address, args.num_processes, args.process_id)
     if any(v is not None for v in explicit):
         if any(v is None for v in explicit):
@@ -328,6 +335,10 @@ def main(argv: list[str] | None = None) -> int:
     except Stopped as e:
         print(f"jodpo.train: {e}", file=sys.stderr)
         return 0
+    except KeyboardInterrupt:  # a second Ctrl-C (Interrupted), or one before the loop started
+        print("jodpo.train: interrupted: stopped at once; a checkpoint being written was abandoned (the complete ones "
+              "are kept): run the same command to resume from the newest", file=sys.stderr)
+        return INTERRUPTED
     except (SaveError, Diverged) as e:
         if debug:
             raise
@@ -341,5 +352,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a process that Ctrl-C ended
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if code == INTERRUPTED:  # end now: the interpreter's exit would wait for (or tear down mid-write) Orbax's threads
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

@@ -111,3 +111,19 @@ def test_help_lists_every_field_and_docs_document_them(capsys):
     for name, f in C.FIELDS.items():
         assert f"  {name} " in out and f.metadata["help"][:30] in out
         assert f"`{name}`" in doc, f"docs/config.md does not document {name}"
+
+
+@pytest.mark.parametrize("body,line,phrase", [
+    ("from jodpo.config import TrainConfig\ndef get_config():\n    return TrainConfig(max_steps=3\n", 3,
+     "SyntaxError: '(' was never closed; fix the file"),
+    ("from jodpo.config import TrainConfig\nimport no_such_module\n", 2,
+     "ModuleNotFoundError: No module named 'no_such_module'; fix the file"),
+    ("def get_config():\n    steps = 3\n    return {'max_steps': stepz}\n", 3, "NameError: name 'stepz' is not defined"),
+])
+def test_a_config_file_that_fails_is_named_with_its_line(body, line, phrase, tmp_path, capsys):
+    f = tmp_path / "broken.py"
+    f.write_text(body)
+    assert train.main(["--config", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"jodpo.train: error: config file {f}, line {line}: {phrase}"), err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err

@@ -34,3 +34,16 @@ def test_chat_prompts_display_as_the_conversation():
     chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Héllo <|im_end|> 🙂"}]
     assert D.display_text(chat) == "system: Be brief.\nuser: Héllo <|im_end|> 🙂"
     assert D.display_text("plain text") == "plain text"
+
+
+def test_empty_prompts_warn_with_their_count(tokenizer_dir):
+    import datasets
+
+    from jodpo.models import load_tokenizer
+
+    rows = datasets.Dataset.from_list([{"prompt": p} for p in ("hello there", "", "  ", "the cat")])
+    with pytest.warns(UserWarning, match="2 of 4 prompts are empty; they train on completions of nothing"):
+        data = D.prepare_prompts(rows, load_tokenizer(str(tokenizer_dir)), 16)
+    assert len(data) == 4 and len(data.ids[1]) == 0
+    chat = datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": c}]} for c in ("hi", "")])
+    assert D._is_empty(chat[1]["prompt"]) and not D._is_empty(chat[0]["prompt"])

@@ -62,6 +62,14 @@ def world(checkpoints, tmp_path_factory):
     return root, cfg, bad
 
 
+def reward_server_down(prompts, completions, **kwargs):
+    raise ConnectionError("my reward server is down")
+
+
+def reward_words(prompts, completions, **kwargs):
+    return ["good"] * len(completions)
+
+
 CASES = {  # name: (argv after --config CFG, the phrase the one-line message must contain)
     "missing config file": (None, "config file 'no_such_config.py' not found"),
     "unknown field": (["--config.lerning_rate=1e-6"], "unknown field 'lerning_rate'. Did you mean 'learning_rate'?"),
@@ -71,7 +79,8 @@ CASES = {  # name: (argv after --config CFG, the phrase the one-line message mus
     "unknown loss type": (["--config.loss_type=dpo"], "unknown loss_type 'dpo'; choose one of"),
     "missing model path": (["--config.model_name_or_path=/no/such/model"], "not a model directory (no such directory)"),
     "hub offline": (["--config.model_name_or_path=EleutherAI/pythia-70m"],
-                    "not in the local Hugging Face cache and HF_HUB_OFFLINE is set"),
+                    "not in the local Hugging Face cache and HF_HUB_OFFLINE is set. Download it on a machine with "
+                    "network (hf download EleutherAI/pythia-70m)"),
     "unsupported architecture": (["--config.model_name_or_path={bad}/bert"], "architecture ['BertForMaskedLM'] is not "
                                                                              "supported; jodpo supports"),
     "reward model is a causal LM": (["--config.reward_model_path={policy}"], "not a sequence classifier"),
@@ -92,6 +101,22 @@ CASES = {  # name: (argv after --config CFG, the phrase the one-line message mus
     "no prompt column": (["--config.dataset_name={bad}/no_prompt.jsonl"], "the dataset has no 'prompt' column"),
     "empty dataset": (["--config.dataset_name={bad}/empty.jsonl"], "is empty"),
     "prompts all too long": (["--config.max_prompt_length=2"], "are longer than max_prompt_length=2 tokens"),
+    "reward model path that does not exist": (["--config.reward_model_path=/no/such/rm"],
+                                              "reward_model_path: /no/such/rm: not a model directory"),
+    "reward model path that is not a model": (["--config.reward_model_path={bad}"],
+                                              "reward_model_path: {bad}: no config.json"),
+    "judge path that does not exist": (["--config.reward_model_path=None", "--config.judge=/no/such/judge"],
+                                       "judge: /no/such/judge: not a model directory"),
+    "reward function that raises": (["--config.reward_model_path=None",
+                                     "--config.reward_funcs=['tests.test_errors:reward_server_down']"],
+                                    "reward function tests.test_errors:reward_server_down raised ConnectionError: my "
+                                    "reward server is down (at step 1: batch 0 of epoch 0); fix the function"),
+    "reward function that returns strings": (["--config.reward_model_path=None",
+                                              "--config.reward_funcs=['tests.test_errors:reward_words']"],
+                                             "reward function tests.test_errors:reward_words returned 'good' (str) for "
+                                             "completion 0; it must return a number or None per completion (at step 1"),
+    "greedy online training": (["--config.temperature=0"], "temperature=0 decodes greedily, so both completions of a "
+                                                           "prompt are the same"),
     "mesh does not fit the devices": (["--config.mesh_data=2", "--config.mesh_fsdp=1"],
                                       "mesh (data=2, fsdp=1, tensor=1) needs 2 devices, there are 1"),
     "sampler takes every device": (["--config.sampler_devices=1"],
@@ -110,20 +135,29 @@ def test_bad_input_is_one_clear_line_and_destroys_nothing(world, checkpoints, tm
     extra, phrase = CASES[case]
     argv = ["--config", "no_such_config.py"] if extra is None else ["--config", str(cfg)] + [
         a.format(bad=bad, policy=checkpoints["neox"]["causal_lm"]) for a in extra]
+    phrase = phrase.format(bad=bad)
     rc = train.main(argv + [f"--config.output_dir={out}"])
     err = capsys.readouterr().err.strip().splitlines()
     errors = [line for line in err if line.startswith("jodpo.train: error: ")]
     assert rc == 2 and len(errors) == 1 and phrase in errors[0], err
     assert "Traceback" not in "\n".join(err)
-    assert (out / "keep.txt").read_text() == "precious" and not (out / "checkpoints").exists()
+    assert (out / "keep.txt").read_text() == "precious"
+    assert not (out / "checkpoints").exists() or not any((out / "checkpoints").iterdir())  # nothing saved
 
 
 def test_troubleshooting_lists_every_message():
     for case, (_, phrase) in CASES.items():
+        phrase = phrase.format(bad="DIR")
         assert case in DOC and phrase in DOC, f"docs/troubleshooting.md does not list: {case}: {phrase}"
     for phrase in ("no space left on device while saving", "stopped by SIGTERM at step", "updates in a row had a "
                    "non-finite", "has non-finite values (NaN or Inf); it was not saved", "tokenizer has no pad token",
-                   "max_new_tokens", "is not empty"):
+                   "max_new_tokens", "is not empty", "is in use by another run (pid", "is an existing file, not a "
+                   "directory", "cannot be created (", "is not writable (", "output_dir is empty: the run would write",
+                   "jodpo.train: writing to", "fix the file", "completions got no reward (every reward returned None or "
+                   "NaN)", "prompts are empty; they train on completions of nothing",
+                   "stopping after this step, which is saved first", "interrupted: stopped at once; a checkpoint being "
+                   "written was abandoned", "holds a run whose state does not fit the configured model",
+                   "the checkpoint was trained on other data (the same 16 rows, different content: fingerprint"):
         assert phrase in DOC, phrase
 
 
@@ -137,10 +171,62 @@ def test_batch_not_divisible_by_the_data_parallel_size():
         run.put(np.zeros((1, 6, 3), np.int32))
 
 
-def test_disk_full_while_saving_keeps_the_previous_checkpoints(world, tmp_path, capsys, monkeypatch):
+@pytest.fixture(scope="module")
+def finished(world, tmp_path_factory):
+    """The world's run to its end (2 steps), a checkpoint at each step: copied by the tests that resume it."""
+    _, cfg, _ = world
+    out = tmp_path_factory.mktemp("finished") / "out"
+    assert train.main(["--config", str(cfg), f"--config.output_dir={out}", "--config.save_steps=1"]) == 0
+    return out
+
+
+def _resume(finished, tmp_path, world, *extra):
+    out = tmp_path / "out"
+    shutil.copytree(finished, out)
+    return out, train.main(["--config", str(world[1]), f"--config.output_dir={out}", "--config.save_steps=1", *extra])
+
+
+def test_a_checkpoint_of_another_model_is_refused_and_kept(world, finished, checkpoints, tmp_path, capsys):
+    out, rc = _resume(finished, tmp_path, world, "--allow_config_change",
+                      f"--config.model_name_or_path={checkpoints['llama']['causal_lm']}")
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("jodpo.train: error: ")]
+    assert rc == 2 and len(errors) == 1, errors
+    assert f"{out}/checkpoints/2 holds a run whose state does not fit the configured model (params/" in errors[0]
+    assert (f"resume with the config it was trained with ({out}/config.json), or use a new output_dir for this model"
+            in errors[0])
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["1", "2"]  # nothing set aside as unreadable
+    for f in ("config.json", "source_model/config.json", "metrics.jsonl"):
+        assert (out / f).read_text() == (finished / f).read_text(), f
+
+
+def test_a_resume_with_another_model_config_rewrites_source_model(world, finished, checkpoints, tmp_path):
+    policy = tmp_path / "policy"  # the same shapes, another config.json
+    shutil.copytree(checkpoints["neox"]["causal_lm"], policy)
+    conf = json.loads((policy / "config.json").read_text())
+    conf["layer_norm_eps"] = 1e-3
+    (policy / "config.json").write_text(json.dumps(conf))
+    out, rc = _resume(finished, tmp_path, world, "--allow_config_change", f"--config.model_name_or_path={policy}")
+    assert rc == 0
+    assert json.loads((out / "source_model" / "config.json").read_text())["layer_norm_eps"] == 1e-3  # not stale
+    assert not list(out.glob("source_model.*"))
+
+
+def test_a_resume_on_other_data_with_as_many_rows_is_refused(world, finished, tmp_path, capsys):
+    data = tmp_path / "data"
+    shutil.copytree(json.loads((finished / "config.json").read_text())["dataset_name"], data)
+    rows = (data / "train.jsonl").read_text().replace("r/test", "r/other")
+    (data / "train.jsonl").write_text(rows)
+    out, rc = _resume(finished, tmp_path, world, "--allow_config_change", f"--config.dataset_name={data}")
+    err = capsys.readouterr().err
+    assert rc == 2 and f"jodpo.train: error: {out}: the checkpoint was trained on other data (the same 16 rows, " \
+        "different content: fingerprint " in err, err[-2000:]
+    assert "resume with the data it was trained on, or use a new output_dir" in err
+
+
+def test_disk_full_while_saving_keeps_the_previous_checkpoints(world, finished, tmp_path, capsys, monkeypatch):
     root, cfg, _ = world
     out = tmp_path / "out"
-    assert train.main(["--config", str(cfg), f"--config.output_dir={out}", "--config.save_steps=1"]) == 0
+    shutil.copytree(finished, out)
     kept = sorted(p.name for p in (out / "checkpoints").iterdir())
     real = Checkpointer.save
 

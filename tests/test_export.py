@@ -42,3 +42,21 @@ def test_refuses_a_non_empty_directory(checkpoints, tmp_path):
     with pytest.raises(FileExistsError, match="not empty"):
         save_hf(model, params, tmp_path)
     assert (tmp_path / "keep.txt").read_text() == "precious"
+
+
+def test_an_export_is_written_with_the_umask_modes(checkpoints, tmp_path):
+    """Readable by the group and others as any file the user writes (safetensors alone writes 0600)."""
+    import os
+
+    model, params = jodpo.load_model(str(checkpoints["neox"]["causal_lm"]))
+    tok = jodpo.load_tokenizer(str(checkpoints["neox"]["causal_lm"]))
+    for umask, file_mode, dir_mode in ((0o022, 0o644, 0o755), (0o027, 0o640, 0o750)):
+        old = os.umask(umask)
+        try:
+            out = save_hf(model, params, tmp_path / f"hf{umask:o}", tokenizer=tok)
+        finally:
+            os.umask(old)
+        assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
+        assert out.stat().st_mode & 0o777 == dir_mode
+        for f in out.rglob("*"):
+            assert f.stat().st_mode & 0o777 == (dir_mode if f.is_dir() else file_mode), f

@@ -80,6 +80,7 @@ def test_cli_bf16_sharded_export_and_refusals(neox_run, tmp_path):
     done = subprocess.run(cmd, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "bitwise" in done.stdout and "transformers" in done.stdout
+    assert "Metadata file does not exist" not in done.stderr and "WARNING" not in done.stderr, done.stderr
     index = json.loads((out / "model.safetensors.index.json").read_text())
     files = sorted(set(index["weight_map"].values()))
     assert len(files) > 1 and sorted(p.name for p in out.glob("model-*.safetensors")) == files

@@ -75,6 +75,19 @@ def test_reward_functions_weighted_nansum():
         rewards.call_reward_functions([f], ["p"] * 3, ["a"] * 3, None, weights=[1.0, 2.0])
 
 
+def test_completions_without_any_reward_warn_once_with_their_count():
+    def sparse(prompts, completions, completion_ids, **kw):
+        return [None, 1.0, None, float("nan")]
+
+    rs = rewards.RewardSet(None, None, None, [sparse], None, shared_tokenizer=False, chat=False)
+    with pytest.warns(UserWarning, match=r"3 of 4 completions got no reward \(every reward returned None or NaN\) "
+                                         "and are scored 0") as caught:
+        out = rs.score(["p"] * 4, ["a"] * 4, None, {})
+        rs.score(["p"] * 4, ["a"] * 4, None, {})
+    assert sum("got no reward" in str(w.message) for w in caught) == 1
+    np.testing.assert_array_equal(out, [0.0, 1.0, 0.0, 0.0])
+
+
 def test_completion_logprobs_equal_full_forward_and_truncate_like_trl(checkpoints):
     model, params = jodpo.load_model(str(checkpoints["qwen2"]["causal_lm"]))
     rng = np.random.default_rng(0)

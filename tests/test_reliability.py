@@ -7,6 +7,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -171,3 +172,58 @@ def test_checkpoints_are_written_uncompressed_and_compressed_ones_still_restore(
         assert step == 1 and meta == {"step": 1}
         for k, v in state.items():
             np.testing.assert_array_equal(np.asarray(restored[k]), np.asarray(v), err_msg=f"{directory}: {k}")
+
+
+# python -m jodpo.train with each save held (after Orbax started it) until the test writes a line: the second Ctrl-C
+# then arrives while a save is pending, whatever the machine's speed.
+HELD_SAVES = """
+import runpy, sys
+from jodpo.checkpoint import Checkpointer
+real = Checkpointer.save
+def save(self, *args, **kwargs):
+    real(self, *args, **kwargs)
+    print("saving", flush=True)
+    sys.stdin.readline()
+Checkpointer.save = save
+runpy.run_module("jodpo.train", run_name="__main__")
+"""
+
+
+def _read_until(stream, text: str) -> str:
+    seen = ""
+    for line in stream:
+        seen += line
+        if text in line:
+            return seen
+    raise AssertionError(f"the run ended before printing {text!r}: {seen[-3000:]}")
+
+
+def test_a_second_ctrl_c_abandons_the_pending_save_and_exits_130(tmp_path):
+    out = tmp_path / "interrupted"
+    proc = subprocess.Popen([sys.executable, "-c", HELD_SAVES, "--config", "tiny.py", f"--config.output_dir={out}",
+                             "--config.save_steps=1"], cwd=ROOT, env=subproc.env(), text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    guard = threading.Timer(300, proc.kill)  # only a failing run gets here: its pipes close, and the test fails
+    guard.start()
+    try:
+        _interrupt_twice(proc, out)
+    finally:
+        guard.cancel()
+
+
+def _interrupt_twice(proc: subprocess.Popen, out: Path) -> None:
+    _read_until(proc.stdout, "saving")  # step 1's save, held
+    proc.send_signal(signal.SIGINT)  # the first Ctrl-C: the run will stop after its next step, saved
+    err = _read_until(proc.stderr, "stopping after this step")
+    proc.stdin.write("\n")
+    proc.stdin.flush()  # step 1's save goes on; step 2 runs, and its save is held
+    _read_until(proc.stdout, "saving")
+    proc.send_signal(signal.SIGINT)  # the second, with step 2's save pending: stop at once
+    err += proc.communicate(timeout=120)[1]
+    assert proc.returncode == 130, err[-3000:]
+    assert "SIGINT: stopping after this step, which is saved first (Ctrl-C again: stop at once, abandoning that save)" \
+        in err
+    assert ("jodpo.train: interrupted: stopped at once; a checkpoint being written was abandoned (the complete ones are "
+            "kept): run the same command to resume from the newest") in err
+    assert "Traceback" not in err and "Segmentation" not in err and "stopped by SIGINT" not in err, err[-3000:]
+    assert not (out / "jodpo.lock").exists() and (out / "checkpoints" / "1").is_dir()

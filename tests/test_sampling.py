@@ -1,6 +1,7 @@
 """The sampler against transformers' generate, a Python loop, and the exact filtered distribution."""
 from unittest import mock
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -202,11 +203,10 @@ def test_stops_early_and_pads_after_eos(checkpoints):
 
 def test_same_bucket_does_not_recompile(checkpoints):
     model, params = jodpo.load_model(str(checkpoints["neox"]["causal_lm"]))
-    traces = []
 
     @jax.jit
+    @chex.assert_max_traces(n=2)  # one trace per bucket (8 and 16), none for the repeated bucket: a third raises
     def f(params, ids, mask, rng):
-        traces.append(1)
         return sampling.sample(model, params, ids, mask, rng, jodpo.SamplingConfig(max_new_tokens=4))
 
     rng = np.random.default_rng(9)
@@ -215,7 +215,6 @@ def test_same_bucket_does_not_recompile(checkpoints):
         ids, mask = sampling.pad_to_bucket(ids, mask, (8, 16), model.pad_token_id)
         assert ids.shape == (2, 8 if max(lengths) <= 8 else 16)
         f(params, ids, mask, jax.random.key(0)).tokens.block_until_ready()
-    assert len(traces) == 2  # one trace per bucket (8 and 16), none for the repeated bucket
 
 
 def test_bucket_errors_and_config_validation():

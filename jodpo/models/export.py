@@ -155,7 +155,7 @@ def write_atomically(out_dir: str | Path, overwrite: bool, write) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
         write(tmp)
-        os.chmod(tmp, 0o755)
+        _umask_modes(tmp)
         if out.exists():
             old = out.parent / f".{out.name}.old-{os.getpid()}"
             out.rename(old)
@@ -167,6 +167,17 @@ def write_atomically(out_dir: str | Path, overwrite: bool, write) -> Path:
         if tmp.exists():
             shutil.rmtree(tmp)
     return out
+
+
+def _umask_modes(root: Path) -> None:
+    """The modes a plain ``open``/``mkdir`` gives under the process's umask (0644 / 0755 with the usual 022), for
+    ``root`` and everything in it: mkdtemp makes 0700 and safetensors writes 0600, which others of the group could
+    not read."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(root, 0o777 & ~umask)
+    for path in root.rglob("*"):
+        os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)
 
 
 class ExportMismatch(RuntimeError):

@@ -53,8 +53,9 @@ def resolve_path(path_or_hub_id: str, revision: str | None = None, with_bin: boo
     except hf_errors.LocalEntryNotFoundError as e:
         offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
         why = "HF_HUB_OFFLINE is set" if offline else "the hub cannot be reached (offline?)"
+        fetch = f"hf download {path_or_hub_id}" + (f" --revision {revision}" if revision else "")
         raise CheckpointError(f"{path_or_hub_id}: not in the local Hugging Face cache and {why}. Download it on a "
-                              "machine with network (huggingface-cli download) or pass a local directory.") from e
+                              f"machine with network ({fetch}) or pass a local directory.") from e
     except (hf_errors.RepositoryNotFoundError, hf_errors.RevisionNotFoundError, hf_errors.HfHubHTTPError) as e:
         raise CheckpointError(f"{path_or_hub_id}: cannot be fetched from the Hugging Face hub ({e.__class__.__name__}). "
                               "Check the id, the revision and your token, or pass a local directory.") from e
