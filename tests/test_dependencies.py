@@ -1,5 +1,6 @@
 """pyproject.toml declares what jodpo imports: every runtime dependency is imported by the package (none declared
-and unused), and the tests' own (chex) are in the test extra."""
+and unused), each optional extra is imported by the package, and the test extra holds what the tests (and the
+optional features they test) import."""
 import ast
 import importlib.metadata
 import re
@@ -30,8 +31,14 @@ def _imported_distributions(paths) -> set[str]:
 def test_every_declared_dependency_is_imported():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     runtime = {_name(r) for r in project["dependencies"]}
-    unused = runtime - _imported_distributions((ROOT / "jodpo").rglob("*.py"))
+    package = _imported_distributions((ROOT / "jodpo").rglob("*.py"))
+    unused = runtime - package
     assert not unused, f"declared in pyproject.toml, imported nowhere in jodpo/: {sorted(unused)}"
-    test_extra = {_name(r) for r in project["optional-dependencies"]["test"]}
-    unused = test_extra - _imported_distributions((ROOT / "tests").rglob("*.py")) - {"pytest-xdist"}  # a plugin
+    extras = project["optional-dependencies"]
+    for extra in set(extras) - {"test"}:  # jodpo's optional features (wandb, plot)
+        unused = {_name(r) for r in extras[extra]} - package
+        assert not unused, f"the {extra} extra declares what jodpo/ never imports: {sorted(unused)}"
+    # the test extra: what the tests import, and the optional features' packages, so that their tests run
+    test_extra = {_name(r) for r in extras["test"]}
+    unused = test_extra - _imported_distributions((ROOT / "tests").rglob("*.py")) - package - {"pytest-xdist"}
     assert not unused, f"in the test extra, imported by no test: {sorted(unused)}"
