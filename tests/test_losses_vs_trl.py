@@ -22,10 +22,11 @@ def _length_reward(prompts, completions, completion_ids, **kw):
     return [None if i == 1 else float(len(c)) / 10 for i, c in enumerate(completions)]
 
 
-def _record_trl_step(checkpoints, family, loss_type, use_rm, tmp_path):
+def record_trl_step(paths, loss_type, use_rm, tmp_path):
+    """TRL 1.16's first OnlineDPOTrainer step on the checkpoint ``paths["causal_lm"]`` (``paths["reward"]`` scoring
+    with ``use_rm``, else ``_length_reward``): its samples, log-probs, rewards, loss, logs and updated policy."""
     from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
 
-    paths = checkpoints[family]
     tok = AutoTokenizer.from_pretrained(paths["causal_lm"])
     torch.manual_seed(0)
     policy = AutoModelForCausalLM.from_pretrained(paths["causal_lm"], dtype=torch.float32, attn_implementation="eager")
@@ -80,8 +81,13 @@ def _record_trl_step(checkpoints, family, loss_type, use_rm, tmp_path):
 @pytest.mark.parametrize("family,loss_type,use_rm", [("neox", "sigmoid", True), ("llama", "ipo", True),
                                                      ("neox", "ipo", False), ("llama", "sigmoid", False)])
 def test_one_step_equals_trl(checkpoints, tmp_path, family, loss_type, use_rm):
-    rec = _record_trl_step(checkpoints, family, loss_type, use_rm, tmp_path)
-    model, params = jodpo.load_model(str(checkpoints[family]["causal_lm"]))
+    paths = checkpoints[family]
+    check_step_equals_trl(paths, record_trl_step(paths, loss_type, use_rm, tmp_path), loss_type, use_rm, tmp_path)
+
+
+def check_step_equals_trl(paths, rec, loss_type, use_rm, tmp_path):
+    """jodpo replays TRL's recorded step: log-probs, rewards, loss, gradient norm, metrics, updated parameters."""
+    model, params = jodpo.load_model(str(paths["causal_lm"]))
     P, C, cm = rec["prompt_ids"], rec["completion_ids"], rec["completion_mask"]
     assert 0 < rewards.contains_eos(C, cm, rec["eos_token_ids"]).sum() < len(C), "want rows with and without EOS"
 
@@ -93,8 +99,8 @@ def test_one_step_equals_trl(checkpoints, tmp_path, family, loss_type, use_rm):
 
     # Rewards: jodpo's own scoring of TRL's texts (re-tokenized with the reward tokenizer) matches.
     if use_rm:
-        rm, rm_params = jodpo.load_model(str(checkpoints[family]["reward"]), task="reward")
-        tok = jodpo.load_tokenizer(str(checkpoints[family]["causal_lm"]))
+        rm, rm_params = jodpo.load_model(str(paths["reward"]), task="reward")
+        tok = jodpo.load_tokenizer(str(paths["causal_lm"]))
         ours = rewards.score_texts(rm, rm_params, tok, *rec["texts"])
     else:
         ours = rewards.call_reward_functions([_length_reward], *rec["texts"], completion_ids=None)
