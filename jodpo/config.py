@@ -97,10 +97,14 @@ class TrainConfig:
     # --- loss
     beta: float | tuple[float, ...] = _f(0.1, "KL strength; a list is indexed by epoch")
     loss_type: str = _f("sigmoid", "sigmoid | ipo | hinge | robust | exo_pair | nca_pair | sppo_hard | apo_zero | "
-                                   "apo_down | discopop")
+                                   "apo_down | discopop | rdpo | simpo (no reference model)")
     label_smoothing: float = _f(0.0, "cDPO / robust / exo_pair label-flip rate")
     ipo_length_normalized: bool = _f(False, "ipo on per-token averaged log-probs (TRL's offline DPO form)")
     discopop_tau: float = _f(0.05, "discopop temperature")
+    simpo_gamma: float = _f(0.5, "simpo's target reward margin gamma (TRL CPOConfig)")
+    rdpo_alpha: float = _f(0.0, "rdpo's length coefficient alpha (R-DPO, Park et al. 2024; not TRL's rpo_alpha)")
+    ld_alpha: float | None = _f(None, "LD-DPO (TRL DPOConfig): weight of the log-probs past the shorter completion's "
+                                      "length, in [0, 1] (None: off)")
     missing_eos_penalty: float | None = _f(None, "subtracted from the reward of completions without EOS (TRL)")
     non_eos_penalty: bool = _f(False, "replace the reward of completions without EOS by penalty_reward_value")
     penalty_reward_value: float = _f(-1.0, "the reward given by non_eos_penalty (open-instruct)")
@@ -169,7 +173,7 @@ FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 
 
 def _check(c: TrainConfig) -> None:
-    from jodpo.losses import LOSSES
+    from jodpo.losses import LOSSES, LossOptions, check_loss_options
 
     positive = ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
                 "num_epochs", "num_mini_batches",
@@ -185,6 +189,11 @@ def _check(c: TrainConfig) -> None:
         raise ConfigError(f"beta must be > 0 (a number or a list of numbers), got {c.beta}")
     if c.loss_type not in LOSSES:
         raise ConfigError(f"unknown loss_type {c.loss_type!r}; choose one of {sorted(LOSSES)}")
+    try:
+        check_loss_options(c.loss_type, LossOptions(c.label_smoothing, c.discopop_tau, c.ipo_length_normalized,
+                                                     c.simpo_gamma, c.rdpo_alpha, c.ld_alpha))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     for name in ("param_dtype", "frozen_param_dtype"):
         if getattr(c, name) not in ("float32", "bfloat16"):
             raise ConfigError(f"{name} must be float32 or bfloat16, got {getattr(c, name)!r}")

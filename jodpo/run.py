@@ -17,9 +17,10 @@ from jodpo import sharding as S
 from jodpo import train_step as ts
 from jodpo import judges as J
 from jodpo.config import ConfigError, TrainConfig
-from jodpo.losses import LossOptions
+from jodpo.losses import LossOptions, needs_reference
 from jodpo.models import CheckpointError, load_model, load_tokenizer
 from jodpo.models import lora
+from jodpo.models.loading import describe_model
 from jodpo.models.params import frozen_params, param_shapes
 from jodpo.rewards import RewardSet, check_shared_vocab, import_reward_function
 from jodpo.sampling import SamplingConfig
@@ -35,9 +36,10 @@ class Run:
     mesh: Mesh
     policy_params: dict | None  # the policy's starting parameters (the reference's own arrays when the dtypes agree),
     # or with LoRA its fresh adapters (the reference is then the base they ride on); None while unread: in
-    # param_dtype apart from the reference, they are read when the run starts from them (``policy()``), never
-    # when it resumes from a checkpoint
-    ref_params: dict
+    # param_dtype apart from the reference (or with no reference at all), they are read when the run starts from
+    # them (``policy()``), never when it resumes from a checkpoint
+    ref_params: dict | None  # the frozen reference (with LoRA the base the adapters ride on); None with a
+    # reference-free loss (simpo) without LoRA: nothing of a second model is read or held
     rewards: RewardSet | None  # None with a judge, and for offline DPO
     judge: J.LLMJudge | J.CallableJudge | None
     train: D.PromptData | D.PreferenceData
@@ -134,8 +136,12 @@ def build(cfg: TrainConfig) -> Run:
     dp = S.data_parallel_size(mesh)
     with named("model_name_or_path"):
         tokenizer = load_tokenizer(cfg.model_name_or_path, cfg.model_revision)
-        model, ref_params = load_model(cfg.model_name_or_path, "causal_lm", cfg.frozen_param_dtype,
-                                       revision=cfg.model_revision, mesh=mesh)
+        if needs_reference(cfg.loss_type) or cfg.use_peft:
+            model, ref_params = load_model(cfg.model_name_or_path, "causal_lm", cfg.frozen_param_dtype,
+                                           revision=cfg.model_revision, mesh=mesh)
+        else:  # reference-free (simpo): only the policy, read in param_dtype when the run starts from it (Run.policy)
+            model = describe_model(cfg.model_name_or_path, "causal_lm", cfg.param_dtype, revision=cfg.model_revision)
+            ref_params = None
     policy_params, targets = ref_params, ()
     if cfg.use_peft:  # the policy is the frozen base plus adapters; nothing else is trained or copied
         model = model.replace(lora_rank=cfg.lora_r, lora_alpha=float(cfg.lora_alpha))
@@ -152,7 +158,7 @@ def build(cfg: TrainConfig) -> Run:
                           attention=cfg.attn_implementation)
     # the reference as its bf16 forwards read it (the same numbers; with LoRA the base stays as loaded, since the
     # adapters are merged into it in float32); the policy's own copy (policy_params) is untouched
-    ref_params = frozen_params(model, ref_params)
+    ref_params = None if ref_params is None else frozen_params(model, ref_params)
     eos = tuple(dict.fromkeys([*model.eos_token_ids, *([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None
                                                        else [])]))
     pad = tokenizer.pad_token_id
@@ -221,7 +227,8 @@ def build(cfg: TrainConfig) -> Run:
     step_cfg = ts.StepConfig(
         model=model, sampling=sampling, optimizer=opt, beta=cfg.beta, updates_per_epoch=spe * updates,
         loss_type=cfg.loss_type,
-        loss_options=LossOptions(cfg.label_smoothing, cfg.discopop_tau, cfg.ipo_length_normalized),
+        loss_options=LossOptions(cfg.label_smoothing, cfg.discopop_tau, cfg.ipo_length_normalized, cfg.simpo_gamma,
+                                 cfg.rdpo_alpha, cfg.ld_alpha),
         missing_eos_penalty=cfg.missing_eos_penalty,
         penalty_reward_value=cfg.penalty_reward_value if cfg.non_eos_penalty else None, max_length=cfg.max_length,
         reward_model=rm if rewards is not None and rewards.on_device else None, judged=judge is not None,

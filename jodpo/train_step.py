@@ -26,7 +26,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jodpo.losses import LossOptions, check_loss_options, completion_logprobs, dpo_loss, online_dpo_loss
+from jodpo.losses import (LossOptions, check_loss_options, completion_logprobs, dpo_loss, needs_reference,
+                          online_dpo_loss)
 from jodpo.models.core import Model, Params
 from jodpo.models.lora import attach
 from jodpo.models.params import frozen_params
@@ -111,6 +112,12 @@ class StepConfig:
     # open-instruct's async_mode: a step samples with the parameters from before the previous update (one step
     # off-policy; the state keeps them as ``sampler_params``), so sampling and training can overlap
     async_mode: bool = False
+
+    @property
+    def reference_free(self) -> bool:
+        """The loss needs no reference (``simpo``): the steps take ``ref_params=None`` (with LoRA, the base the
+        adapters ride on) and never run a reference forward."""
+        return not needs_reference(self.loss_type)
 
     @property
     def penalty_ids(self) -> tuple[int, ...]:
@@ -283,7 +290,8 @@ def update(cfg: StepConfig, state: TrainState, ref_params: Params, prompt_ids: j
            samples: Samples, rewards: jax.Array, ref_logprobs: jax.Array | None = None) -> tuple[TrainState, dict]:
     """The optimizer step from sampled completions and their raw rewards f32[A, 2B] (or, with ``cfg.judged``, a
     judge's verdicts in the same layout). ``ref_logprobs`` f32[A, 2B, C]: the reference's log-probs when they are
-    already known (``rollout_update``), else the loss computes them."""
+    already known (``rollout_update``), else the loss computes them. ``ref_params``: the frozen reference, None with
+    a reference-free loss (``cfg.reference_free``) unless LoRA needs the base; the same for every step below."""
     beta = current_beta(cfg, state.step)
 
     def loss_fn(params, mb):
@@ -333,7 +341,8 @@ def rollout_update(cfg: StepConfig, state: TrainState, ref_params: Params, promp
         return completion_logprobs(cfg.model, ref_params, ids, mask, tokens, tmask, cfg.max_length,
                                    cfg.logprob_temperature)
 
-    ref = jax.lax.map(ref_logprobs, (prompt_ids, prompt_mask, samples.tokens, samples.mask))
+    ref = None if cfg.reference_free else jax.lax.map(ref_logprobs, (prompt_ids, prompt_mask, samples.tokens,
+                                                                      samples.mask))
 
     def to_pairs(x):  # [R, 2B, ...] -> [R * B, 2, ...]: row b and row B + b of a micro-batch are one pair
         return x.reshape(R, 2, B, *x.shape[2:]).swapaxes(1, 2).reshape(R * B, 2, *x.shape[2:])
@@ -343,7 +352,7 @@ def rollout_update(cfg: StepConfig, state: TrainState, ref_params: Params, promp
         return x.reshape(A, B, 2, *rest).swapaxes(1, 2).reshape(A, 2 * B, *rest)
 
     pairs = (prompt_ids.reshape(R * B, P), prompt_mask.reshape(R * B, P),
-             tuple(map(to_pairs, (samples.tokens, samples.mask, samples.logprobs, rewards.astype(jnp.float32), ref))))
+             jax.tree.map(to_pairs, (samples.tokens, samples.mask, samples.logprobs, rewards.astype(jnp.float32), ref)))
     key = jax.random.fold_in(jax.random.fold_in(state.rng, 0x5EED), state.step)
 
     def one_update(state, i):
@@ -353,7 +362,7 @@ def rollout_update(cfg: StepConfig, state: TrainState, ref_params: Params, promp
         ids, mask, (tokens, tmask, logprobs, r, ref_lp) = jax.tree.map(lambda x: x[take], pairs)
         return update(cfg, state, ref_params, ids.reshape(A, B, P), mask.reshape(A, B, P),
                       Samples(from_pairs(tokens), from_pairs(tmask), from_pairs(logprobs)), from_pairs(r),
-                      from_pairs(ref_lp))
+                      jax.tree.map(from_pairs, ref_lp))
 
     new, metrics = jax.lax.scan(one_update, state, jnp.arange(num_epochs * M))
     # means over the updates; the learning rate after the last, as a single update reports it

@@ -106,11 +106,12 @@ def bench_memory(a) -> dict:
     cfg = ts.StepConfig(model=model, sampling=jodpo.SamplingConfig(max_new_tokens=a.new_tokens, temperature=0.7,
                                                                    eos_token_ids=(0,), pad_token_id=1),
                         optimizer=ts.OptimizerConfig(learning_rate=5e-7, total_steps=1000), beta=0.1,
-                        missing_eos_penalty=1.0, max_length=512, reward_model=rm)
+                        missing_eos_penalty=1.0, max_length=512, reward_model=rm, loss_type=a.loss_type)
     pdt, fdt = jnp.dtype(a.param_dtype), jnp.dtype(a.frozen_param_dtype)
     params = params_mod.param_shapes(model, pdt)
     # the frozen models as the program keeps them (run.build: frozen_params, their compute form with bf16 compute)
     ref = jax.eval_shape(functools.partial(params_mod.frozen_params, model), params_mod.param_shapes(model, fdt))
+    ref = None if cfg.reference_free else ref  # simpo: no reference is held, passed or run (run.build)
     rm_params = jax.eval_shape(functools.partial(params_mod.frozen_params, rm), params_mod.param_shapes(rm, fdt))
     state = jax.eval_shape(lambda p: ts.init_state(cfg, p, jax.random.key(0)), params)
     A, B, P, T = a.accumulation, a.batch, a.prompt_len, a.new_tokens
@@ -141,7 +142,7 @@ def bench_memory(a) -> dict:
         "policy_params_mib": n * pdt.itemsize / MiB,
         "adam_moments_mib": 2 * n * pdt.itemsize / MiB,
         "gradient_mib": n * pdt.itemsize / MiB,
-        "reference_params_mib": sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(ref)) / MiB,
+        "reference_params_mib": sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(ref)) / MiB,  # 0: none
         "reward_model_params_mib": sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(rm_params)) / MiB,
         "sampler_weights_in_compute_dtype_mib": (n * cb / MiB) if cb != pdt.itemsize else 0.0,
         "kv_cache_mib": 2 * a.layers * rows * (P + T) * a.hidden * cb / MiB,
@@ -150,6 +151,7 @@ def bench_memory(a) -> dict:
     return {"benchmark": "memory",
             "model": f"GPT-NeoX, hidden {a.hidden}, {a.layers} layers, {a.heads} heads, vocab {a.vocab}",
             "settings": dict(batch=B, accumulation=A, prompt_len=P, new_tokens=T, dtype=a.dtype, remat=a.remat,
+                             loss_type=a.loss_type,
                              param_dtype=a.param_dtype, frozen_param_dtype=a.frozen_param_dtype,
                              attention=a.attention, device=device.device_kind, platform=device.platform),
             "parameters": n, "reward_model_parameters": n_rm,
@@ -183,6 +185,8 @@ def add_parser(sub, defaults: dict) -> None:
     p.add_argument("--frozen-param-dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--remat", choices=("none", "full", "dots"), default="full")
     p.add_argument("--attention", choices=("xla", "cudnn"), default="xla")
+    p.add_argument("--loss-type", default="sigmoid", help="the step's loss_type; a reference-free one (simpo) "
+                   "compiles the step without a reference model")
     p.add_argument("--tpu", metavar="TOPOLOGY", help="compile for one chip of this TPU topology (e.g. v5p:1x1x1, "
                    "v6e:1x1) with libtpu, ahead of time, on any machine; default: jax's default device")
     p.add_argument("--out", type=Path)

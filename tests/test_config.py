@@ -40,6 +40,8 @@ def test_overrides_are_typed():
                                                ("attn_implementation", "flash", "attn_implementation must be one of"),
                                                ("matmul_precision", "tf32", "matmul_precision must be one of"),
                                                ("total_episodes", 0, "total_episodes must be >= 1"),
+                                               ("rdpo_alpha", 0.1, "rdpo_alpha is R-DPO's length term"),
+                                               ("ld_alpha", 1.5, r"ld_alpha must be in \[0, 1\]"),
                                                ("temperature_scaled_logprobs", True, None)])
 def test_bad_values_are_refused(field, value, match):
     if match is None:  # valid alone, refused beside another field

@@ -1,4 +1,5 @@
 """Each loss against a hand-computed value; pairing, penalties, log-probs and reward plumbing."""
+import functools
 import math
 
 import jax
@@ -27,6 +28,10 @@ EXPECTED = {  # written out from the formulas of TRL's dpo_trainer.py
     "apo_zero": 1 - sg(BETA * CH) + sg(BETA * RJ),
     "apo_down": sg(BETA * CH) + 1 - sg(BETA * D),
     "discopop": -ls(BETA * D) * (1 - sg(BETA * D / 0.05)) + math.exp(-BETA * D) * sg(BETA * D / 0.05),
+    # SimPO (TRL's CPOTrainer): the pair holds average log-probs; gamma 0.5 (TRL's default), CPO's label smoothing
+    "simpo": -(1 - EPS) * ls(BETA * D - 0.5) - EPS * ls(-(BETA * D - 0.5)),
+    # R-DPO (Park et al. 2024, eq. 9): alpha (|y_c| - |y_r|) added to the margin, lengths 4 and 2
+    "rdpo": -(1 - EPS) * ls(BETA * D + 0.3 * 2) - EPS * ls(-(BETA * D + 0.3 * 2)),
 }
 
 
@@ -34,7 +39,7 @@ EXPECTED = {  # written out from the formulas of TRL's dpo_trainer.py
 def test_each_loss_against_hand_computed_value(name):
     pair = losses.Pair(chosen=jnp.array([CH]), rejected=jnp.array([RJ]), chosen_len=jnp.array([4.0]),
                        rejected_len=jnp.array([2.0]))
-    got = float(losses.get_loss(name)(pair, BETA, losses.LossOptions(label_smoothing=EPS))[0])
+    got = float(losses.get_loss(name)(pair, BETA, losses.LossOptions(label_smoothing=EPS, rdpo_alpha=0.3))[0])
     assert got == pytest.approx(EXPECTED[name], rel=1e-6)
 
 
@@ -158,3 +163,81 @@ def test_accuracies_count_the_pairs_whose_margin_is_positive():
     _, m = losses.preference_loss(S, S_ref, jnp.ones(6), chosen, rejected, beta=0.1)
     assert float(m["rewards/accuracies"]) == pytest.approx(2 / 3)
     np.testing.assert_allclose(float(m["rewards/margins"]), (0.05 - 0.5 + 0.3) / 3, rtol=1e-6)
+
+
+def _online_batch(model):
+    rng = np.random.default_rng(1)
+    P, pm = hf_fixtures.padded_batch(rng, [4, 3, 5], model.pad_token_id, "left")
+    C, cm = hf_fixtures.padded_batch(rng, [3, 6, 2, 5, 2, 4], model.pad_token_id, "right")
+    return P, pm, C, cm, jnp.array([0.1, 0.5, 0.9, 0.3, 0.2, 0.4])  # chosen rows 3, 1, 2; rejected 0, 4, 5
+
+
+def test_simpo_online_equals_its_formula_without_a_reference(checkpoints):
+    """SimPO from the per-token log-probs in numpy: -log sigmoid(beta (avg_c - avg_r) - gamma), rewards/* = beta x
+    the average log-prob (TRL's CPO), no reference (ref_params None) and no KL metrics; a gradient step lowers it."""
+    model, params = jodpo.load_model(str(checkpoints["neox"]["causal_lm"]))
+    P, pm, C, cm, r = _online_batch(model)
+    beta, gamma = 2.0, 0.3
+    simpo = functools.partial(losses.online_dpo_loss, model, beta=beta, loss_type="simpo",
+                              options=losses.LossOptions(simpo_gamma=gamma))
+
+    @jax.jit
+    def step(p):  # one compile: the loss, its gradient step, the log-probs
+        (loss, m), g = jax.value_and_grad(lambda p: simpo(p, None, P, pm, C, cm, r), has_aux=True)(p)
+        after, _ = simpo(jax.tree.map(lambda x, d: x - 1e-2 * d, p, g), None, P, pm, C, cm, r)
+        return loss, m, after, losses.completion_logprobs(model, p, P, pm, C, cm)
+
+    loss, m, after, lp = step(params)
+    assert float(after) < float(loss) - 1e-4  # it trains: a gradient step lowers it
+    lp = np.asarray(lp, np.float64)
+    avg = lp.sum(1) / cm.sum(1)
+    c, j = np.array([3, 1, 2]), np.array([0, 4, 5])
+    z = beta * (avg[c] - avg[j]) - gamma
+    np.testing.assert_allclose(float(loss), np.mean(np.log1p(np.exp(-z))), rtol=1e-5)
+    np.testing.assert_allclose(float(m["rewards/chosen"]), beta * avg[c].mean(), rtol=1e-5)
+    np.testing.assert_allclose(float(m["logps/rejected"]), avg[j].mean(), rtol=1e-5)
+    np.testing.assert_allclose(float(m["objective/entropy"]), -lp.sum(1).mean(), rtol=1e-5)
+    assert not {"objective/kl", "objective/non_score_reward", "objective/rlhf_reward"} & set(m)
+    with pytest.raises(ValueError, match="compares with a reference: give ref_params"):
+        losses.online_dpo_loss(model, params, None, P, pm, C, cm, r, beta=beta)
+
+
+def test_ld_alpha_and_rdpo_online_equal_their_formulas(checkpoints):
+    """LD-DPO: per pair, tokens past the shorter completion's length weigh ld_alpha in both log-probs (written out
+    as a loop); R-DPO adds alpha (|y_c| - |y_r|) to DPO's margin. The KL metric stays the plain sum."""
+    model, params = jodpo.load_model(str(checkpoints["neox"]["causal_lm"]))
+    ref = jax.tree.map(lambda x: x * 1.05, params)  # a reference apart from the policy
+    P, pm, C, cm, r = _online_batch(model)
+    alpha = 0.25
+
+    @jax.jit
+    def everything(params, ref):  # one compile
+        run = functools.partial(losses.online_dpo_loss, model, params, ref, P, pm, C, cm, r, beta=0.5)
+        return (run(options=losses.LossOptions(ld_alpha=alpha)),
+                run(loss_type="rdpo", options=losses.LossOptions(rdpo_alpha=0.1)),
+                *(losses.completion_logprobs(model, p, P, pm, C, cm) for p in (params, ref)))
+
+    (loss, m), (rdpo, _), lp, lq = everything(params, ref)
+    lp, lq, n, B = np.asarray(lp, np.float64), np.asarray(lq, np.float64), cm.sum(1), 3
+    w = np.zeros(cm.shape)
+    for row in range(2 * B):
+        shared = min(n[row % B], n[row % B + B])
+        for t in range(n[row]):
+            w[row, t] = 1.0 if t < shared else alpha
+    c, j = np.array([3, 1, 2]), np.array([0, 4, 5])
+    ratio = (lp * w).sum(1) - (lq * w).sum(1)
+    np.testing.assert_allclose(float(loss), np.mean(np.log1p(np.exp(-0.5 * (ratio[c] - ratio[j])))), rtol=1e-5)
+    np.testing.assert_allclose(float(m["logps/chosen"]), (lp * w).sum(1)[c].mean(), rtol=1e-5)
+    np.testing.assert_allclose(float(m["objective/kl"]), (lp - lq).sum(1).mean(), rtol=1e-5, atol=1e-6)
+    plain = lp.sum(1) - lq.sum(1)
+    z = 0.5 * (plain[c] - plain[j]) + 0.1 * (n[c] - n[j])
+    np.testing.assert_allclose(float(rdpo), np.mean(np.log1p(np.exp(-z))), rtol=1e-5)
+
+
+@pytest.mark.parametrize("loss_type,options,match", [
+    ("sigmoid", dict(rdpo_alpha=0.1), "rdpo_alpha is R-DPO's length term"),
+    ("sigmoid", dict(ld_alpha=1.5), "ld_alpha must be in"),
+    ("simpo", dict(ld_alpha=0.5), "ld_alpha weights DPO's log-ratios")])
+def test_length_options_that_do_not_apply_are_refused(loss_type, options, match):
+    with pytest.raises(ValueError, match=match):
+        losses.check_loss_options(loss_type, losses.LossOptions(**options))

@@ -75,12 +75,15 @@ def test_stopped_run_resumes_exactly(tiny_run, tmp_path, monkeypatch):
     assert a == b
 
 
-def test_a_resumed_run_reads_no_policy_weights_of_its_own_dtype(checkpoints, tmp_path, monkeypatch):
+@pytest.mark.parametrize("loss_type", ["sigmoid", "simpo"])
+def test_a_resumed_run_reads_no_policy_weights_of_its_own_dtype(checkpoints, tmp_path, monkeypatch, loss_type):
     """A float32 policy beside a bfloat16 reference (frozen_param_dtype): a fresh run reads the weights once per
     dtype; a resumed run reads only the reference's (and the reward model), its policy being in the checkpoint;
-    and it ends as the uninterrupted run does, bit for bit. Both report to W&B too (offline): the run's W&B files
-    hold metrics.jsonl under TRL's W&B names, the completion tables and the config, and the resumed run continues
-    the same W&B run."""
+    and it ends as the uninterrupted run does, bit for bit. With a reference-free loss (simpo) no reference is read
+    or held at all: a fresh run reads the policy once, a resumed one no causal LM, and the metrics that need a
+    reference are not logged. The simpo run passes twice over each rollout (num_epochs=2: rollout_update, which then
+    computes no reference log-probs). Both report to W&B too (offline): the run's W&B files hold metrics.jsonl under
+    TRL's W&B names, the completion tables and the config, and the resumed run continues the same W&B run."""
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_PROJECT", "jodpo-tests")
     for name in ("WANDB_DIR", "WANDB_RUN_ID"):
@@ -91,16 +94,20 @@ def test_a_resumed_run_reads_no_policy_weights_of_its_own_dtype(checkpoints, tmp
                         dataset_name=str(hf_fixtures.prompt_dataset(tmp_path / "data")), output_dir=str(out),
                         max_steps=2, save_steps=1, per_device_train_batch_size=2, learning_rate=1e-3, logging_steps=1,
                         max_new_tokens=6, max_length=120, max_prompt_length=96, bf16=False,
-                        frozen_param_dtype="bfloat16", report_to=("tensorboard", "wandb"), run_name="resumable")
-    reads, load = [], run_module.load_model
+                        frozen_param_dtype="bfloat16", report_to=("tensorboard", "wandb"), run_name="resumable",
+                        loss_type=loss_type, num_epochs=2 if loss_type == "simpo" else 1)
+    reads, load, runs, build = [], run_module.load_model, [], train.build
 
     def counted(path, task="causal_lm", dtype="float32", **kwargs):
         reads.append((task, str(dtype)))
         return load(path, task, dtype, **kwargs)
 
     monkeypatch.setattr(run_module, "load_model", counted)
+    monkeypatch.setattr(train, "build", lambda cfg: runs.append(build(cfg)) or runs[-1])
     train.train(cfg)
-    assert sorted(reads) == [("causal_lm", "bfloat16"), ("causal_lm", "float32"), ("reward", "bfloat16")]
+    reference = [("causal_lm", "bfloat16")] if loss_type == "sigmoid" else []
+    assert sorted(reads) == sorted(reference + [("causal_lm", "float32"), ("reward", "bfloat16")])
+    assert (runs[0].ref_params is None) == (loss_type == "simpo")
     wandb.teardown()  # W&B's service finishes writing the run's file after run.finish() returns; this waits for it
     first = wandb_files.offline_run(out)
     assert first["history"] == [{wandb_name(k): v for k, v in m.items()} for m in _metrics(out)]
@@ -116,12 +123,15 @@ def test_a_resumed_run_reads_no_policy_weights_of_its_own_dtype(checkpoints, tmp
     shutil.rmtree(resumed / "wandb")  # the W&B files already synced (or kept elsewhere); the run's id stays
     reads.clear()
     train.train(cfg.replace(output_dir=str(resumed)))
-    assert sorted(reads) == [("causal_lm", "bfloat16"), ("reward", "bfloat16")]
+    assert sorted(reads) == reference + [("reward", "bfloat16")]
     strip = lambda p: [{k: v for k, v in m.items() if k != "eps"} for m in _metrics(p)]  # noqa: E731
     assert strip(resumed) == strip(out)
     wandb.teardown()
     second = wandb_files.offline_run(resumed)
     assert second["id"] == first["id"] and [h["train/global_step"] for h in second["history"]] == [2]
+    logged = set(_metrics(out)[0])
+    assert {"loss", "rewards/chosen", "logps/chosen", "objective/scores", "objective/entropy"} <= logged
+    assert ("objective/kl" in logged) == (loss_type == "sigmoid")
 
 
 @pytest.mark.parametrize("name", [n for n in CONFIGS if n != "tiny.py"])

@@ -286,7 +286,7 @@ def load_model(path_or_hub_id: str, task: str = "causal_lm", dtype=jnp.float32, 
 
 
 def _gguf_model(file: Path, task: str, dtype):
-    """The ``Model`` of a GGUF file and the iterator of its dequantized tensors."""
+    """The ``Model`` of a GGUF file and the iterator of its dequantized tensors (read only when iterated)."""
     from jodpo.models import gguf
 
     if task != "causal_lm":
@@ -299,6 +299,17 @@ def _gguf_model(file: Path, task: str, dtype):
     except families.UnsupportedModelError as e:
         raise CheckpointError(f"{file}: {e}") from e
     return model, g.tensors(cfg.num_attention_heads, cfg.num_key_value_heads)
+
+
+def describe_model(path_or_hub_id: str, task: str = "causal_lm", dtype=jnp.float32, *,
+                   revision: str | None = None) -> Model:
+    """The static ``Model`` that ``load_model`` would return, without reading the weights (a transformers
+    directory's config.json, or a GGUF file's metadata)."""
+    from jodpo.models import gguf
+
+    path = resolve_path(path_or_hub_id, revision)
+    gguf_file = gguf.find(path)
+    return _gguf_model(gguf_file, task, dtype)[0] if gguf_file else model_from_dir(path, task, dtype)
 
 
 def load_tokenizer(path_or_hub_id: str, revision: str | None = None):
