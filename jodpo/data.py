@@ -82,7 +82,7 @@ def is_preference(ds) -> bool:
     return {"chosen", "rejected"} <= set(ds.column_names)
 
 
-def _render_prompt(tokenizer, prompt) -> str:
+def render_prompt(tokenizer, prompt) -> str:
     if isinstance(prompt, list):  # chat messages
         return tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
     if not isinstance(prompt, str):
@@ -125,7 +125,7 @@ def prepare_prompts(ds, tokenizer, max_prompt_length: int) -> PromptData:
     if len(ds) == 0:
         raise DataError("the dataset is empty")
     prompts = list(ds["prompt"])
-    ids = _truncate_left(_tokenize(tokenizer, [_render_prompt(tokenizer, p) for p in prompts]), max_prompt_length,
+    ids = _truncate_left(_tokenize(tokenizer, [render_prompt(tokenizer, p) for p in prompts]), max_prompt_length,
                          "prompts")
     columns = {c: list(ds[c]) for c in ds.column_names if c != "prompt"}
     refs = columns.get("completion")
@@ -151,7 +151,7 @@ class PreferenceData:
 
 def _response_text(tokenizer, prompt, response) -> str:
     if isinstance(prompt, list):  # chat: the rendered conversation minus the rendered prompt
-        head = _render_prompt(tokenizer, prompt)
+        head = render_prompt(tokenizer, prompt)
         full = tokenizer.apply_chat_template(prompt + list(response), tokenize=False)
         if not full.startswith(head):
             raise DataError("the chat template renders the prompt differently inside the conversation; "
@@ -167,7 +167,7 @@ def prepare_preferences(ds, tokenizer, max_prompt_length: int, max_response_leng
     if len(ds) == 0:
         raise DataError("the dataset is empty")
     prompts = list(ds["prompt"])
-    prompt_ids = _truncate_left(_tokenize(tokenizer, [_render_prompt(tokenizer, p) for p in prompts]),
+    prompt_ids = _truncate_left(_tokenize(tokenizer, [render_prompt(tokenizer, p) for p in prompts]),
                                 max_prompt_length, "prompts")
 
     def responses(col):
