@@ -177,7 +177,7 @@ def read_rows(out: Path, batch: int, prompts: list) -> list[dict]:
                                 "Give a new --out, or --overwrite")
     keep = len(rows) if len(rows) == len(prompts) else len(rows) // batch * batch
     size = sum(map(len, lines[:keep]))
-    if size != len(raw):
+    if size != len(raw) and jax.process_index() == 0:
         with open(out, "r+b") as f:
             f.truncate(size)
     return rows[:keep]
@@ -186,7 +186,7 @@ def read_rows(out: Path, batch: int, prompts: list) -> list[dict]:
 def check_settings(out: Path, settings: dict, overwrite: bool) -> None:
     """Write ``settings`` beside ``out``, or check them against those of the rows already there."""
     path = settings_path(out)
-    if overwrite:
+    if overwrite and jax.process_index() == 0:
         out.unlink(missing_ok=True)
         path.unlink(missing_ok=True)
     if out.exists() and out.stat().st_size and path.exists():
@@ -199,8 +199,9 @@ def check_settings(out: Path, settings: dict, overwrite: bool) -> None:
     elif out.exists() and out.stat().st_size:
         raise GenerateError(f"{out} exists and was not written by this command (no {path.name} beside it); give a "
                             "new --out, or --overwrite to replace it")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(settings, indent=2) + "\n")
+    if jax.process_index() == 0:  # (every process reads and checks; process 0 writes)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(settings, indent=2) + "\n")
 
 
 def append_rows(out: Path, rows: list[dict]) -> None:

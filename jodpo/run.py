@@ -165,25 +165,14 @@ def build(cfg: TrainConfig) -> Run:
 
     rewards, rm, judge = None, None, None
     if not offline and cfg.judge:
-        judge = _load_judge(cfg, model, mesh)
+        judge = load_judge(cfg, model, mesh)
         if evaluation is not None and evaluation.references is None:
             warnings.warn("with a judge, evaluation needs reference completions to judge against (a 'completion' "
                           "column); the evaluation set has none, so evaluation is off", stacklevel=2)
             evaluation = None
     elif not offline:
-        rm_params, rm_tok, shared = None, None, False
-        if cfg.reward_model_path:
-            rm, rm_params = load_model(cfg.reward_model_path, "reward", cfg.frozen_param_dtype, mesh=mesh)
-            rm = rm.replace(dtype=model.dtype, precision=model.precision, attention=model.attention)
-            rm_params = frozen_params(rm, rm_params)
-            rm_tok = load_tokenizer(cfg.reward_model_path)
-            rm_tok.padding_side = "right"
-            shared = _same_tokenizer(tokenizer, rm_tok)
-            if shared:
-                check_shared_vocab(model, rm)
-        fns = [import_reward_function(s) for s in cfg.reward_funcs]
-        chat = isinstance(train.prompts[0], list)
-        rewards = RewardSet(rm, rm_params, rm_tok, fns, cfg.reward_weights, shared_tokenizer=shared, chat=chat)
+        rewards = load_rewards(cfg, model, tokenizer, mesh, chat=isinstance(train.prompts[0], list))
+        rm = rewards.model
 
     global_batch = cfg.per_device_train_batch_size * dp * cfg.micro_batches
     updates = cfg.updates_per_step
@@ -214,6 +203,23 @@ def build(cfg: TrainConfig) -> Run:
     return Run(cfg, tokenizer, step_cfg, mesh, policy_params, ref_params, rewards, judge, train, evaluation,
                cfg.prompt_buckets or D.default_buckets(cfg.max_prompt_length), global_batch, spe, total, save_every,
                lora_targets=targets, sampler_mesh=sampler_mesh)
+
+
+def load_rewards(cfg: TrainConfig, policy, tokenizer, mesh, chat: bool) -> RewardSet:
+    """The run's rewards: the reward model (frozen, in frozen_param_dtype, computing as the ``policy`` model does,
+    sharded over the mesh) and the reward functions, with their weights."""
+    rm, rm_params, rm_tok, shared = None, None, None, False
+    if cfg.reward_model_path:
+        rm, rm_params = load_model(cfg.reward_model_path, "reward", cfg.frozen_param_dtype, mesh=mesh)
+        rm = rm.replace(dtype=policy.dtype, precision=policy.precision, attention=policy.attention)
+        rm_params = frozen_params(rm, rm_params)
+        rm_tok = load_tokenizer(cfg.reward_model_path)
+        rm_tok.padding_side = "right"
+        shared = _same_tokenizer(tokenizer, rm_tok)
+        if shared:
+            check_shared_vocab(policy, rm)
+    fns = [import_reward_function(s) for s in cfg.reward_funcs]
+    return RewardSet(rm, rm_params, rm_tok, fns, cfg.reward_weights, shared_tokenizer=shared, chat=chat)
 
 
 def meshes(cfg: TrainConfig) -> tuple[Mesh, Mesh | None]:
@@ -276,7 +282,7 @@ def run_length(cfg: TrainConfig, global_batch: int, steps_per_epoch: int) -> int
     return math.ceil(cfg.num_train_epochs * steps_per_epoch)
 
 
-def _load_judge(cfg: TrainConfig, policy, mesh) -> J.LLMJudge | J.CallableJudge:
+def load_judge(cfg: TrainConfig, policy, mesh) -> J.LLMJudge | J.CallableJudge:
     """A callable judge from its import path, or a causal LM as an LLM judge: frozen, in frozen_param_dtype, computing
     as the policy does, its parameters sharded over the mesh like the reward model's."""
     if J.is_import_path(cfg.judge):
