@@ -1,5 +1,6 @@
 """python -m jodpo.generate: a run's completions to JSONL; an interrupted run continues to the same file; the same
-completions from a run directory and from its export; errors are one line with exit status 2."""
+completions from a run directory and from its export, and on one device or two; errors are one line with exit
+status 2."""
 import importlib.util
 import json
 import subprocess
@@ -88,13 +89,22 @@ def test_a_run_directory_and_its_export_generate_the_same(tiny_run, generated, t
     assert out.read_text() == generated.read_text()
 
 
+def test_two_devices_split_the_batch_and_generate_the_same(tiny_run, generated, tmp_path):
+    out = tmp_path / "two.jsonl"  # batches of 4 prompts per device x 2 devices: the same 8 rows a batch
+    p = subprocess.run([sys.executable, "-m", "jodpo.generate", str(tiny_run), "--out", str(out), *ARGS,
+                        "--per_device_eval_batch_size", "4"], capture_output=True, text=True,
+                       env=subproc.cpu_env(2), cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+    rows = [json.loads(line) for line in generated.read_text().splitlines()]
+    mean, ended = sum(r["completion_tokens"] for r in rows) / 20, sum(r["eos"] for r in rows)
+    assert p.stdout.strip() == f"20 completions in {out} (mean {mean:.1f} tokens, {ended} of 20 ended with EOS)"
+    assert out.read_text() == generated.read_text()
+
+
 def test_bad_input_is_one_line_and_exit_status_2(tiny_run, tmp_path, capsys):
     out = tmp_path / "x.jsonl"
-    p = subprocess.run([sys.executable, "-m", "jodpo.generate", str(tiny_run), "--out", str(out), "--step", "7"],
-                       capture_output=True, text=True, env=subproc.env(), cwd=ROOT)
-    assert p.returncode == 2 and p.stderr.strip().splitlines()[-1] == (
-        f"jodpo.generate: error: {tiny_run} has no checkpoint of step 7; it has steps [100, 200]"), p.stderr
-    cases = [(["--top_p", "2"], "top_p must be in (0, 1], got 2.0"),
+    cases = [(["--step", "7"], f"{tiny_run} has no checkpoint of step 7; it has steps [100, 200]"),
+             (["--top_p", "2"], "top_p must be in (0, 1], got 2.0"),
              (["--dataset_name", str(tmp_path / "none.jsonl")], "none.jsonl' not found"),
              (["--max_prompts", "0"], "--max_prompts must be >= 1, got 0")]
     model = str(toy.world_dir() / "model")
