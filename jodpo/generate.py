@@ -110,13 +110,13 @@ def load_policy(name: str, step: int | None = None, overrides: dict | None = Non
 def load_prompts(policy: Policy, max_prompts: int | None = None) -> D.PromptData:
     """The prompts: ``dataset_name`` if given, else a run's evaluation set (its eval_dataset, or its dataset's
     ``dataset_test_split``; mixers as the run mixes them), the first ``max_prompts`` rows."""
-    from jodpo.run import _load
+    from jodpo.run import load_split
 
     cfg = policy.cfg
     if not (cfg.dataset_name or cfg.eval_dataset or cfg.dataset_eval_mixer or cfg.dataset_mixer):
         raise GenerateError("no prompts: give --dataset_name (a hub id, or a local json/jsonl/parquet/csv file or "
                             "directory with a 'prompt' column)")
-    rows = _load(cfg.dataset_eval_mixer or (None if cfg.eval_dataset else cfg.dataset_mixer),
+    rows = load_split(cfg.dataset_eval_mixer or (None if cfg.eval_dataset else cfg.dataset_mixer),
                  cfg.eval_dataset or cfg.dataset_name, cfg, cfg.dataset_test_split)
     if max_prompts is not None:
         rows = rows.select(range(min(len(rows), max_prompts)))
@@ -253,7 +253,15 @@ def add_field_arguments(parser: argparse.ArgumentParser, names, title: str) -> N
 
 
 def field_overrides(args: argparse.Namespace, names) -> dict:
-    return dict(parse_override(f"--config.{n}={getattr(args, n)}") for n in names if getattr(args, n) is not None)
+    out = {}
+    for n in names:
+        text = getattr(args, n)
+        if text is None:
+            continue
+        if n == "reward_funcs" and not text.lstrip().startswith(("[", "(")):
+            text = repr([text])  # one function: module:function without the list around it
+        out.update([parse_override(f"--config.{n}={text}")])
+    return out
 
 
 def parser(prog: str, description: str) -> argparse.ArgumentParser:

@@ -143,7 +143,7 @@ def build(cfg: TrainConfig) -> Run:
     stop = stop_token_ids(cfg, tokenizer)
     eos = tuple(dict.fromkeys([*eos, *stop]))
 
-    train_rows = _load(cfg.dataset_mixer, cfg.dataset_name, cfg, cfg.dataset_train_split)
+    train_rows = load_split(cfg.dataset_mixer, cfg.dataset_name, cfg, cfg.dataset_train_split)
     # A preference dataset (prompt/chosen/rejected) trains offline DPO, unless the run has a reward or a judge: then
     # its prompts train online DPO, as TRL's and open-instruct's online trainers read only the prompts.
     offline = D.is_preference(train_rows) and not (cfg.reward_model_path or cfg.reward_funcs or cfg.judge)
@@ -153,7 +153,7 @@ def build(cfg: TrainConfig) -> Run:
         train = D.prepare_prompts(train_rows, tokenizer, cfg.max_prompt_length)
     evaluation = None
     if not offline and (cfg.eval_dataset or cfg.dataset_eval_mixer or cfg.eval_steps):
-        rows = _load(cfg.dataset_eval_mixer or (None if cfg.eval_dataset else cfg.dataset_mixer),
+        rows = load_split(cfg.dataset_eval_mixer or (None if cfg.eval_dataset else cfg.dataset_mixer),
                      cfg.eval_dataset or cfg.dataset_name, cfg, cfg.dataset_test_split)
         rows = rows.select(range(min(len(rows), cfg.max_eval_prompts)))
         evaluation = D.prepare_prompts(rows, tokenizer, cfg.max_prompt_length)
@@ -251,7 +251,7 @@ def meshes(cfg: TrainConfig) -> tuple[Mesh, Mesh | None]:
     return mesh, sampler
 
 
-def _load(mixer: dict | None, name: str, cfg: TrainConfig, split: str):
+def load_split(mixer: dict | None, name: str, cfg: TrainConfig, split: str):
     """The rows of a split: a dataset_mixer's mixture when there is one, else the named dataset."""
     if mixer:
         return D.load_mixture(mixer, cfg.dataset_config, split)

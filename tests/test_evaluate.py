@@ -109,7 +109,7 @@ def test_reward_model_verdicts_are_its_scores_compared(checkpoints, tmp_path):
     assert summary["win_rate"] == wins / 8 and summary["ci95"] == list(E.wilson_interval(wins, 8))
 
 
-SELF = ["--reward_funcs", "['jodpo.toy:sentiment_reward']", "--bf16", "False", "--max_new_tokens", "12",
+SELF = ["--reward_funcs", "jodpo.toy:sentiment_reward", "--bf16", "False", "--max_new_tokens", "12",
         "--temperature", "1.0", "--seed", "0", "--per_device_eval_batch_size", "16"]
 
 
