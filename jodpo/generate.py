@@ -34,7 +34,7 @@ from jodpo.run_policy import is_run_dir, load_run_policy
 from jodpo.sampling import SamplingConfig, sample
 
 # The training config's fields that shape generation (``--FIELD VALUE`` on the command line).
-SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_new_tokens",
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_new_tokens", "stop_token",
                    "max_prompt_length", "prompt_buckets", "seed", "per_device_eval_batch_size", "decode_chunk", "bf16",
                    "matmul_precision", "attn_implementation", "param_dtype", "mesh_data", "mesh_fsdp", "mesh_tensor")
 DATA_FIELDS = ("dataset_name", "dataset_config", "dataset_test_split")
@@ -99,7 +99,10 @@ def load_policy(name: str, step: int | None = None, overrides: dict | None = Non
                                 S.param_shardings(model, mesh))
     model = model.replace(dtype="bfloat16" if cfg.bf16 else "float32", remat="none", precision=cfg.matmul_precision,
                           attention=cfg.attn_implementation)
-    eos = [*model.eos_token_ids, *([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])]
+    from jodpo.run import stop_token_ids  # a run with stop_token='period' ends its completions there too
+
+    eos = [*model.eos_token_ids, *([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []),
+           *stop_token_ids(cfg, tokenizer)]
     sampling = SamplingConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
                               top_p=cfg.top_p, min_p=cfg.min_p or 0.0, repetition_penalty=cfg.repetition_penalty,
                               eos_token_ids=tuple(dict.fromkeys(eos)), pad_token_id=tokenizer.pad_token_id,
@@ -117,7 +120,7 @@ def load_prompts(policy: Policy, max_prompts: int | None = None) -> D.PromptData
         raise GenerateError("no prompts: give --dataset_name (a hub id, or a local json/jsonl/parquet/csv file or "
                             "directory with a 'prompt' column)")
     rows = load_split(cfg.dataset_eval_mixer or (None if cfg.eval_dataset else cfg.dataset_mixer),
-                 cfg.eval_dataset or cfg.dataset_name, cfg, cfg.dataset_test_split)
+                      cfg.eval_dataset or cfg.dataset_name, cfg, cfg.dataset_test_split)
     if max_prompts is not None:
         rows = rows.select(range(min(len(rows), max_prompts)))
     return D.prepare_prompts(rows, policy.tokenizer, cfg.max_prompt_length)

@@ -143,3 +143,12 @@ def test_a_file_it_did_not_write_is_refused_and_left_alone(tiny_run, generated, 
         err = capsys.readouterr().err.strip()
         assert err.startswith("jodpo.generate: error: ") and message in err and "\n" not in err, err
         assert out.read_text() == text
+
+
+def test_stop_token_period_ends_completions_at_the_first_period_as_in_training(checkpoints):
+    path = str(checkpoints["llama"]["causal_lm"])
+    plain = G.load_policy(path, overrides={"bf16": False})
+    policy = G.load_policy(path, overrides={"bf16": False, "stop_token": "period"})
+    period = policy.tokenizer.encode(".", add_special_tokens=False)
+    assert len(period) == 1 and period[0] not in plain.sampling.eos_token_ids
+    assert policy.sampling.eos_token_ids == (*plain.sampling.eos_token_ids, period[0])
