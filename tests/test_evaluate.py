@@ -134,6 +134,30 @@ def test_a_model_against_itself_wins_half(against_itself, tmp_path):
     assert s["ties"] == 64 and s["win_rate"] == 0.5
 
 
+def sentiment_judge(prompts, pairs):
+    """A callable pairwise judge (TRL's shape): the more positive completion wins; equal ones get no verdict."""
+    out = []
+    for a, b in pairs:
+        sa, sb = toy.sentiment_reward(None, [a, b])
+        out.append(0 if sa > sb else 1 if sb > sa else -1)
+    return out
+
+
+def test_a_callable_judge_gives_the_verdicts_of_its_function(against_itself, tmp_path):
+    args, by_reward = against_itself
+    out = tmp_path / "judged"
+    i = args.index("--reward_funcs")
+    assert E.main([*args[:i], *args[i + 2:], "--out", str(out), "--baseline_seed", "1", "--judge",
+                   "tests.test_evaluate:sentiment_judge"]) == 0
+    rows = [json.loads(x) for x in (out / "judged.jsonl").read_text().splitlines()]
+    expected = [json.loads(x) for x in (by_reward / "judged.jsonl").read_text().splitlines()]
+    assert [r["verdict"] for r in rows] == [None if e["verdict"] == "tie" else e["verdict"] for e in expected]
+    assert [r["probability"] for r in rows] == [{"win": 1.0, "loss": 0.0}.get(r["verdict"]) for r in rows]
+    s = json.loads((out / "summary.json").read_text())
+    assert s["no_verdict"] == sum(e["verdict"] == "tie" for e in expected) and s["ties"] == 0
+    assert s["comparison"] == "judge tests.test_evaluate:sentiment_judge"
+
+
 def test_an_interrupted_evaluation_continues_to_the_same_files(against_itself, tmp_path, monkeypatch):
     args, full = against_itself
     out = tmp_path / "eval"
