@@ -12,7 +12,7 @@ One row per prompt: ``index``, ``prompt`` (as in the dataset), ``prompt_text`` (
 the chat template), ``completion``, ``completion_tokens`` (EOS included), ``eos`` (it ended with an EOS). Rows are
 appended a whole batch at a time; a rerun of the same command continues where an interrupted one stopped (a
 half-written batch is dropped and drawn again) and writes exactly what an uninterrupted run writes. The settings
-are kept beside the file (``FILE.settings.json``); a rerun with other settings is refused.
+are kept beside the file (``NAME.settings.json`` for ``NAME.jsonl``); a rerun with other settings is refused.
 """
 from __future__ import annotations
 
