@@ -28,6 +28,8 @@ from jodpo import data as D
 from jodpo import generate as G
 from jodpo import judges as J
 from jodpo.evaluation import judge_against
+from jodpo.models.loading import resolve_path
+from jodpo.rewards import import_reward_function
 from jodpo.run import load_judge, load_rewards
 
 COMPARISON_FIELDS = ("judge", "judge_prompt", "judge_answer_tokens", "judge_both_orders", "reward_model_path",
@@ -62,26 +64,42 @@ def summarize(verdicts: list[str | None]) -> dict:
 
 
 class Comparison:
-    """A judge or rewards, applied to (prompts, baseline completions, model completions) a batch at a time."""
+    """A judge or rewards, applied to (prompts, baseline completions, model completions) a batch at a time. Checked
+    when made (a callable is imported, a model's path resolved), loaded when first used: after the completions are
+    generated, so the devices never hold a judge or reward model beside the policy."""
 
     def __init__(self, cfg, policy: G.Policy, chat: bool):
-        self.cfg = cfg
+        self.cfg, self.chat = cfg, chat
+        self.model, self.mesh, self.tokenizer = policy.model, policy.mesh, policy.tokenizer  # not its parameters
+        self.judge, self.rewards = None, None
         if cfg.judge:
-            self.judge, self.rewards = load_judge(cfg, policy.model, policy.mesh), None
+            if J.is_import_path(cfg.judge):
+                self.judge = J.import_judge(cfg.judge)
+            else:
+                resolve_path(cfg.judge)
             self.name = f"judge {cfg.judge}"
         elif cfg.reward_model_path or cfg.reward_funcs:
-            self.judge = None
-            self.rewards = load_rewards(cfg, policy.model, policy.tokenizer, policy.mesh, chat)
+            for spec in cfg.reward_funcs:
+                import_reward_function(spec)
+            if cfg.reward_model_path:
+                resolve_path(cfg.reward_model_path)
             parts = [*([cfg.reward_model_path] if cfg.reward_model_path else []), *cfg.reward_funcs]
             self.name = f"rewards {', '.join(parts)} (the higher score wins)"
         else:
             raise G.GenerateError("nothing to compare with: give --judge (an LLM, or module:function), "
                                   "--reward_model_path or --reward_funcs")
 
+    def load(self) -> None:
+        if self.judge is None and self.cfg.judge:
+            self.judge = load_judge(self.cfg, self.model, self.mesh)
+        elif self.rewards is None and not self.cfg.judge:
+            self.rewards = load_rewards(self.cfg, self.model, self.tokenizer, self.mesh, self.chat)
+
     def settings(self) -> dict:
         return json.loads(json.dumps({k: getattr(self.cfg, k) for k in COMPARISON_FIELDS}))
 
     def rows(self, prompts: list, baseline: list[str], completions: list[str], columns: dict) -> list[dict]:
+        self.load()
         if self.judge is not None:
             p_model = 1.0 - judge_against(self.judge, prompts, baseline, completions)
             return [{"verdict": verdict(float(p)), "probability": None if math.isnan(p) else float(p)}
@@ -90,7 +108,7 @@ class Comparison:
         base = self.rewards.score(prompts, baseline, None, columns)
         out = []
         for s, b in zip(score.tolist(), base.tolist()):
-            p = 1 / (1 + math.exp(b - s)) if math.isfinite(s - b) else math.nan  # Bradley-Terry
+            p = 0.5 * (1 + math.tanh((s - b) / 2)) if math.isfinite(s - b) else math.nan  # Bradley-Terry
             v = None if math.isnan(p) else "win" if s > b else "tie" if s == b else "loss"
             out.append({"verdict": v, "probability": None if math.isnan(p) else p, "score": s, "baseline_score": b})
         return out
@@ -141,14 +159,13 @@ def evaluate(args) -> dict:
     comparison = Comparison(cfg, policy, chat=isinstance(data.prompts[0], list))
     gen_settings = G.settings_of(policy, args.max_prompts)
     model_rows = G.generate(policy, data, out_dir / "completions.jsonl", gen_settings, args.overwrite, "model")
+    policy.params = None  # one model on the devices at a time
     tokens = {"model": _mean(r["completion_tokens"] for r in model_rows)}
     if args.baseline is not None:
         same = {k: getattr(policy.cfg, k) for k in (*G.SAMPLING_FIELDS, *G.DATA_FIELDS, "eval_dataset", "dataset_mixer",
                                                      "dataset_eval_mixer")}
         if args.baseline_seed is not None:
             same["seed"] = args.baseline_seed
-        batch = policy.batch_size
-        del policy  # one model on the devices at a time
         base_policy = G.load_policy(args.baseline, args.baseline_step, same)
         base_data = G.load_prompts(base_policy, args.max_prompts)
         base_rows = G.generate(base_policy, base_data, out_dir / "baseline.jsonl",
@@ -156,15 +173,14 @@ def evaluate(args) -> dict:
         baseline = [r["completion"] for r in base_rows]
         tokens["baseline"] = _mean(r["completion_tokens"] for r in base_rows)
         base_name = f"{args.baseline}" + (f" (step {base_policy.step})" if base_policy.step is not None else "")
-        del base_policy
+        base_policy.params = None
     else:
-        batch = policy.batch_size
         baseline = data.references
         tokens["baseline"] = _mean(len(x) for x in policy.tokenizer(baseline, add_special_tokens=False)["input_ids"])
         base_name = "the dataset's reference completions"
     settings = {"completions": gen_settings, "baseline": args.baseline, "baseline_step": args.baseline_step,
                 "baseline_seed": args.baseline_seed, **comparison.settings()}
-    rows = judge_rows(comparison, data, model_rows, baseline, out_dir / "judged.jsonl", settings, batch,
+    rows = judge_rows(comparison, data, model_rows, baseline, out_dir / "judged.jsonl", settings, policy.batch_size,
                       args.overwrite)
     summary = {"model": args.model, "step": gen_settings["step"], "baseline": base_name, "comparison": comparison.name,
                "prompts": len(rows), **summarize([r["verdict"] for r in rows]),

@@ -193,10 +193,13 @@ def test_errors_are_one_line_and_exit_status_2(tmp_path, capsys):
     cases = [(["--baseline", model], "nothing to compare with: give --judge (an LLM, or module:function), "
                                      "--reward_model_path or --reward_funcs"),
              (["--baseline", model, "--judge", "no_such_module:judge"],
-              "judge 'no_such_module:judge' cannot be imported: No module named 'no_such_module'")]
+              "judge 'no_such_module:judge' cannot be imported: No module named 'no_such_module'"),
+             (["--baseline", model, "--judge", str(tmp_path / "no_judge")], "no_judge: not a model directory"),
+             (["--baseline", model, "--reward_funcs", "jodpo.toy:no_reward"],
+              "reward function 'jodpo.toy:no_reward' cannot be imported")]
     for extra, message in cases:
         capsys.readouterr()
         assert E.main([*args, *extra]) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("jodpo.evaluate: error: ") and message in err and "\n" not in err, err
-    assert not (tmp_path / "e").exists()
+    assert not (tmp_path / "e").exists()  # checked before anything is generated
