@@ -92,7 +92,7 @@ def is_preference(ds) -> bool:
     return {"chosen", "rejected"} <= set(ds.column_names)
 
 
-def _render_prompt(tokenizer, prompt) -> str:
+def render_prompt(tokenizer, prompt) -> str:
     if isinstance(prompt, list):  # chat messages
         return tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
     if not isinstance(prompt, str):
@@ -141,7 +141,7 @@ def prepare_prompts(ds, tokenizer, max_prompt_length: int) -> PromptData:
 
         warnings.warn(f"{empty} of {len(prompts)} prompts are empty; they train on completions of nothing (the "
                       "model's text from its start); drop those rows if that is not meant", stacklevel=2)
-    ids = _truncate_left(_tokenize(tokenizer, [_render_prompt(tokenizer, p) for p in prompts]), max_prompt_length,
+    ids = _truncate_left(_tokenize(tokenizer, [render_prompt(tokenizer, p) for p in prompts]), max_prompt_length,
                          "prompts")
     columns = {c: list(ds[c]) for c in ds.column_names if c != "prompt"}
     refs = columns.get("completion")
@@ -174,7 +174,7 @@ class PreferenceData:
 
 def _response_text(tokenizer, prompt, response) -> str:
     if isinstance(prompt, list):  # chat: the rendered conversation minus the rendered prompt
-        head = _render_prompt(tokenizer, prompt)
+        head = render_prompt(tokenizer, prompt)
         full = tokenizer.apply_chat_template(prompt + list(response), tokenize=False)
         if not full.startswith(head):
             raise DataError("the chat template renders the prompt differently inside the conversation; "
@@ -190,7 +190,7 @@ def prepare_preferences(ds, tokenizer, max_prompt_length: int, max_response_leng
     if len(ds) == 0:
         raise DataError("the dataset is empty")
     prompts = list(ds["prompt"])
-    prompt_ids = _truncate_left(_tokenize(tokenizer, [_render_prompt(tokenizer, p) for p in prompts]),
+    prompt_ids = _truncate_left(_tokenize(tokenizer, [render_prompt(tokenizer, p) for p in prompts]),
                                 max_prompt_length, "prompts")
 
     def responses(col):

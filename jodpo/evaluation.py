@@ -76,15 +76,19 @@ def _reference_batches(run: Run) -> list[tuple[np.ndarray, np.ndarray]]:
     return list(shapes.values())
 
 
-def _judge_against_references(run: Run, idx: np.ndarray, tokens: np.ndarray) -> np.ndarray:
-    """f32[B]: the judge's probability that the dataset's reference beats the policy's completion (TRL's
-    judge_tldr puts the reference first too)."""
-    data = run.eval
-    prompts, references = [data.prompts[i] for i in idx], [data.references[i] for i in idx]
-    completions = run.decode(tokens)
-    if isinstance(prompts[0], list):  # both as the assistant's messages
+def judge_against(judge, prompts: list, references: list[str], completions: list[str]) -> np.ndarray:
+    """f32[B]: the judge's probability that ``references[b]`` (the dataset's, or a baseline's) beats the policy's
+    ``completions[b]`` (TRL's judge_tldr puts the reference first too); NaN: no verdict. Chat prompts: both as the
+    assistant's messages. The in-run evaluation and ``python -m jodpo.evaluate`` judge through it."""
+    if isinstance(prompts[0], list):
         references, completions = D.assistant_messages(references), D.assistant_messages(completions)
-    return run.judge.preferences(prompts, references, completions)
+    return judge.preferences(prompts, references, completions)
+
+
+def _judge_against_references(run: Run, idx: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    data = run.eval
+    return judge_against(run.judge, [data.prompts[i] for i in idx], [data.references[i] for i in idx],
+                         run.decode(tokens))
 
 
 def eval_samples(run: Run, state):

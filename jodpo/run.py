@@ -165,7 +165,7 @@ def build(cfg: TrainConfig) -> Run:
     stop = stop_token_ids(cfg, tokenizer)
     eos = tuple(dict.fromkeys([*eos, *stop]))
 
-    train_rows = _load(cfg.dataset_mixer, cfg.dataset_name, cfg, cfg.dataset_train_split)
+    train_rows = load_split(cfg.dataset_mixer, cfg.dataset_name, cfg, cfg.dataset_train_split)
     # A preference dataset (prompt/chosen/rejected) trains offline DPO, unless the run has a reward or a judge: then
     # its prompts train online DPO, as TRL's and open-instruct's online trainers read only the prompts.
     offline = D.is_preference(train_rows) and not (cfg.reward_model_path or cfg.reward_funcs or cfg.judge)
@@ -175,7 +175,7 @@ def build(cfg: TrainConfig) -> Run:
         train = D.prepare_prompts(train_rows, tokenizer, cfg.max_prompt_length)
     evaluation = None
     if not offline and (cfg.eval_dataset or cfg.dataset_eval_mixer or cfg.eval_steps):
-        rows = _load(cfg.dataset_eval_mixer or (None if cfg.eval_dataset else cfg.dataset_mixer),
+        rows = load_split(cfg.dataset_eval_mixer or (None if cfg.eval_dataset else cfg.dataset_mixer),
                      cfg.eval_dataset or cfg.dataset_name, cfg, cfg.dataset_test_split)
         rows = rows.select(range(min(len(rows), cfg.max_eval_prompts)))
         evaluation = D.prepare_prompts(rows, tokenizer, cfg.max_prompt_length)
@@ -187,26 +187,14 @@ def build(cfg: TrainConfig) -> Run:
 
     rewards, rm, judge = None, None, None
     if not offline and cfg.judge:
-        judge = _load_judge(cfg, model, mesh)
+        judge = load_judge(cfg, model, mesh)
         if evaluation is not None and evaluation.references is None:
             warnings.warn("with a judge, evaluation needs reference completions to judge against (a 'completion' "
                           "column); the evaluation set has none, so evaluation is off", stacklevel=2)
             evaluation = None
     elif not offline:
-        rm_params, rm_tok, shared = None, None, False
-        if cfg.reward_model_path:
-            with named("reward_model_path"):
-                rm, rm_params = load_model(cfg.reward_model_path, "reward", cfg.frozen_param_dtype, mesh=mesh)
-                rm_tok = load_tokenizer(cfg.reward_model_path)
-            rm = rm.replace(dtype=model.dtype, precision=model.precision, attention=model.attention)
-            rm_params = frozen_params(rm, rm_params)
-            rm_tok.padding_side = "right"
-            shared = _same_tokenizer(tokenizer, rm_tok)
-            if shared:
-                check_shared_vocab(model, rm)
-        fns = [import_reward_function(s) for s in cfg.reward_funcs]
-        chat = isinstance(train.prompts[0], list)
-        rewards = RewardSet(rm, rm_params, rm_tok, fns, cfg.reward_weights, shared_tokenizer=shared, chat=chat)
+        rewards = load_rewards(cfg, model, tokenizer, mesh, chat=isinstance(train.prompts[0], list))
+        rm = rewards.model
 
     global_batch = cfg.per_device_train_batch_size * dp * cfg.micro_batches
     updates = cfg.updates_per_step
@@ -240,6 +228,24 @@ def build(cfg: TrainConfig) -> Run:
                lora_targets=targets, sampler_mesh=sampler_mesh)
 
 
+def load_rewards(cfg: TrainConfig, policy, tokenizer, mesh, chat: bool) -> RewardSet:
+    """The run's rewards: the reward model (frozen, in frozen_param_dtype, computing as the ``policy`` model does,
+    sharded over the mesh) and the reward functions, with their weights."""
+    rm, rm_params, rm_tok, shared = None, None, None, False
+    if cfg.reward_model_path:
+        with named("reward_model_path"):
+            rm, rm_params = load_model(cfg.reward_model_path, "reward", cfg.frozen_param_dtype, mesh=mesh)
+            rm_tok = load_tokenizer(cfg.reward_model_path)
+        rm = rm.replace(dtype=policy.dtype, precision=policy.precision, attention=policy.attention)
+        rm_params = frozen_params(rm, rm_params)
+        rm_tok.padding_side = "right"
+        shared = _same_tokenizer(tokenizer, rm_tok)
+        if shared:
+            check_shared_vocab(policy, rm)
+    fns = [import_reward_function(s) for s in cfg.reward_funcs]
+    return RewardSet(rm, rm_params, rm_tok, fns, cfg.reward_weights, shared_tokenizer=shared, chat=chat)
+
+
 def meshes(cfg: TrainConfig) -> tuple[Mesh, Mesh | None]:
     """The training mesh (mesh_data x mesh_fsdp x mesh_tensor), and with ``sampler_devices`` = k the sampler's mesh
     on the last k devices, apart: data-parallel, with the training mesh's tensor split (the weights whole on each
@@ -269,7 +275,7 @@ def meshes(cfg: TrainConfig) -> tuple[Mesh, Mesh | None]:
     return mesh, sampler
 
 
-def _load(mixer: dict | None, name: str, cfg: TrainConfig, split: str):
+def load_split(mixer: dict | None, name: str, cfg: TrainConfig, split: str):
     """The rows of a split: a dataset_mixer's mixture when there is one, else the named dataset."""
     if mixer:
         return D.load_mixture(mixer, cfg.dataset_config, split)
@@ -300,7 +306,7 @@ def run_length(cfg: TrainConfig, global_batch: int, steps_per_epoch: int) -> int
     return math.ceil(cfg.num_train_epochs * steps_per_epoch)
 
 
-def _load_judge(cfg: TrainConfig, policy, mesh) -> J.LLMJudge | J.CallableJudge:
+def load_judge(cfg: TrainConfig, policy, mesh) -> J.LLMJudge | J.CallableJudge:
     """A callable judge from its import path, or a causal LM as an LLM judge: frozen, in frozen_param_dtype, computing
     as the policy does, its parameters sharded over the mesh like the reward model's."""
     if J.is_import_path(cfg.judge):

@@ -31,25 +31,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
 
-from jodpo.checkpoint import find_step_dir, restore_params  # noqa: E402
-from jodpo.models import CheckpointError, param_shapes  # noqa: E402
+from jodpo.models import CheckpointError  # noqa: E402
 from jodpo.models.export import DTYPES, ExportMismatch, check_output_dir, save_hf, verify_export  # noqa: E402
 from jodpo.models import lora  # noqa: E402
-from jodpo.models.loading import load_model, load_tokenizer, model_from_dir, resolve_path  # noqa: E402
+from jodpo.models.loading import load_tokenizer, model_from_dir, resolve_path  # noqa: E402
+from jodpo.run_policy import (check_fits, lora_parts, restore_newest, run_config, source_model_dir,  # noqa: E402
+                              step_dir_of)
 
 log = logging.getLogger("jodpo")
-
-
-def source_model_dir(run_dir: Path) -> Path:
-    """Where the policy's config and tokenizer are: ``output_dir/source_model``, else ``model_name_or_path``."""
-    if (run_dir / "source_model" / "config.json").is_file():
-        return run_dir / "source_model"
-    cfg_file = run_dir / "config.json"
-    if not cfg_file.is_file():
-        raise FileNotFoundError(f"{run_dir} has neither source_model/ nor config.json: it is not a jodpo output_dir, "
-                                "so the model's architecture is unknown")
-    cfg = json.loads(cfg_file.read_text())
-    return resolve_path(cfg["model_name_or_path"], cfg.get("model_revision"))
 
 
 def model_card(run_dir: Path, step_dir: Path, out_dir: Path, dtype: str) -> str:
@@ -89,29 +78,17 @@ def export(checkpoint: str, out: str, dtype: str = "float32", max_shard_size: st
     """Write the export; returns its directory and the lines of the read-back checks."""
     out_dir = Path(out).absolute()
     check_output_dir(out_dir, overwrite)  # before any work, so a refusal is immediate
-    candidates = find_step_dir(checkpoint)
-    for k, step_dir in enumerate(candidates):
-        try:
-            params = restore_params(step_dir)
-            break
-        except CheckpointError as e:
-            if k == len(candidates) - 1:
-                raise
-            log.warning("%s; trying the previous checkpoint", e)
+    step_dir, params = restore_newest(step_dir_of(checkpoint))
     run_dir = step_dir.parent.parent
     source = source_model_dir(run_dir)
     model = model_from_dir(source, "causal_lm", "float32")
-    run_cfg = json.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").is_file() else {}
+    run_cfg = run_config(run_dir)
     if run_cfg.get("use_peft"):
         return _export_lora(run_cfg, model, params, step_dir, source, out_dir, dtype, max_shard_size, overwrite, peft)
     if peft:
         raise ValueError(f"--peft exports LoRA adapters, and {run_dir} is not a LoRA run (use_peft is off); "
                          "export it without --peft")
-    got, need = _shapes(params), _shapes(param_shapes(model))
-    if got != need:
-        diff = sorted(k for k in set(got) | set(need) if got.get(k) != need.get(k))
-        raise CheckpointError(f"{step_dir}: the checkpoint's parameters do not fit {source}/config.json "
-                              f"(first differences: {diff[:3]})")
+    check_fits(model, params, step_dir, source)
     tokenizer = load_tokenizer(str(source))
     written = save_hf(model, params, out_dir, tokenizer, overwrite, dtype=dtype, max_shard_size=max_shard_size,
                       model_card=model_card(run_dir, step_dir, out_dir, dtype))
@@ -121,16 +98,8 @@ def export(checkpoint: str, out: str, dtype: str = "float32", max_shard_size: st
 def _export_lora(run_cfg: dict, model, adapters, step_dir: Path, source: Path, out_dir: Path, dtype: str,
                  max_shard_size: str, overwrite: bool, peft: bool) -> tuple[Path, list[str]]:
     """The merged model (base weights from ``model_name_or_path`` plus the adapters), or the PEFT adapters."""
-    lora_model = model.replace(lora_rank=run_cfg["lora_r"], lora_alpha=float(run_cfg["lora_alpha"]))
-    targets = lora.resolve_targets(lora_model, run_cfg.get("lora_target_modules"))
-    specs = lora.adapter_specs(lora_model, targets)
-    need = _shapes(jax.tree.map(lambda s: jax.ShapeDtypeStruct(s[0], "float32"), specs,
-                                is_leaf=lambda x: isinstance(x, tuple) and isinstance(x[0], tuple)))
-    if _shapes(adapters) != need:
-        raise CheckpointError(f"{step_dir}: the checkpoint's adapters do not fit lora_r={run_cfg['lora_r']} and the "
-                              f"targets {list(targets)} of {source}/config.json")
+    lora_model, targets, base = lora_parts(run_cfg, model, adapters, step_dir, source)
     base_path = run_cfg["model_name_or_path"]
-    _, base = load_model(base_path, "causal_lm", "float32", revision=run_cfg.get("model_revision"))
     tokenizer = load_tokenizer(str(source))
     if peft:
         written = lora.save_peft(lora_model, adapters, out_dir, targets, run_cfg.get("lora_dropout", 0.0), base_path,
@@ -169,10 +138,6 @@ def verify_peft(lora_model, base, adapters, base_path: str, out_dir: Path, rtol:
     if not err <= rtol:
         raise ExportMismatch(f"{out_dir}: peft's logits differ from jodpo's by {err:.2e} of the largest (limit {rtol})")
     return [f"loaded with peft onto {base_path}: logits equal jodpo's within {err:.1e} of the largest"]
-
-
-def _shapes(tree) -> dict[str, tuple[int, ...]]:
-    return {jax.tree_util.keystr(p): tuple(x.shape) for p, x in jax.tree.leaves_with_path(tree)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -119,3 +119,12 @@ def test_a_lora_run_exports_merged_and_as_peft(lora_run, tmp_path):
             input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits.numpy()
     np.testing.assert_allclose(_peft_logits(base_path, adapter, ids, mask), whole, rtol=1e-4, atol=1e-4)
     assert export_hf.main(["--checkpoint", str(out), "--out", str(tmp_path / "again"), "--peft"]) == 0
+    # jodpo.generate reads the run as its merged export: the same completions
+    from jodpo import generate
+
+    common = ["--max_prompts", "4", "--per_device_eval_batch_size", "4"]
+    assert generate.main([str(out), "--out", str(tmp_path / "run.jsonl"), *common]) == 0
+    assert generate.main([str(merged), "--out", str(tmp_path / "merged.jsonl"), *common, "--dataset_name",
+                          str(out.parent / "data"), "--max_new_tokens", "6", "--max_prompt_length", "64",
+                          "--bf16", "False"]) == 0
+    assert (tmp_path / "run.jsonl").read_text() == (tmp_path / "merged.jsonl").read_text()
