@@ -22,7 +22,7 @@ def _length_reward(prompts, completions, completion_ids, **kw):
     return [None if i == 1 else float(len(c)) / 10 for i, c in enumerate(completions)]
 
 
-def record_trl_step(paths, loss_type, use_rm, tmp_path):
+def record_trl_step(paths, loss_type, use_rm, tmp_path, extra_eos=tuple(range(100, 140))):
     """TRL 1.16's first OnlineDPOTrainer step on the checkpoint ``paths["causal_lm"]`` (``paths["reward"]`` scoring
     with ``use_rm``, else ``_length_reward``): its samples, log-probs, rewards, loss, logs and updated policy."""
     from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
@@ -32,7 +32,7 @@ def record_trl_step(paths, loss_type, use_rm, tmp_path):
     policy = AutoModelForCausalLM.from_pretrained(paths["causal_lm"], dtype=torch.float32, attn_implementation="eager")
     ref = AutoModelForCausalLM.from_pretrained(paths["causal_lm"], dtype=torch.float32, attn_implementation="eager")
     # Extra EOS ids, so that some completions end early and some do not (both penalty branches run).
-    policy.generation_config.eos_token_id = [tok.eos_token_id] + list(range(100, 140))
+    policy.generation_config.eos_token_id = [tok.eos_token_id] + list(extra_eos)
     if use_rm:
         reward = AutoModelForSequenceClassification.from_pretrained(paths["reward"], dtype=torch.float32,
                                                                     attn_implementation="eager")
@@ -85,8 +85,11 @@ def test_one_step_equals_trl(checkpoints, tmp_path, family, loss_type, use_rm):
     check_step_equals_trl(paths, record_trl_step(paths, loss_type, use_rm, tmp_path), loss_type, use_rm, tmp_path)
 
 
-def check_step_equals_trl(paths, rec, loss_type, use_rm, tmp_path):
-    """jodpo replays TRL's recorded step: log-probs, rewards, loss, gradient norm, metrics, updated parameters."""
+def check_step_equals_trl(paths, rec, loss_type, use_rm, tmp_path, scale: float = 1.0):
+    """jodpo replays TRL's recorded step: log-probs, rewards, loss, gradient norm, metrics, updated parameters.
+    ``scale`` widens the tolerances of what jodpo computes against torch (10 for a 30-layer real model, whose float32
+    sums in another order drift further than a 2-layer fixture's: the 1e-4 the real-weight logits are held to)."""
+    t = 1e-5 * scale
     model, params = jodpo.load_model(str(paths["causal_lm"]))
     P, C, cm = rec["prompt_ids"], rec["completion_ids"], rec["completion_mask"]
     assert 0 < rewards.contains_eos(C, cm, rec["eos_token_ids"]).sum() < len(C), "want rows with and without EOS"
@@ -94,7 +97,7 @@ def check_step_equals_trl(paths, rec, loss_type, use_rm, tmp_path):
     # Per-token log-probs (TRL's are unmasked; compare where the completion is real).
     lp = np.asarray(losses.completion_logprobs(model, params, P, rec["prompt_mask"], C, cm))
     trl_lp, trl_ref = rec["logprobs"]
-    np.testing.assert_allclose(lp[cm > 0], trl_lp[cm > 0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(lp[cm > 0], trl_lp[cm > 0], rtol=t, atol=t)
     np.testing.assert_allclose(trl_ref, trl_lp, rtol=1e-6)  # before the update, the reference is the policy
 
     # Rewards: jodpo's own scoring of TRL's texts (re-tokenized with the reward tokenizer) matches.
@@ -113,12 +116,12 @@ def check_step_equals_trl(paths, rec, loss_type, use_rm, tmp_path):
 
     (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
     log = rec["log"]
-    np.testing.assert_allclose(float(loss), rec["loss"], rtol=1e-5, atol=1e-7)
-    np.testing.assert_allclose(float(optax.global_norm(grads)), log["grad_norm"], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(float(loss), rec["loss"], rtol=t, atol=1e-2 * t)
+    np.testing.assert_allclose(float(optax.global_norm(grads)), log["grad_norm"], rtol=t, atol=1e-2 * t)
     same = ["objective/scores", "objective/scores_margin", "rewards/chosen", "rewards/rejected", "rewards/margins",
             "logps/chosen", "logps/rejected", "val/contain_eos_token", "beta"]
     for k in same:
-        np.testing.assert_allclose(float(metrics[k]), log[k], rtol=1e-5, atol=1e-6, err_msg=k)
+        np.testing.assert_allclose(float(metrics[k]), log[k], rtol=t, atol=0.1 * t, err_msg=k)
     # rewards/accuracies is mean(margin > 0) per pair. At TRL's first step the policy is the reference, so every
     # margin is 0 up to float rounding (TRL's exactly, jodpo's +-1e-9, on some CPUs): it is compared only when
     # every pair's margin is clear of 0 by more than the tolerance above (rewards/margins checks the values).
@@ -126,14 +129,14 @@ def check_step_equals_trl(paths, rec, loss_type, use_rm, tmp_path):
         rec["rewards"], rewards.contains_eos(C, cm, rec["eos_token_ids"]), 1.0, None)))
     ratio = ((trl_lp - trl_ref) * cm).sum(1)
     trl_margins = 0.1 * (ratio[chosen] - ratio[rejected])
-    if np.all(np.abs(trl_margins) > 1e-5):
+    if np.all(np.abs(trl_margins) > t):
         assert float(metrics["rewards/accuracies"]) == log["rewards/accuracies"] == np.mean(trl_margins > 0)
     # Deliberate difference: TRL 1.16 sums KL/entropy over padding; jodpo masks. Check both readings.
     kl_trl = (trl_lp - trl_ref).sum(1).mean()
     np.testing.assert_allclose(log["objective/kl"], kl_trl, atol=1e-6)
-    np.testing.assert_allclose(float(metrics["objective/kl"]), ((trl_lp - trl_ref) * cm).sum(1).mean(), atol=1e-5)
+    np.testing.assert_allclose(float(metrics["objective/kl"]), ((trl_lp - trl_ref) * cm).sum(1).mean(), atol=t)
     np.testing.assert_allclose(log["objective/entropy"], -trl_lp.sum(1).mean(), rtol=1e-5)
-    np.testing.assert_allclose(float(metrics["objective/entropy"]), -(trl_lp * cm).sum(1).mean(), rtol=1e-5)
+    np.testing.assert_allclose(float(metrics["objective/entropy"]), -(trl_lp * cm).sum(1).mean(), rtol=t)
 
     # The whole update (clip, AdamW, schedule): jodpo's step from the same samples lands on TRL's parameters.
     B = len(PROMPTS)
@@ -145,7 +148,7 @@ def check_step_equals_trl(paths, rec, loss_type, use_rm, tmp_path):
     samples = jodpo.Samples(tokens=C[None], mask=cm[None], logprobs=np.zeros(C.shape, np.float32)[None])
     state, step_metrics = train_step.jit_update(cfg, train_step.init_state(cfg, params, jax.random.key(0)), params,
                                                 P[None, :B], rec["prompt_mask"][None, :B], samples, rec["rewards"][None])
-    np.testing.assert_allclose(float(step_metrics["grad_norm"]), log["grad_norm"], rtol=1e-5)
+    np.testing.assert_allclose(float(step_metrics["grad_norm"]), log["grad_norm"], rtol=t)
     _, trl_after = jodpo.load_model(str(tmp_path / "after"))
     moved = 0
     for (path, ours), theirs, before, g in zip(jax.tree.leaves_with_path(state.params), jax.tree.leaves(trl_after),
@@ -153,8 +156,8 @@ def check_step_equals_trl(paths, rec, loss_type, use_rm, tmp_path):
         # Adam's first step is lr * g / (|g| + eps): on an entry whose gradient is float noise (for example the key
         # bias, whose gradient is exactly zero in exact arithmetic) both sides move by lr * noise/|noise|, so
         # compare the entries with a real gradient (well above float noise and Adam's eps).
-        real = np.abs(np.asarray(g)) * min(1.0, 1.0 / log["grad_norm"]) > 1e-6  # after clipping, well above eps
-        np.testing.assert_allclose(np.asarray(ours)[real], np.asarray(theirs)[real], atol=2e-6, rtol=0,
+        real = np.abs(np.asarray(g)) * min(1.0, 1.0 / log["grad_norm"]) > 0.1 * t  # after clipping, above eps and noise
+        np.testing.assert_allclose(np.asarray(ours)[real], np.asarray(theirs)[real], atol=0.2 * t, rtol=0,
                                    err_msg=str(path))
         moved += int(np.sum(np.abs(np.asarray(theirs) - np.asarray(before))[real] > 5e-4))
     assert moved > 1000  # the step really moved the parameters (by about lr each)

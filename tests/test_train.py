@@ -142,7 +142,7 @@ def test_every_config_runs_two_steps_on_local_stand_ins(name, checkpoints, tmp_p
     # open-instruct's recipe reads a preference dataset's prompts (online, since the run has a reward model)
     data = str(hf_fixtures.prompt_dataset(tmp_path / "data", chat, preference=cfg.dataset_mixer is not None))
     source = {"dataset_mixer": {data: 1.0}, "dataset_eval_mixer": {data: 1.0}, "dataset_test_split": "test"} \
-        if cfg.dataset_mixer else {"dataset_name": data}
+        if cfg.dataset_mixer else {"dataset_name": data, "eval_dataset": None, "dataset_test_split": "test"}
     # a judge recipe is judged by a tiny causal LM, any other one scored by a tiny reward model
     scorer = {"judge": str(checkpoints["llama"]["causal_lm"])} if cfg.judge else {
         "reward_model_path": str(checkpoints[family]["reward"])}
