@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shutil
 import sys
 from pathlib import Path
 
@@ -75,9 +76,19 @@ def model_card(run_dir: Path, step_dir: Path, out_dir: Path, dtype: str) -> str:
 
 def export(checkpoint: str, out: str, dtype: str = "float32", max_shard_size: str = "5GB",
            overwrite: bool = False, peft: bool = False) -> tuple[Path, list[str]]:
-    """Write the export; returns its directory and the lines of the read-back checks."""
+    """Write the export; returns its directory and the lines of the read-back checks. An export whose read-back
+    does not match the checkpoint (``ExportMismatch``) is removed: nothing is left at ``out``."""
     out_dir = Path(out).absolute()
     check_output_dir(out_dir, overwrite)  # before any work, so a refusal is immediate
+    try:
+        return _export(checkpoint, out_dir, dtype, max_shard_size, overwrite, peft)
+    except ExportMismatch:
+        shutil.rmtree(out_dir, ignore_errors=True)  # written whole (atomically), then found wrong: not an export
+        raise
+
+
+def _export(checkpoint: str, out_dir: Path, dtype: str, max_shard_size: str, overwrite: bool,
+            peft: bool) -> tuple[Path, list[str]]:
     step_dir, params = restore_newest(step_dir_of(checkpoint))
     run_dir = step_dir.parent.parent
     source = source_model_dir(run_dir)

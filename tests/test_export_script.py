@@ -104,6 +104,17 @@ def test_cli_bf16_sharded_export_and_refusals(neox_run, tmp_path):
     assert not (tmp_path / "x").exists()
 
 
+def test_an_export_that_fails_its_read_back_check_leaves_nothing(neox_run, tmp_path, monkeypatch, capsys):
+    def mismatch(model, params, out, *a, **k):
+        assert (Path(out) / "config.json").is_file()  # written whole, then checked
+        raise export_hf.ExportMismatch(f"{out}: re-read parameters differ from the exported ones: ['embed']")
+
+    monkeypatch.setattr(export_hf, "verify_export", mismatch)
+    assert export_hf.main(["--checkpoint", str(neox_run), "--out", str(tmp_path / "bad")]) == 1
+    assert "does not match the checkpoint" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists() and not list(tmp_path.iterdir())
+
+
 def test_unreadable_latest_checkpoint_falls_back(neox_run, tmp_path, caplog):
     run = tmp_path / "run"
     shutil.copytree(neox_run, run)
