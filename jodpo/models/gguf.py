@@ -156,10 +156,6 @@ def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
 # The tokenizer
 # --------------------------------------------------------------------------------------------------
 
-_TOKENIZER_KEYS = {"model": "tokenizer_type", "pre": "pre_tokenizer_type", "tokens": "tokens", "scores": "scores",
-                   "token_type": "token_type", "merges": "merges", "precompiled_charsmap": "precompiled_charsmap",
-                   "bos_token_id": "bos_token_id", "eos_token_id": "eos_token_id", "unknown_token_id": "unk_token_id",
-                   "padding_token_id": "pad_token_id", "add_space_prefix": "add_prefix_space"}
 _SPECIAL = {"bos_token": "bos", "eos_token": "eos", "unk_token": "unknown", "pad_token": "padding"}
 
 
@@ -168,19 +164,17 @@ def tokenizer(file: Path):
 
     transformers' own GGUF tokenizer path reads the file with a torch-based reader; this reads the metadata with
     the ``gguf`` package and hands it to transformers' converter (``convert_gguf_tokenizer``, no torch), so the
-    result is the same tokenizer (tests/test_gguf.py compares them)."""
+    result is the same tokenizer (tests/test_real_model.py compares them on SmolLM2)."""
     from transformers import PreTrainedTokenizerFast
-    from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
 
     g = GGUF(file)
-    tok_dict = {ours: g.value(f"tokenizer.ggml.{key}") for key, ours in _TOKENIZER_KEYS.items()
-                if f"tokenizer.ggml.{key}" in g.reader.fields}
+    tok_dict, config = ({ours: g.value(f"tokenizer.{key}") for key, ours in GGUF_TOKENIZER_MAPPING[group].items()
+                         if f"tokenizer.{key}" in g.reader.fields} for group in ("tokenizer", "tokenizer_config"))
     if "tokens" not in tok_dict:
         raise CheckpointError(f"{file}: the GGUF file holds no tokenizer (tokenizer.ggml.tokens).")
-    config = {"chat_template": g.value("tokenizer.chat_template"), "add_bos_token": g.value("tokenizer.ggml.add_bos_token"),
-              "add_eos_token": g.value("tokenizer.ggml.add_eos_token")}
     if tok_dict.get("tokenizer_type") == "llama":
-        config["add_bos_token"] = True if config["add_bos_token"] is None else config["add_bos_token"]
+        config.setdefault("add_bos_token", True)  # as transformers: llama.cpp adds BOS to such a vocabulary
     for name, key in _SPECIAL.items():
         token_id = g.value(f"tokenizer.ggml.{key}_token_id")
         config[name] = tok_dict["tokens"][token_id] if token_id is not None else None
