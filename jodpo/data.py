@@ -80,14 +80,6 @@ def assistant_messages(completions) -> list:
     return [[{"role": "assistant", "content": c}] for c in completions]
 
 
-def display_text(item) -> str:
-    """A prompt or completion as a reader should see it in tables and files: chat messages as the conversation
-    (``role: content`` lines), text as is."""
-    if isinstance(item, list):
-        return "\n".join(f"{m.get('role', '?')}: {m.get('content', '')}" for m in item)
-    return str(item)
-
-
 def is_preference(ds) -> bool:
     return {"chosen", "rejected"} <= set(ds.column_names)
 

@@ -255,7 +255,7 @@ def _loop(run: Run, state, start: int, ckpt: Checkpointer, logger: RunLogger, st
             idx, samples, raw = sampled
             B = len(idx) // run.cfg.micro_batches
             texts = run.decode(S.to_host(samples.tokens)[0, :B])
-            rows = [(D.display_text(run.train.prompts[i]), t, float(r)) for i, t, r in zip(idx[:B], texts, S.to_host(raw)[0])]
+            rows = [(J.plain_text(run.train.prompts[i]), t, float(r)) for i, t, r in zip(idx[:B], texts, S.to_host(raw)[0])]
             logger.table(done, rows[:4])
         if run.eval is not None and (done == run.total_steps or (cfg.eval_steps and done % cfg.eval_steps == 0)):
             with _reward_errors(f"in the evaluation at step {done}"):

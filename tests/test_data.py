@@ -31,9 +31,12 @@ def test_dataset_mixer_takes_counts_and_fractions_in_order(tmp_path):
 
 
 def test_chat_prompts_display_as_the_conversation():
+    """The completion tables show a chat prompt as the conversation (judges.plain_text), not a Python repr."""
+    from jodpo.judges import plain_text
+
     chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Héllo <|im_end|> 🙂"}]
-    assert D.display_text(chat) == "system: Be brief.\nuser: Héllo <|im_end|> 🙂"
-    assert D.display_text("plain text") == "plain text"
+    assert plain_text(chat) == "System: Be brief.\n\nUser: Héllo <|im_end|> 🙂\n\n"
+    assert plain_text("plain text") == "plain text"
 
 
 def test_empty_prompts_warn_with_their_count(tokenizer_dir):
