@@ -60,13 +60,20 @@ class TrainConfig:
     eval_dataset: str | None = _f(None, "evaluation dataset (default: dataset_name's dataset_test_split)")
     max_eval_prompts: int = _f(64, "evaluation prompts used at each evaluation")
     # --- batch and schedule
-    per_device_train_batch_size: int = _f(8, "prompts per device per micro-batch (two completions each)")
+    per_device_train_batch_size: int = _f(8, "prompts per device per micro-batch (num_generations completions each)")
     per_device_eval_batch_size: int = _f(8, "prompts per device per evaluation batch")
     gradient_accumulation_steps: int = _f(1, "micro-batches per optimizer step (gradients averaged)")
     num_train_epochs: float = _f(3.0, "passes over the prompts (ignored when max_steps > 0)")
     max_steps: int = _f(-1, "optimizer steps; > 0 overrides num_train_epochs")
     async_mode: bool = _f(False, "open-instruct's asynchronous generation: a step samples with the policy from "
                                  "before the previous update (one step off-policy; TRL: on-policy)")
+    num_generations: int = _f(2, "completions sampled per prompt, k >= 2 (TRL GRPO's name), from one decode sharing "
+                                 "the prompt's prefill; one pair per prompt is trained (pairing)")
+    pairing: str = _f("auto", "which pair of a prompt's k completions: best_worst (highest vs lowest score; all equal: "
+                              "no pair) | random (two of the k) | auto (random for k = 2: TRL's step; best_worst for "
+                              "k > 2)")
+    sync_steps: int = _f(1, "semi-online DPO (Lanchantin et al. 2025): the sampler holds the policy of the last "
+                            "multiple of sync_steps optimizer steps (1: on-policy, as TRL); combines with async_mode")
     num_epochs: int = _f(1, "passes over each rollout batch (open-instruct; TRL: 1), the pairs shuffled at each")
     num_mini_batches: int = _f(1, "optimizer steps per pass over a rollout batch (open-instruct); a rollout holds "
                                   "num_mini_batches x gradient_accumulation_steps micro-batches")
@@ -178,12 +185,23 @@ def _check(c: TrainConfig) -> None:
     positive = ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
                 "num_epochs", "num_mini_batches",
                 "max_new_tokens", "max_length", "max_prompt_length", "logging_steps", "decode_chunk",
-                "max_nonfinite_steps")
+                "max_nonfinite_steps", "sync_steps")
     for name in positive:
         if getattr(c, name) < 1:
             raise ConfigError(f"{name} must be >= 1, got {getattr(c, name)}")
     if not c.learning_rate > 0:
         raise ConfigError(f"learning_rate must be > 0, got {c.learning_rate}")
+    from jodpo.pairing import PAIRINGS
+
+    if c.num_generations < 2:
+        raise ConfigError(f"num_generations must be >= 2 (a pair needs two completions of a prompt), got "
+                          f"{c.num_generations}")
+    if c.pairing not in PAIRINGS:
+        raise ConfigError(f"pairing must be one of {PAIRINGS}, got {c.pairing!r}")
+    if c.sync_steps % c.updates_per_step:
+        raise ConfigError(f"sync_steps={c.sync_steps} is not a multiple of the {c.updates_per_step} optimizer steps "
+                          "of a rollout (num_epochs x num_mini_batches): the sampler is refreshed between rollouts; "
+                          "use a multiple")
     betas = c.beta if isinstance(c.beta, tuple) else (c.beta,)
     if not betas or any(not b > 0 for b in betas):
         raise ConfigError(f"beta must be > 0 (a number or a list of numbers), got {c.beta}")

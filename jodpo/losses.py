@@ -281,7 +281,7 @@ def online_dpo_loss(model: Model, params: Params, ref_params: Params, prompt_ids
                     eos_token_ids=(), penalty_reward_value=None, max_length: int | None = None,
                     options: LossOptions = LossOptions(), ref_logprobs: jax.Array | None = None,
                     judged: bool = False, logprob_temperature: float | None = None,
-                    sample_logprobs: jax.Array | None = None):
+                    sample_logprobs: jax.Array | None = None, pair_weights: jax.Array | None = None):
     """The online DPO loss of one batch and TRL's metrics; differentiable in ``params``.
 
     Args:
@@ -305,6 +305,8 @@ def online_dpo_loss(model: Model, params: Params, ref_params: Params, prompt_ids
         trained one (open-instruct's async_mode): then ``objective/off_policy_kl`` is logged, the mean over
         completions of their summed log-probs under the sampler minus under the trained policy (a sample estimate
         of KL(sampler || policy)).
+      pair_weights: f32[B] the pairs' weights in the loss and the ``rewards/*``, ``logps/*`` metrics (0: a prompt
+        without a pair, ``jodpo.pairing``); None: every pair alike. With ``judged``, multiplied by the verdicts'.
       options: the losses' options (``LossOptions``); with ``ld_alpha``, LD-DPO's weighted log-probs feed the loss,
         ``rewards/*`` and ``logps/*`` (as TRL's DPOTrainer), the plain sums the KL and entropy.
     Returns:
@@ -325,6 +327,8 @@ def online_dpo_loss(model: Model, params: Params, ref_params: Params, prompt_ids
     length = completion_mask.sum(-1).astype(jnp.float32)
     p_first = scores[:scores.shape[0] // 2]
     weights = jnp.isfinite(p_first).astype(jnp.float32) if judged else None
+    if pair_weights is not None:
+        weights = pair_weights.astype(jnp.float32) * (1.0 if weights is None else weights)
     loss, metrics = preference_loss(S_loss, S_ref_loss, length, chosen, rejected, beta=beta, loss_type=loss_type,
                                     options=options, weights=weights)
     S = jax.lax.stop_gradient(S)

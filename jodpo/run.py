@@ -198,9 +198,11 @@ def build(cfg: TrainConfig) -> Run:
 
     global_batch = cfg.per_device_train_batch_size * dp * cfg.micro_batches
     updates = cfg.updates_per_step
-    if offline and (updates > 1 or cfg.async_mode or sampler_mesh is not None):
-        raise ConfigError("num_epochs, num_mini_batches, async_mode and sampler_devices shape online rollouts; this "
-                          "dataset has chosen/rejected columns (offline DPO): leave them at their defaults")
+    if offline and (updates > 1 or cfg.async_mode or sampler_mesh is not None or cfg.num_generations != 2
+                    or cfg.pairing != "auto" or cfg.sync_steps != 1):
+        raise ConfigError("num_epochs, num_mini_batches, async_mode, sampler_devices, num_generations, pairing and "
+                          "sync_steps shape online rollouts; this dataset has chosen/rejected columns (offline DPO): "
+                          "leave them at their defaults")
 
     spe = D.steps_per_epoch(len(train), global_batch)
     total = run_length(cfg, global_batch, spe)
@@ -221,7 +223,8 @@ def build(cfg: TrainConfig) -> Run:
         penalty_reward_value=cfg.penalty_reward_value if cfg.non_eos_penalty else None, max_length=cfg.max_length,
         reward_model=rm if rewards is not None and rewards.on_device else None, judged=judge is not None,
         logprob_temperature=cfg.temperature if cfg.temperature_scaled_logprobs else None, stop_token_ids=stop,
-        async_mode=cfg.async_mode)
+        async_mode=cfg.async_mode, num_generations=cfg.num_generations, pairing=cfg.pairing,
+        sync_steps=cfg.sync_steps)
     save_every = int(cfg.save_steps) if cfg.save_steps >= 1 else max(1, math.ceil(total * cfg.save_steps))
     return Run(cfg, tokenizer, step_cfg, mesh, policy_params, ref_params, rewards, judge, train, evaluation,
                cfg.prompt_buckets or D.default_buckets(cfg.max_prompt_length), global_batch, spe, total, save_every,

@@ -11,6 +11,9 @@ dispatches asynchronously, and nothing waits for the other until rollout t + 1's
 is the same as on one mesh (``sampler_params`` included, which is what makes a resume exact), so the run equals the
 single-mesh ``async_mode`` run. Without ``async_mode`` each rollout needs the parameters of the update just before
 it: the sampler then only takes turns with the trainer (memory apart, nothing gained).
+
+With ``sync_steps`` = s the sampler's weights change only at multiples of s optimizer steps, and only then are they
+sent: the other rollouts sample with the weights the sampler already holds (the state's ``sampler_params``).
 """
 from __future__ import annotations
 
@@ -40,24 +43,39 @@ class SplitSampler:
         self._weights = jax.jit(functools.partial(ts.sampler_weights, run.step_cfg))
         self._sample = jax.jit(ts.sample_with, static_argnums=(0, 6))
         self.pending: tuple[int, Samples] | None = None  # (rollout, its completions, on the sampler's devices)
+        self.weights = None  # the weights on the sampler's devices, and the state's step they are from
+        self.weights_step: int | None = None
 
-    def launch(self, params, step: int) -> None:
-        """Start sampling rollout ``step`` with the trained ``params`` on the sampler's devices; returns at once."""
+    def launch(self, params, step: int, version: int) -> None:
+        """Start sampling rollout ``step`` on the sampler's devices with the policy of optimizer step ``version``:
+        ``params`` (the trained parameters, sent) or, when the sampler already holds that version, nothing sent.
+        Returns at once."""
         run = self.run
-        weights = jax.device_put(self._weights(params), self.weight_shardings)
+        if self.weights_step != version:
+            self.weights = jax.device_put(self._weights(params), self.weight_shardings)
+            self.weights_step = version
         ids, mask = (run.put(x, self.mesh) for x in run.prompts(run.indices(step)))
         draw = np.int32(step * run.cfg.updates_per_step)  # the state's step at rollout ``step``
-        samples = self._sample(run.step_cfg, weights, self.rng, draw, ids, mask, 2, self.base)
+        samples = self._sample(run.step_cfg, self.weights, self.rng, draw, ids, mask, run.step_cfg.num_generations,
+                               self.base)
         self.pending = (step, samples)
 
     def samples(self, state: ts.TrainState, step: int) -> Samples:
         """Rollout ``step``'s completions, on the training mesh; with ``async_mode`` the next rollout's sampling (with
-        ``state.params``, the parameters before this step's update) is started before this returns."""
-        cfg = self.run.step_cfg
+        ``state.params``, the parameters before this step's update, or with ``sync_steps`` the weights it holds) is
+        started before this returns. Steps are counted on the host (``step`` x updates per rollout): nothing waits for
+        the device to say which."""
+        cfg, U = self.run.step_cfg, self.run.cfg.updates_per_step
+        s, now = cfg.sync_steps, step * U  # the state's step
         if self.pending is None or self.pending[0] != step:  # the first rollout (or any, without async_mode)
-            self.launch(state.sampler_params if cfg.async_mode else state.params, step)
+            if not cfg.lagging:
+                self.launch(state.params, step, now)
+            else:  # the state's sampler: the policy of the last multiple of s (async_mode: before the last rollout)
+                last = max(now - U, 0) if cfg.async_mode else now
+                self.launch(state.params if not cfg.async_mode and now % s == 0 else state.sampler_params, step,
+                            last - last % s)
         samples = jax.device_put(self.pending[1], S.batch_sharding(self.run.mesh, 3))
         self.pending = None
         if cfg.async_mode and step + 1 < self.run.total_steps:
-            self.launch(state.params, step + 1)
+            self.launch(state.params, step + 1, now - now % s)  # sent only when ``now`` is a multiple of s
         return samples

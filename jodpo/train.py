@@ -20,6 +20,7 @@ import numpy as np
 from jodpo import backend
 from jodpo import data as D
 from jodpo import judges as J
+from jodpo import pairing as P
 from jodpo import rundir
 from jodpo import sharding as S
 from jodpo import train_step as ts
@@ -38,10 +39,10 @@ from jodpo.split_sampler import SplitSampler
 # --------------------------------------------------------------------------------------------------
 
 
-def _twice_per_micro_batch(items: list, A: int) -> list:
-    """Row order of the samples: per micro-batch, its B items for completion 0 then again for completion 1."""
+def _repeat_per_micro_batch(items: list, A: int, k: int) -> list:
+    """Row order of the samples: per micro-batch, its B items for completion 0, then again for each of the k."""
     B = len(items) // A
-    return [x for a in range(A) for x in items[a * B:(a + 1) * B] * 2]
+    return [x for a in range(A) for x in items[a * B:(a + 1) * B] * k]
 
 
 def online_step(run: Run, state, step: int):
@@ -52,43 +53,78 @@ def online_step(run: Run, state, step: int):
     elif run.rewards is not None and run.rewards.on_device and run.cfg.updates_per_step == 1:  # one fused call
         state, metrics, samples, raw = run.steps.online_step(run.step_cfg, state, run.ref_params, run.rewards.params,
                                                              ids, mask)
-        return state, metrics, (idx, samples, raw)
+        return state, metrics, (idx, samples, raw, None)
     else:
-        samples = run.steps.sample_completions(run.step_cfg, state, ids, mask, 2, run.ref_params)
-    raw = _rewards(run, idx, ids, mask, samples)
+        samples = run.steps.sample_completions(run.step_cfg, state, ids, mask, run.step_cfg.num_generations,
+                                               run.ref_params)
+    rows, judged = None, {}
+    if run.judge is not None:
+        raw, rows, judged = judge_samples(run, state, idx, S.to_host(samples.tokens))
+        raw, rows = run.put(raw), None if rows is None else run.put(rows)
+    else:
+        raw = _rewards(run, idx, ids, mask, samples)
     if run.cfg.updates_per_step > 1:  # open-instruct: several optimizer steps over this rollout
         state, metrics = run.steps.rollout_update(run.step_cfg, state, run.ref_params, ids, mask, samples, raw,
-                                                  run.cfg.num_epochs, run.cfg.num_mini_batches)
+                                                  run.cfg.num_epochs, run.cfg.num_mini_batches, rows)
     else:
-        state, metrics = run.steps.online_update(run.step_cfg, state, run.ref_params, ids, mask, samples, raw)
-    return state, metrics, (idx, samples, raw)
+        state, metrics = run.steps.online_update(run.step_cfg, state, run.ref_params, ids, mask, samples, raw, rows)
+    return state, metrics | judged, (idx, samples, raw, rows)
 
 
 def _rewards(run: Run, idx: np.ndarray, ids, mask, samples) -> jax.Array:
-    """f32[A, 2B] raw rewards (or judge verdicts) of a window's samples, on the device: scored there when the reward
-    model reads the token ids (no host round trip), else on the host and put back."""
-    if run.rewards is not None and run.rewards.on_device:
+    """f32[A, kB] raw rewards of a window's samples, on the device: scored there when the reward model reads the
+    token ids (no host round trip), else on the host and put back."""
+    if run.rewards.on_device:
         return run.steps.score_completions(run.step_cfg, run.rewards.params, ids, mask, samples)
     tokens, tmask = S.to_host(samples.tokens), S.to_host(samples.mask)
-    if run.judge is not None:
-        return run.put(judge_samples(run, idx, tokens))
     A = tokens.shape[0]
-    raw = run.score_on_host(run.train, _twice_per_micro_batch(list(idx), A), tokens.reshape(-1, tokens.shape[-1]),
-                            tmask.reshape(-1, tmask.shape[-1]))
+    raw = run.score_on_host(run.train, _repeat_per_micro_batch(list(idx), A, run.step_cfg.num_generations),
+                            tokens.reshape(-1, tokens.shape[-1]), tmask.reshape(-1, tmask.shape[-1]))
     return run.put(raw.reshape(A, -1))
 
 
-def judge_samples(run: Run, idx: np.ndarray, tokens: np.ndarray) -> np.ndarray:
-    """f32[A, 2B] judge verdicts (``judges.pair_scores`` per micro-batch) of sampled ``[A, 2B, T]`` completions: the
-    whole window goes to the judge in one call."""
-    A, B = tokens.shape[0], tokens.shape[1] // 2
-    texts = np.asarray(run.decode(tokens), object).reshape(A, 2, B)
-    first, second = list(texts[:, 0].reshape(-1)), list(texts[:, 1].reshape(-1))
+def judge_samples(run: Run, state, idx: np.ndarray, tokens: np.ndarray):
+    """A judge's pairs of sampled ``[A, kB, T]`` completions: ``(verdicts, rows, metrics)``, with f32[A, 2B]
+    verdicts (``judges.pair_scores`` of each pair) and the rows i32[A, 2B] of the pairs among the k completions (None
+    for k = 2 with ``random``: completions 0 and 1, TRL's pair). The window goes to the judge in one call.
+
+    ``best_worst`` ranks each prompt's k completions by a round robin (``pairing.round_robin``: k(k-1)/2 judged
+    pairs per prompt, each read in both orders by an LLM judge with ``judge_both_orders``, so k(k-1) judge prompts
+    against TRL's 2; k = 4 costs 6x TRL's judging) and pairs the most winning against the least winning
+    (``pairing.win_scores``), its verdict the round robin's; a tie in the ranking leaves the prompt without a pair
+    (NaN verdict). ``random``: the judge reads only the pair drawn."""
+    cfg = run.step_cfg
+    k = cfg.num_generations
+    A, B = tokens.shape[0], tokens.shape[1] // k
+    texts = np.asarray(run.decode(tokens), object).reshape(A, k, B)
     prompts = [run.train.prompts[i] for i in idx]  # micro-batch a holds idx[a * B:(a + 1) * B]
-    if isinstance(prompts[0], list):  # chat data: the judge reads the completions as the assistant's messages
-        first, second = D.assistant_messages(first), D.assistant_messages(second)
-    p = run.judge.preferences(prompts, first, second).reshape(A, B)
-    return np.stack([J.pair_scores(row) for row in p])
+
+    def judge(i: np.ndarray, j: np.ndarray) -> np.ndarray:  # p(completion i[a, b, n] beats j[a, b, n]) of prompt b
+        a, b = np.indices(i.shape)[:2]
+        first, second = list(texts[a, i, b].reshape(-1)), list(texts[a, j, b].reshape(-1))
+        rows = [prompts[x] for x in (a * B + b).reshape(-1)]
+        if isinstance(prompts[0], list):  # chat data: the judge reads the completions as the assistant's messages
+            first, second = D.assistant_messages(first), D.assistant_messages(second)
+        return run.judge.preferences(rows, first, second).reshape(i.shape)
+
+    if cfg.pairs_as_sampled:
+        zero = np.zeros((A, B, 1), np.int64)
+        return np.stack([J.pair_scores(p) for p in judge(zero, zero + 1)[..., 0]]), None, {}
+    if P.resolve_pairing(cfg.pairing, k) == "random":
+        rows, _ = run.steps.pair_choice(cfg, state, np.zeros((A, k * B), np.float32))
+        rows = np.asarray(jax.device_get(rows))
+        i, j = rows[:, :B] // B, rows[:, B:] // B
+        p = judge(i[..., None], j[..., None])[..., 0]
+        return np.stack([J.pair_scores(x) for x in p]), rows, {}
+    pairs = np.asarray(P.round_robin(k))  # [n, 2]
+    p = judge(*(np.broadcast_to(pairs[:, c], (A, B, len(pairs))) for c in (0, 1)))  # [A, B, n]
+    wins = P.win_scores(p, k).transpose(0, 2, 1).reshape(A, k * B)  # block layout
+    rows, weights = (np.asarray(x) for x in jax.device_get(run.steps.pair_choice(cfg, state, wins)))
+    verdict = P.verdict_of(p, k, rows[:, :B] // B, rows[:, B:] // B)
+    verdict = np.where(weights > 0, verdict, np.nan)
+    metrics = {name: float(np.mean([m[name] for m in map(P.group_metrics, wins, [k] * A)]))
+               for name in ("objective/scores_spread", "frac_reward_zero_std")}
+    return np.stack([J.pair_scores(v) for v in verdict]), rows, metrics
 
 
 def offline_step(run: Run, state, step: int):
@@ -252,10 +288,12 @@ def _loop(run: Run, state, start: int, ckpt: Checkpointer, logger: RunLogger, st
             t0, since = now, 0
             logger.log(last)
         if sampled is not None and (done % table_every == 0 or done == run.total_steps):
-            idx, samples, raw = sampled
+            idx, samples, raw, pairs = sampled  # pairs: a judge's rows (its verdicts in raw), else None
             B = len(idx) // run.cfg.micro_batches
-            texts = run.decode(S.to_host(samples.tokens)[0, :B])
-            rows = [(J.plain_text(run.train.prompts[i]), t, float(r)) for i, t, r in zip(idx[:B], texts, S.to_host(raw)[0])]
+            tokens = S.to_host(samples.tokens)[0]
+            texts = run.decode(tokens[:B] if pairs is None else tokens[S.to_host(pairs)[0, :B]])
+            rows = [(J.plain_text(run.train.prompts[i]), t, float(r))
+                    for i, t, r in zip(idx[:B], texts, S.to_host(raw)[0])]
             logger.table(done, rows[:4])
         if run.eval is not None and (done == run.total_steps or (cfg.eval_steps and done % cfg.eval_steps == 0)):
             with _reward_errors(f"in the evaluation at step {done}"):

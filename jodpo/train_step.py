@@ -1,16 +1,18 @@
 """The online DPO training step (and the offline DPO step), as pure functions of ``(state, batch)``.
 
 One optimizer step covers an accumulation window of A micro-batches of B prompts, arrays shaped [A, B, ...]:
-  1. ``sample_completions``: two completions per prompt from the current policy, rows in TRL's block layout;
+  1. ``sample_completions``: k = ``num_generations`` completions per prompt (two, as TRL, by default) from the
+     policy, rows in TRL's block layout;
   2. ``score_completions``: a reward model that shares the policy tokenizer scores the token ids on the
      device; any other reward (another tokenizer, Python functions) or a pairwise judge (``jodpo.judges``) is
-     computed on the host between ``sample_completions`` and ``update`` (the *split* path);
-  3. ``update``: per micro-batch loss and gradient (``lax.scan``), averaged over the window, then
-     clip-by-global-norm + AdamW + the learning-rate schedule, in one optax chain.
+     computed on the host between ``sample_completions`` and ``online_update`` (the *split* path);
+  3. ``online_update``: one pair per prompt (``choose_pairs``: as sampled for k = 2, else best-vs-worst or random,
+     ``jodpo.pairing``), then ``update``: per micro-batch loss and gradient (``lax.scan``), averaged over the
+     window, then clip-by-global-norm + AdamW + the learning-rate schedule, in one optax chain.
 ``online_step`` is 1-3 fused in one jitted call (no host round trip). ``offline_step`` is DPO on preference
-data: the pairs come from the dataset. The policy is never sampled or updated with stale parameters:
-within one window the parameters do not change, so sampling every micro-batch first is the same as
-interleaving.
+data: the pairs come from the dataset. Unless ``async_mode`` or ``sync_steps`` > 1 ask for a lagging sampler, the
+policy is never sampled or updated with stale parameters: within one window the parameters do not change, so
+sampling every micro-batch first is the same as interleaving.
 
 Randomness: step ``t`` samples its whole window with ``fold_in(state.rng, t)``, so a resumed run draws exactly the
 numbers an uninterrupted one would.
@@ -18,7 +20,6 @@ numbers an uninterrupted one would.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Callable
 
 import flax.struct
@@ -31,63 +32,10 @@ from jodpo.losses import (LossOptions, check_loss_options, completion_logprobs, 
 from jodpo.models.core import Model, Params
 from jodpo.models.lora import attach
 from jodpo.models.params import frozen_params
+from jodpo.optim import SCHEDULES, OptimizerConfig, learning_rate_schedule, make_optimizer  # noqa: F401 (re-exported)
+from jodpo.pairing import choose_pairs, pair_choice, resolve_pairing
 from jodpo.rewards import score_tokens
 from jodpo.sampling import Samples, SamplingConfig, sample
-
-SCHEDULES = ("linear", "constant", "constant_with_warmup", "cosine")
-
-
-@dataclasses.dataclass(frozen=True)
-class OptimizerConfig:
-    """AdamW with global-norm clipping and a warm-up schedule, with TRL/transformers' defaults."""
-
-    learning_rate: float = 5e-7
-    total_steps: int = 1  # optimizer steps of the run (the schedule's horizon)
-    warmup_steps: int = 0
-    lr_scheduler_type: str = "linear"
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_epsilon: float = 1e-8
-    max_grad_norm: float = 1.0  # 0 or None: no clipping
-
-    def __post_init__(self):
-        if self.lr_scheduler_type not in SCHEDULES:
-            raise ValueError(f"unknown lr_scheduler_type {self.lr_scheduler_type!r}; choose one of {SCHEDULES}")
-        if not self.learning_rate > 0:
-            raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
-
-
-def learning_rate_schedule(cfg: OptimizerConfig) -> optax.Schedule:
-    """transformers' schedules as a function of the number of updates already applied.
-
-    ``linear``: ``lr * s / W`` during the W warm-up steps, then linear decay to 0 at ``total_steps``
-    (``get_linear_schedule_with_warmup``); ``cosine`` decays as ``(1 + cos(pi * progress)) / 2``.
-    """
-    lr, W, T = cfg.learning_rate, cfg.warmup_steps, cfg.total_steps
-
-    def schedule(count):
-        s = jnp.asarray(count, jnp.float32)
-        warm = s / max(1, W)
-        progress = (s - W) / max(1, T - W)
-        after = {"linear": jnp.maximum(0.0, 1.0 - progress),
-                 "cosine": jnp.maximum(0.0, 0.5 * (1.0 + jnp.cos(math.pi * progress))),
-                 "constant": jnp.ones_like(s), "constant_with_warmup": jnp.ones_like(s)}[cfg.lr_scheduler_type]
-        if cfg.lr_scheduler_type == "constant":
-            return lr * after
-        return lr * jnp.where(s < W, warm, after)
-
-    return schedule
-
-
-def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
-    """clip_by_global_norm -> AdamW (decoupled weight decay, as torch.optim.AdamW) with the schedule."""
-    adamw = optax.adamw(learning_rate_schedule(cfg), b1=cfg.adam_beta1, b2=cfg.adam_beta2, eps=cfg.adam_epsilon,
-                        weight_decay=cfg.weight_decay)
-    if not cfg.max_grad_norm:
-        return adamw
-    return optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm), adamw)
-
 
 @dataclasses.dataclass(frozen=True)
 class StepConfig:
@@ -112,12 +60,28 @@ class StepConfig:
     # open-instruct's async_mode: a step samples with the parameters from before the previous update (one step
     # off-policy; the state keeps them as ``sampler_params``), so sampling and training can overlap
     async_mode: bool = False
+    num_generations: int = 2  # completions sampled per prompt, k (TRL GRPO's name); one pair per prompt is trained
+    pairing: str = "auto"  # which pair of the k (``jodpo.pairing``): auto | best_worst | random
+    # semi-online (Lanchantin et al. 2025): the sampler's parameters are the policy's at the last multiple of
+    # sync_steps optimizer steps (1: on-policy); with async_mode, at the last multiple before the previous rollout
+    sync_steps: int = 1
 
     @property
     def reference_free(self) -> bool:
         """The loss needs no reference (``simpo``): the steps take ``ref_params=None`` (with LoRA, the base the
         adapters ride on) and never run a reference forward."""
         return not needs_reference(self.loss_type)
+
+    @property
+    def lagging(self) -> bool:
+        """The sampler is not the trained policy (``async_mode``, ``sync_steps`` > 1): the state keeps its
+        parameters as ``sampler_params``."""
+        return self.async_mode or self.sync_steps > 1
+
+    @property
+    def pairs_as_sampled(self) -> bool:
+        """Each prompt's two completions are its pair as sampled (k = 2, ``random``): TRL's step, nothing chosen."""
+        return self.num_generations == 2 and resolve_pairing(self.pairing, 2) == "random"
 
     @property
     def penalty_ids(self) -> tuple[int, ...]:
@@ -137,6 +101,10 @@ class StepConfig:
         check_loss_options(self.loss_type, self.loss_options)
         if self.updates_per_epoch < 1:
             raise ValueError("updates_per_epoch must be >= 1")
+        if self.num_generations < 2 or self.sync_steps < 1:
+            raise ValueError(f"num_generations must be >= 2 and sync_steps >= 1, got {self.num_generations} and "
+                             f"{self.sync_steps}")
+        resolve_pairing(self.pairing, self.num_generations)
 
 
 @flax.struct.dataclass
@@ -145,8 +113,8 @@ class TrainState:
     params: Params
     opt_state: optax.OptState
     rng: jax.Array  # the run's key; never advanced (steps fold in their index)
-    sampler_params: Params | None = None  # async_mode: the policy before the previous update, which samples, as
-    # the sampler reads it (``sampler_weights``: in the compute dtype, or LoRA adapters as they are)
+    sampler_params: Params | None = None  # async_mode / sync_steps > 1 (``StepConfig.lagging``): the policy that
+    # samples, as the sampler reads it (``sampler_weights``: in the compute dtype, or LoRA adapters as they are)
 
 
 @flax.struct.dataclass
@@ -167,14 +135,23 @@ def init_state(cfg: StepConfig, params: Params, rng: jax.Array) -> TrainState:
     params = jax.tree.map(jnp.copy, params)
     return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                       opt_state=make_optimizer(cfg.optimizer).init(params), rng=rng,
-                      sampler_params=sampler_weights(cfg, params) if cfg.async_mode else None)
+                      sampler_params=sampler_weights(cfg, params) if cfg.lagging else None)
 
 
 def _sampled(cfg: StepConfig, old: TrainState, new: TrainState) -> TrainState:
-    """async_mode: after the step's updates the sampler gets the parameters from before them, so the next step
-    samples one update behind (what a sampler running beside the trainer would have), in the form it samples with
-    (a bf16 run's lagging copy holds half the bytes of the float32 policy; the same numbers)."""
-    return new.replace(sampler_params=sampler_weights(cfg, old.params)) if cfg.async_mode else new
+    """The sampler's parameters after the updates from ``old`` to ``new``, in the form it samples with (a bf16 run's
+    lagging copy holds half the bytes of the float32 policy; the same numbers). ``sync_steps`` = s refreshes them
+    only at multiples of s optimizer steps: with the new policy when ``new.step`` is one; with ``async_mode`` (one
+    rollout behind, what a sampler running beside the trainer would have) with the policy from before the updates
+    when ``old.step`` is one. s = 1 with async_mode: always the policy from before the updates."""
+    if not cfg.lagging:
+        return new
+    source, step = (old.params, old.step) if cfg.async_mode else (new.params, new.step)
+    fresh = sampler_weights(cfg, source)
+    if cfg.sync_steps == 1:
+        return new.replace(sampler_params=fresh)
+    refresh = step % cfg.sync_steps == 0
+    return new.replace(sampler_params=jax.tree.map(lambda f, o: jnp.where(refresh, f, o), fresh, old.sampler_params))
 
 
 def policy_params(cfg: StepConfig, params: Params, base: Params) -> Params:
@@ -191,16 +168,16 @@ def current_beta(cfg: StepConfig, step: jax.Array) -> jax.Array:
 
 
 def sample_completions(cfg: StepConfig, state: TrainState, prompt_ids: jax.Array, prompt_mask: jax.Array,
-                       num_samples: int = 2, ref_params: Params | None = None) -> Samples:
-    """``num_samples`` completions per prompt (two for a step, one for evaluation): ``Samples`` of shape
-    [A, num_samples * B, T], block layout within each micro-batch. ``ref_params`` (the base model) is needed with
-    LoRA, where the state holds only the adapters. In ``async_mode`` the state's ``sampler_params`` sample."""
-    sampler = state.sampler_params if cfg.async_mode else state.params
+                       num_samples: int | None = None, ref_params: Params | None = None) -> Samples:
+    """``num_samples`` completions per prompt (None: ``cfg.num_generations``, a step's; one for evaluation): ``Samples``
+    of shape [A, num_samples * B, T], block layout within each micro-batch. ``ref_params`` (the base model) is needed
+    with LoRA, where the state holds only the adapters. With ``cfg.lagging`` the state's ``sampler_params`` sample."""
+    sampler = state.sampler_params if cfg.lagging else state.params
     return sample_with(cfg, sampler, state.rng, state.step, prompt_ids, prompt_mask, num_samples, ref_params)
 
 
 def sample_with(cfg: StepConfig, params: Params, rng: jax.Array, step: jax.Array, prompt_ids: jax.Array,
-                prompt_mask: jax.Array, num_samples: int = 2, ref_params: Params | None = None) -> Samples:
+                prompt_mask: jax.Array, num_samples: int | None = None, ref_params: Params | None = None) -> Samples:
     """``sample_completions`` from its parts: the sampling ``params`` (or ``sampler_weights`` of them), the run's key
     and the step whose draw this is, so a sampler on devices of its own (``jodpo.split_sampler``) draws exactly
     what the state would.
@@ -210,7 +187,7 @@ def sample_with(cfg: StepConfig, params: Params, rng: jax.Array, step: jax.Array
     hardly depends on its rows, is A times fewer steps. Prompts go in prompt-major order (row b * A + a), so a
     batch split over devices along B stays split the same way."""
     A, B, P = prompt_ids.shape
-    n = num_samples
+    n = cfg.num_generations if num_samples is None else num_samples
     key = jax.random.fold_in(rng, step)
     flat = lambda x: x.transpose(1, 0, 2).reshape(B * A, P)  # noqa: E731
     if cfg.model.lora_rank and ref_params is None:
@@ -287,54 +264,61 @@ def apply_gradients(cfg: StepConfig, state: TrainState, grads: Params, metrics: 
 
 
 def update(cfg: StepConfig, state: TrainState, ref_params: Params, prompt_ids: jax.Array, prompt_mask: jax.Array,
-           samples: Samples, rewards: jax.Array, ref_logprobs: jax.Array | None = None) -> tuple[TrainState, dict]:
-    """The optimizer step from sampled completions and their raw rewards f32[A, 2B] (or, with ``cfg.judged``, a
-    judge's verdicts in the same layout). ``ref_logprobs`` f32[A, 2B, C]: the reference's log-probs when they are
-    already known (``rollout_update``), else the loss computes them. ``ref_params``: the frozen reference, None with
-    a reference-free loss (``cfg.reference_free``) unless LoRA needs the base; the same for every step below."""
+           samples: Samples, rewards: jax.Array, ref_logprobs: jax.Array | None = None,
+           pair_weights: jax.Array | None = None) -> tuple[TrainState, dict]:
+    """The optimizer step from pairs of sampled completions and their raw rewards f32[A, 2B] (or, with
+    ``cfg.judged``, a judge's verdicts in the same layout). ``ref_logprobs`` f32[A, 2B, C]: the reference's log-probs
+    when they are already known (``rollout_update``), else the loss computes them. ``pair_weights`` f32[A, B]: the
+    pairs' weights in the loss (``pairing.choose_pairs``). ``ref_params``: the frozen reference, None with a
+    reference-free loss (``cfg.reference_free``) unless LoRA needs the base; the same for every step below."""
     beta = current_beta(cfg, state.step)
 
     def loss_fn(params, mb):
-        ids, mask, tokens, tmask, r, ref_lp, sample_lp = mb
+        ids, mask, tokens, tmask, r, ref_lp, sample_lp, w = mb
         return online_dpo_loss(cfg.model, policy_params(cfg, params, ref_params), ref_params, ids, mask, tokens,
                                tmask, r, beta=beta, loss_type=cfg.loss_type,
                                missing_eos_penalty=cfg.missing_eos_penalty, eos_token_ids=cfg.penalty_ids,
                                penalty_reward_value=cfg.penalty_reward_value,
                                max_length=cfg.max_length, options=cfg.loss_options, judged=cfg.judged,
                                logprob_temperature=cfg.logprob_temperature, ref_logprobs=ref_lp,
-                               sample_logprobs=sample_lp)
+                               sample_logprobs=sample_lp, pair_weights=w)
 
     grads, metrics = _accumulate(cfg.model, loss_fn, state.params, (
         prompt_ids, prompt_mask, samples.tokens, samples.mask, rewards.astype(jnp.float32), ref_logprobs,
-        samples.logprobs if cfg.async_mode else None))
+        samples.logprobs if cfg.lagging else None, pair_weights))
     return apply_gradients(cfg, state, grads, metrics)
 
 
 def online_update(cfg: StepConfig, state: TrainState, ref_params: Params, prompt_ids: jax.Array,
-                  prompt_mask: jax.Array, samples: Samples, rewards: jax.Array) -> tuple[TrainState, dict]:
-    """A step's update: ``update`` (and, in ``async_mode``, the sampler handed the parameters from before it)."""
-    new, metrics = update(cfg, state, ref_params, prompt_ids, prompt_mask, samples, rewards)
-    return _sampled(cfg, state, new), metrics
+                  prompt_mask: jax.Array, samples: Samples, rewards: jax.Array,
+                  rows: jax.Array | None = None) -> tuple[TrainState, dict]:
+    """A step's update from its k completions per prompt (``samples`` [A, kB, T], ``rewards`` f32[A, kB]): one pair
+    per prompt (``pairing.choose_pairs``; ``rows``: a judge's), ``update``, and the sampler's parameters for the next
+    step (``_sampled``)."""
+    pairs, rewards, weights, chosen = choose_pairs(cfg, state, samples, rewards, rows)
+    new, metrics = update(cfg, state, ref_params, prompt_ids, prompt_mask, pairs, rewards, pair_weights=weights)
+    return _sampled(cfg, state, new), metrics | chosen
 
 
 def rollout_update(cfg: StepConfig, state: TrainState, ref_params: Params, prompt_ids: jax.Array,
                    prompt_mask: jax.Array, samples: Samples, rewards: jax.Array, num_epochs: int = 1,
-                   num_mini_batches: int = 1) -> tuple[TrainState, dict]:
+                   num_mini_batches: int = 1, rows: jax.Array | None = None) -> tuple[TrainState, dict]:
     """open-instruct's several passes over one rollout batch: ``num_epochs`` passes, each a fresh shuffle of the
     rollout's pairs cut into ``num_mini_batches`` optimizer steps (``update``, with the accumulation of its
     micro-batches). The reference's log-probs are computed once per rollout; the policy's come from the updated
     policy at every pass, as in open-instruct.
 
     Arrays hold the rollout's R = num_mini_batches x A micro-batches: ``prompt_ids`` i32[R, B, P], ``samples``
-    [R, 2B, T] in block layout, ``rewards`` f32[R, 2B]. A pair (a prompt, its two completions and their rewards)
-    stays together. The shuffle draws from the state's key and the rollout's first step, so a resumed run draws the
-    same. Returns the state after the ``num_epochs x num_mini_batches`` updates and their mean metrics
+    [R, kB, T] in block layout, ``rewards`` f32[R, kB] (``rows``: as ``online_update``). Each prompt's pair is chosen
+    first; a pair (a prompt, its two completions, their rewards and weight) stays together. The shuffle draws from
+    the state's key and the rollout's first step, so a resumed run draws the same. Returns the state after the ``num_epochs x num_mini_batches`` updates and their mean metrics
     (``skipped_update``: the fraction skipped)."""
     R, B, P = prompt_ids.shape
     M = num_mini_batches
     if R % M:
         raise ValueError(f"a rollout of {R} micro-batches does not split into {M} mini-batches")
     A = R // M
+    samples, rewards, weights, chosen = choose_pairs(cfg, state, samples, rewards, rows)
 
     def ref_logprobs(x):
         ids, mask, tokens, tmask = x
@@ -352,21 +336,23 @@ def rollout_update(cfg: StepConfig, state: TrainState, ref_params: Params, promp
         return x.reshape(A, B, 2, *rest).swapaxes(1, 2).reshape(A, 2 * B, *rest)
 
     pairs = (prompt_ids.reshape(R * B, P), prompt_mask.reshape(R * B, P),
-             jax.tree.map(to_pairs, (samples.tokens, samples.mask, samples.logprobs, rewards.astype(jnp.float32), ref)))
+             jax.tree.map(to_pairs, (samples.tokens, samples.mask, samples.logprobs, rewards.astype(jnp.float32), ref)),
+             None if weights is None else weights.reshape(R * B))
     key = jax.random.fold_in(jax.random.fold_in(state.rng, 0x5EED), state.step)
 
     def one_update(state, i):
         epoch, m = i // M, i % M
         order = jax.random.permutation(jax.random.fold_in(key, epoch), R * B)
         take = jax.lax.dynamic_slice_in_dim(order, m * A * B, A * B)
-        ids, mask, (tokens, tmask, logprobs, r, ref_lp) = jax.tree.map(lambda x: x[take], pairs)
+        ids, mask, (tokens, tmask, logprobs, r, ref_lp), w = jax.tree.map(lambda x: x[take], pairs)
         return update(cfg, state, ref_params, ids.reshape(A, B, P), mask.reshape(A, B, P),
                       Samples(from_pairs(tokens), from_pairs(tmask), from_pairs(logprobs)), from_pairs(r),
-                      jax.tree.map(from_pairs, ref_lp))
+                      jax.tree.map(from_pairs, ref_lp), jax.tree.map(lambda x: x.reshape(A, B), w))
 
     new, metrics = jax.lax.scan(one_update, state, jnp.arange(num_epochs * M))
     # means over the updates; the learning rate after the last, as a single update reports it
-    return _sampled(cfg, state, new), jax.tree.map(lambda m: m.mean(0), metrics) | {"lr": metrics["lr"][-1]}
+    metrics = jax.tree.map(lambda m: m.mean(0), metrics) | {"lr": metrics["lr"][-1]}
+    return _sampled(cfg, state, new), metrics | chosen
 
 
 def online_step(cfg: StepConfig, state: TrainState, ref_params: Params, rm_params: Params, prompt_ids: jax.Array,
@@ -376,7 +362,7 @@ def online_step(cfg: StepConfig, state: TrainState, ref_params: Params, rm_param
     if cfg.reward_model is None:
         raise ValueError("online_step scores on device and needs StepConfig.reward_model; with host rewards "
                          "call sample_completions, then update")
-    samples = sample_completions(cfg, state, prompt_ids, prompt_mask, 2, ref_params)
+    samples = sample_completions(cfg, state, prompt_ids, prompt_mask, None, ref_params)
     rewards = score_completions(cfg, rm_params, prompt_ids, prompt_mask, samples)
     state, metrics = online_update(cfg, state, ref_params, prompt_ids, prompt_mask, samples, rewards)
     return state, metrics, samples, rewards
@@ -406,6 +392,7 @@ class JittedSteps:
     update: Callable
     online_update: Callable
     rollout_update: Callable
+    pair_choice: Callable
     online_step: Callable
     offline_step: Callable
 
@@ -424,6 +411,7 @@ def jit_steps(state_sharding=None, metrics_sharding=None) -> JittedSteps:
         update=jax.jit(update, **step, out_shardings=out()),
         online_update=jax.jit(online_update, **step, out_shardings=out()),
         rollout_update=jax.jit(rollout_update, static_argnums=(0, 7, 8), donate_argnums=1, out_shardings=out()),
+        pair_choice=jax.jit(pair_choice, static_argnums=0),
         online_step=jax.jit(online_step, **step, out_shardings=out(None, None)),
         offline_step=jax.jit(offline_step, **step, out_shardings=out()))
 
@@ -434,5 +422,6 @@ jit_score_completions = _single.score_completions
 jit_update = _single.update
 jit_online_update = _single.online_update
 jit_rollout_update = _single.rollout_update
+jit_pair_choice = _single.pair_choice
 jit_online_step = _single.online_step
 jit_offline_step = _single.offline_step

@@ -42,6 +42,9 @@ def test_overrides_are_typed():
                                                ("total_episodes", 0, "total_episodes must be >= 1"),
                                                ("rdpo_alpha", 0.1, "rdpo_alpha is R-DPO's length term"),
                                                ("ld_alpha", 1.5, r"ld_alpha must be in \[0, 1\]"),
+                                               ("num_generations", 1, "num_generations must be >= 2"),
+                                               ("pairing", "top2", "pairing must be one of"),
+                                               ("sync_steps", 0, "sync_steps must be >= 1"),
                                                ("temperature_scaled_logprobs", True, None)])
 def test_bad_values_are_refused(field, value, match):
     if match is None:  # valid alone, refused beside another field
@@ -50,6 +53,12 @@ def test_bad_values_are_refused(field, value, match):
         return
     with pytest.raises(C.ConfigError, match=match):
         C.TrainConfig(**{field: value})
+
+
+def test_sync_steps_must_be_a_multiple_of_a_rollouts_updates():
+    with pytest.raises(C.ConfigError, match="sync_steps=3 is not a multiple of the 2 optimizer steps of a rollout"):
+        C.TrainConfig(sync_steps=3, num_mini_batches=2)
+    assert C.TrainConfig(sync_steps=4, num_mini_batches=2).sync_steps == 4
 
 
 def test_run_length_from_steps_episodes_or_epochs():

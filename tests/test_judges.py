@@ -150,19 +150,22 @@ def test_config_errors():
 
 
 def test_a_callable_judge_trains_end_to_end(checkpoints, tmp_path):
-    """A run paired by a judge that prefers shorter completions: the judge's metrics are logged, the reward metrics
-    are not, and the evaluation's win rate comes from the judge. (configs/ultrafeedback_qwen2_judge.py runs an LLM
-    judge on chat data in tests/test_train.py.)"""
+    """A run paired by a judge that prefers shorter completions, out of three per prompt (num_generations=3: the
+    judge's round robin ranks them), training LoRA adapters: the judge's metrics and the ranking's are logged, the
+    reward metrics are not, and the evaluation's win rate comes from the judge. (configs/ultrafeedback_qwen2_judge.py
+    runs an LLM judge on chat data, two completions per prompt, in tests/test_train.py.)"""
     cfg = C.TrainConfig(model_name_or_path=str(checkpoints["llama"]["causal_lm"]),
                         judge="tests.test_judges:prefer_shorter",
                         dataset_name=str(hf_fixtures.prompt_dataset(tmp_path / "data")),
                         output_dir=str(tmp_path / "out"), max_steps=3, per_device_train_batch_size=4,
                         learning_rate=1e-3, logging_steps=1, max_new_tokens=8, max_length=120, bf16=False,
-                        eval_steps=3, max_eval_prompts=4, per_device_eval_batch_size=4)
+                        eval_steps=3, max_eval_prompts=4, per_device_eval_batch_size=4, num_generations=3,
+                        use_peft=True, lora_r=4)
     last = train.train(cfg)
     lines = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in lines if "loss" in m]
     assert [m["step"] for m in steps] == [1, 2, 3]
     assert all("objective/judge_confidence" in m and "objective/scores" not in m for m in steps)
+    assert all(0 <= m["frac_reward_zero_std"] <= 1 and m["objective/scores_spread"] > 0 for m in steps)
     assert steps[0]["objective/judge_confidence"] == 1.0  # a callable judge is sure of every verdict it gives
     assert np.isfinite(last["loss"]) and 0 <= last["eval/win_rate"] <= 1

@@ -104,7 +104,8 @@ def test_the_sampler_mesh_takes_the_last_devices_and_explains_misfits():
 
 
 LORA = ["--config.use_peft=True", "--config.lora_r=4", "--config.lora_target_modules=['all-linear']"]
-ASYNC = ["--config.async_mode=True"]
+# async_mode, with the sampler refreshed every other rollout (sync_steps=2) and best-of-3 pairs (num_generations=3)
+ASYNC = ["--config.async_mode=True", "--config.sync_steps=2", "--config.num_generations=3"]
 SPLIT = ["--config.sampler_devices=4"]
 
 
@@ -154,8 +155,9 @@ def _run_8_devices(jobs: list[tuple[list[str], Path | None, Path | None]]) -> tu
     """Run ``jodpo.train.main`` on each job's argv in one process with 8 fake CPU devices (after
     ``_resumable_copy(src, dst)`` when the job names them: a run to resume); returns, per run, whether
     the train state was really split (some array not held whole by every device), and the events of its sampler
-    mesh (sampler_devices; none without): ``["launch", step, devices]``, where a rollout's sampling started, and
-    ``["train", step, devices]``, where its completions went to be trained on, in the order they happened."""
+    mesh (sampler_devices; none without): ``["launch", step, devices, version]``, where a rollout's sampling
+    started (version: the optimizer step of the weights it samples with), and ``["train", step, devices]``, where
+    its completions went to be trained on, in the order they happened."""
     code = (
         "import json, sys, jax\n"
         "from pathlib import Path\n"
@@ -171,9 +173,9 @@ def _run_8_devices(jobs: list[tuple[list[str], Path | None, Path | None]]) -> tu
         "def devices(x):\n"
         "    return sorted(d.id for d in x.tokens.devices())\n"
         "real_launch, real_samples = train.SplitSampler.launch, train.SplitSampler.samples\n"
-        "def launch_spy(self, params, step):\n"
-        "    real_launch(self, params, step)\n"
-        "    sampled[-1].append(['launch', step, devices(self.pending[1])])\n"
+        "def launch_spy(self, params, step, version):\n"
+        "    real_launch(self, params, step, version)\n"
+        "    sampled[-1].append(['launch', step, devices(self.pending[1]), self.weights_step])\n"
         "def samples_spy(self, state, step):\n"
         "    out = real_samples(self, state, step)\n"
         "    sampled[-1].append(['train', step, devices(out)])\n"
@@ -204,6 +206,7 @@ def runs(checkpoints, tmp_path_factory):
     assert train.main(_argv(one, checkpoints, data, per_device=8)) == 0
     resume_on_8 = _resumable_copy(one, root / "one_then_8")
     assert train.main(_argv(root / "lora_one", checkpoints, data, per_device=8) + LORA) == 0
+    assert train.main(_argv(root / "async_one", checkpoints, data, per_device=8) + ASYNC) == 0
     # open-instruct's async_mode on one 8-device mesh, then with a sampler mesh of its own (4 devices that sample,
     # (1, 2, 2) that train), also resumed from the single mesh's checkpoint 2; and LoRA (synchronous, its adapters
     # split over fsdp x tensor) sampled apart
@@ -226,17 +229,19 @@ def runs(checkpoints, tmp_path_factory):
     return root, data
 
 
-@pytest.mark.parametrize("name", ["dft", "d8", "one_then_8", "dft_then_1", "lora_split"])
+@pytest.mark.parametrize("name", ["dft", "d8", "one_then_8", "dft_then_1", "lora_split", "async"])
 def test_8_device_runs_and_moved_checkpoints_equal_the_1_device_run(runs, name):
     root, _ = runs
-    _assert_same_run(root / ("lora_one" if name.startswith("lora") else "one"), root / name)
+    _assert_same_run(root / ("lora_one" if name.startswith("lora") else "async_one" if name == "async" else "one"),
+                     root / name)
 
 
 @pytest.mark.parametrize("name", ["async_split", "async_then_split"])
 def test_sampling_on_its_own_devices_equals_async_mode_on_one_mesh(runs, name):
     """sampler_devices=4 on 8 devices: the async run (and one resumed there from the single mesh's checkpoint) equals
     async_mode on one (2, 2, 2) mesh; each rollout is sampled on devices 4-7 and trained on 0-3, and the next
-    rollout's sampling starts before this one's update (the overlap)."""
+    rollout's sampling starts before this one's update (the overlap). With sync_steps=2 the three rollouts all
+    sample with the initial weights (the last multiple of 2 before the previous rollout), sent once."""
     root, _ = runs
     _assert_same_run(root / "async", root / name)
     # the one-step lag is in effect: the sampler's log-probs are not the policy's, and the run is not the sync one
@@ -245,12 +250,12 @@ def test_sampling_on_its_own_devices_equals_async_mode_on_one_mesh(runs, name):
     sampler, trainer = [4, 5, 6, 7], [0, 1, 2, 3]
     events = json.loads((root / "sampled.json").read_text())
     if name == "async_split":
-        assert events[name] == [["launch", 0, sampler], ["launch", 1, sampler], ["train", 0, trainer],
-                                ["launch", 2, sampler], ["train", 1, trainer], ["train", 2, trainer]]
+        assert events[name] == [["launch", 0, sampler, 0], ["launch", 1, sampler, 0], ["train", 0, trainer],
+                                ["launch", 2, sampler, 0], ["train", 1, trainer], ["train", 2, trainer]]
     else:
-        assert events[name] == [["launch", 2, sampler], ["train", 2, trainer]]
+        assert events[name] == [["launch", 2, sampler, 0], ["train", 2, trainer]]
     # without async_mode each rollout waits for the update before it: the sampler and the trainer take turns
-    assert events["lora_split"] == [x for s in range(3) for x in (["launch", s, sampler], ["train", s, trainer])]
+    assert events["lora_split"] == [x for s in range(3) for x in (["launch", s, sampler, s], ["train", s, trainer])]
 
 
 def test_two_processes_of_four_devices_equal_the_1_device_run(runs, checkpoints):

@@ -172,6 +172,8 @@ def test_offline_dpo_from_preference_data(checkpoints, tmp_path, chat):
     cfg = C.TrainConfig(model_name_or_path=str(checkpoints["llama"]["causal_lm"]), dataset_name=str(data),
                         output_dir=str(tmp_path / "out"), max_steps=3, per_device_train_batch_size=4,
                         learning_rate=1e-3, logging_steps=1, max_new_tokens=8, bf16=False)
+    with pytest.raises(C.ConfigError, match="num_generations, pairing and sync_steps shape online rollouts"):
+        train.train(cfg.replace(num_generations=4, output_dir=str(tmp_path / "refused")))
     train.train(cfg)
     tok = jodpo.load_tokenizer(cfg.model_name_or_path)
     prefs = D.prepare_preferences(D.load_rows(str(data)), tok, 64, 64)
@@ -185,21 +187,22 @@ def test_offline_dpo_from_preference_data(checkpoints, tmp_path, chat):
 def test_open_instruct_passes_over_each_rollout_resume_exactly(checkpoints, tmp_path, capsys):
     """num_epochs=2 x num_mini_batches=2 with async_mode: four optimizer steps per rollout (the learning-rate
     horizon is the rollouts times four), the off-policy KL logged, and a run stopped after a rollout resumes (its
-    lagging sampler included) to the same metrics, bit for bit. On one mesh the run says that sampling and the
-    update take turns."""
+    lagging sampler included) to the same metrics, bit for bit. The rollouts are best-of-3 pairs (num_generations=3)
+    and the sampler is refreshed every other rollout (sync_steps=8), so their resume is exact too. On one mesh the
+    run says that sampling and the update take turns."""
     out = tmp_path / "out"
     cfg = C.TrainConfig(model_name_or_path=str(checkpoints["llama"]["causal_lm"]),
                         reward_model_path=str(checkpoints["llama"]["reward"]),
                         dataset_name=str(hf_fixtures.prompt_dataset(tmp_path / "data")), output_dir=str(out),
                         max_steps=3, save_steps=1, per_device_train_batch_size=2, learning_rate=1e-3,
                         logging_steps=1, max_new_tokens=6, max_length=96, max_prompt_length=64, bf16=False,
-                        num_epochs=2, num_mini_batches=2, async_mode=True)
+                        num_epochs=2, num_mini_batches=2, async_mode=True, num_generations=3, sync_steps=8)
     train.train(cfg)
     said = capsys.readouterr().out
     assert "async_mode: sampling and the update take turns on the same devices" in said
     assert ("nothing to overlap on one device" if jax.device_count() == 1 else "sampler_devices=k gives") in said
     lines = [m for m in _metrics(out) if "loss" in m]
-    assert all("objective/off_policy_kl" in m for m in lines)
+    assert all("objective/off_policy_kl" in m and "frac_reward_zero_std" in m for m in lines)
     assert [m["step"] for m in lines] == [1, 2, 3] and [m["episode"] for m in lines] == [4, 8, 12]
     # the schedule after 4, 8, 12 of 12 updates: linear decay without warm-up
     assert [m["lr"] for m in lines] == pytest.approx([1e-3 * 8 / 12, 1e-3 * 4 / 12, 0.0], abs=1e-9)

@@ -312,37 +312,49 @@ def test_rollout_update_equals_a_python_loop_over_epochs_and_mini_batches(neox):
     _close_params(one.params, plain.params, 1e-3, 1)
 
 
-def test_async_mode_samples_one_update_behind(neox):
-    """open-instruct's async_mode against a plain loop of on-policy pieces that keeps every parameter version: step
-    t samples with the parameters from before update t - 1 (step 0 with the initial ones) and trains the current
-    ones; the off-policy KL is logged, about 0 while the sampler is the policy itself."""
+def _sampler_version(t: int, async_mode: bool, s: int) -> int:
+    """The policy version step t samples with: the last multiple of s at or before t (async_mode: before t - 1)."""
+    last = max(t - 1, 0) if async_mode else t
+    return last - last % s
+
+
+@pytest.mark.parametrize("async_mode,sync_steps", [(True, 1), (False, 2), (True, 2)])
+def test_a_lagging_sampler_samples_the_policy_of_its_version(neox, async_mode, sync_steps):
+    """open-instruct's async_mode (one update behind) and semi-online sync_steps = s (the sampler refreshed every s
+    updates; Lanchantin et al. 2025), alone and together, against a plain loop of on-policy pieces that keeps every
+    parameter version: step t samples with theta_v, v the last multiple of s at or before t (async_mode: at or
+    before t - 1; step 0 with theta_0), and trains the current parameters; the off-policy KL is logged, about 0
+    where the sampler is the policy itself and not where it lags."""
     model, params = neox
     sync = _cfg(model)
-    lagged = dataclasses.replace(sync, async_mode=True)
+    lagged = dataclasses.replace(sync, async_mode=async_mode, sync_steps=sync_steps)
     ids, mask = _prompts(model, 1, 4, seed=6)
+    T = 4
 
     def reward(samples):
         tok, m = np.asarray(samples.tokens), np.asarray(samples.mask)
         return (((tok % 2 == 0) * m).sum(-1) / np.maximum(m.sum(-1), 1)).astype(np.float32)
 
     state, got_tokens, kls = ts.init_state(lagged, params, jax.random.key(1)), [], []
-    for _ in range(3):
+    for _ in range(T):
         samples = ts.jit_sample_completions(lagged, state, ids, mask)
         state, metrics = ts.jit_online_update(lagged, state, params, ids, mask, samples, reward(samples))
         got_tokens.append(np.asarray(samples.tokens))
         kls.append(float(metrics["objective/off_policy_kl"]))
     history = [jax.tree.map(np.asarray, params)]  # theta_0, theta_1, ...
     current = ts.init_state(sync, params, jax.random.key(1))
-    for t in range(3):
-        sampler = ts.TrainState(step=jnp.int32(t), params=history[max(t - 1, 0)], opt_state=None,
+    versions = [_sampler_version(t, async_mode, sync_steps) for t in range(T + 1)]
+    for t in range(T):
+        sampler = ts.TrainState(step=jnp.int32(t), params=history[versions[t]], opt_state=None,
                                 rng=jax.random.key(1))
         samples = ts.jit_sample_completions(sync, sampler, ids, mask)
         np.testing.assert_array_equal(got_tokens[t], np.asarray(samples.tokens), err_msg=f"step {t}")
         current, _ = ts.jit_update(sync, current, params, ids, mask, samples, reward(samples))
         history.append(jax.tree.map(np.asarray, current.params))
-    _close_params(state.params, current.params, 1e-3, 3)
-    _close_params(state.sampler_params, history[2], 1e-3, 2)  # the sampler of a fourth step: theta_2
-    assert abs(kls[0]) < 1e-2 and abs(kls[2]) > 10 * abs(kls[0]), kls
+    _close_params(state.params, current.params, 1e-3, T)
+    _close_params(state.sampler_params, history[versions[T]], 1e-3, versions[T])  # the sampler of step T
+    for t, v in enumerate(versions[:T]):
+        assert (abs(kls[t]) < 1e-2) if v == t else (abs(kls[t]) > 10 * abs(kls[0])), (t, v, kls)
 
 
 @pytest.mark.parametrize("lora_rank", [0, 4])
