@@ -1,13 +1,14 @@
-"""k = 2 (TRL's pair) against best-of-k pairs at the same sampling budget, on the embedded tiny world.
+"""k = 2 (TRL's pair) against best-of-k pairs at the same sampling budget.
 
-  python scripts/compare_pairing.py [--seeds 0 1 2] [--steps 200] [--eval-steps 25] [--out DIR]
+  python scripts/compare_pairing.py [--config tiny.py] [--k 4] [--seeds 0 1 2] [--steps 200] [--eval-steps 25]
+                                    [--no-random] [--out DIR]
 
-Runs configs/tiny.py (16 prompts x 2 completions per step) and configs/tiny_best_of_4.py (8 prompts x 4, the best
-against the worst: the same completions and tokens sampled per step) for the same steps and seeds, in one process
-(one after the other, so they share the machine's state), and prints a markdown table of the held-out score
-(``eval/objective/scores``, one greedy-free sample per evaluation prompt) at each evaluation: mean and range over
-the seeds. Also ``k = 4, random`` (the budget spent on k without choosing) as a control. The runs' metrics.jsonl
-stay under ``--out`` for ``python -m jodpo.plot``.
+Runs the config as it is (its prompts per step x 2 completions) and with ``num_generations=k``, ``best_worst`` and
+k/2 times fewer prompts per step (the same completions and tokens sampled per step; for configs/tiny.py that is
+configs/tiny_best_of_4.py), and ``k``, ``random`` (the budget spent on k without choosing) as a control, for the same
+steps and seeds, in one process, one after the other; then prints a markdown table of the held-out score
+(``eval/objective/scores``, one sample per evaluation prompt) at each evaluation: mean and range over the seeds.
+The runs' metrics.jsonl stay under ``--out`` for ``python -m jodpo.plot``.
 """
 from __future__ import annotations
 
@@ -20,15 +21,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-VARIANTS = {  # name: (config file, overrides)
-    "k=2 (TRL), 16 prompts/step": ("tiny.py", {}),
-    "k=4 best_worst, 8 prompts/step": ("tiny_best_of_4.py", {}),
-    "k=4 random, 8 prompts/step": ("tiny_best_of_4.py", {"pairing": "random"}),
-}
-
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="tiny.py")
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--no-random", action="store_true", help="leave out the k, random control")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--eval-steps", type=int, default=25)
@@ -39,13 +37,22 @@ def main(argv=None) -> int:
     from jodpo.train import train
 
     out = Path(args.out or tempfile.mkdtemp(prefix="compare-pairing-"))
+    base = load_config_file(args.config)
+    n, k = base.per_device_train_batch_size, args.k
+    if base.num_generations != 2 or (2 * n) % k:
+        raise SystemExit(f"{args.config}: num_generations must be 2 and 2 x per_device_train_batch_size ({2 * n}) a "
+                         f"multiple of k={k}")
+    fewer = dict(num_generations=k, per_device_train_batch_size=2 * n // k)
+    variants = {f"k=2 (TRL), {n} prompts/step": {},
+                f"k={k} best_worst, {2 * n // k} prompts/step": dict(fewer, pairing="best_worst")}
+    if not args.no_random:
+        variants[f"k={k} random, {2 * n // k} prompts/step"] = dict(fewer, pairing="random")
     scores: dict[str, dict[int, list[float]]] = {}
-    for name, (config, overrides) in VARIANTS.items():
+    for name, overrides in variants.items():
         for seed in args.seeds:
-            run = out / f"{config.removesuffix('.py')}-{overrides.get('pairing', 'default')}-seed{seed}"
-            cfg = load_config_file(config).replace(seed=seed, max_steps=args.steps, eval_steps=args.eval_steps,
-                                                   save_steps=args.steps, output_dir=str(run), report_to="none",
-                                                   num_sample_generations=0, **overrides)
+            run = out / f"k{overrides.get('num_generations', 2)}-{overrides.get('pairing', 'trl')}-seed{seed}"
+            cfg = base.replace(seed=seed, max_steps=args.steps, eval_steps=args.eval_steps, save_steps=args.steps,
+                               output_dir=str(run), report_to="none", num_sample_generations=0, **overrides)
             backend.configure(cfg)
             train(cfg)
             for line in (run / "metrics.jsonl").read_text().splitlines():
