@@ -4,15 +4,20 @@ import importlib.util
 import os
 import shutil
 import tempfile
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Real weights and text from the package index (jodpo/assets.py) stay in the user's cache between sessions
 os.environ.setdefault("JODPO_ASSETS", os.path.join(os.environ.get("JODPO_CACHE", os.path.expanduser("~/.cache/jodpo")),
                                                    "assets"))
-# The tiny world and the compilation cache, fresh per session (per pytest-xdist worker), removed at its end
-os.environ["JODPO_CACHE"] = tempfile.mkdtemp(prefix="jodpo-cache-")
-atexit.register(shutil.rmtree, os.environ["JODPO_CACHE"], ignore_errors=True)
+# The tiny world, the compilation cache and the session's shared runs (tiny_run), fresh per session and shared by its
+# pytest-xdist workers: made by the first process (xdist's controller, or a lone pytest), which removes it at its end
+if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get("JODPO_TEST_SESSION_CACHE"):
+    os.environ["JODPO_CACHE"] = os.environ["JODPO_TEST_SESSION_CACHE"]
+else:
+    os.environ["JODPO_CACHE"] = os.environ["JODPO_TEST_SESSION_CACHE"] = tempfile.mkdtemp(prefix="jodpo-cache-")
+    atexit.register(shutil.rmtree, os.environ["JODPO_CACHE"], ignore_errors=True)
 # With a GPU as jax's default backend, the suite's runs are reproducible (its resume tests compare bitwise), here
 # and in every subprocess; the flag does nothing on a CPU. tests/test_gpu.py checks the `deterministic` field
 # itself without it.
@@ -36,12 +41,26 @@ def pytest_addoption(parser):
                      help="also run the tests marked gpu when jax's default backend is not a GPU (to check the tests)")
 
 
+# The files that take longest (most of their time compiling, or in subprocesses), longest first: pytest-xdist's
+# --dist loadfile hands a worker the next file when it is nearly done with its last one, so these start at once,
+# one per worker, and the many short files fill in behind them, instead of two long files ending the run on one
+# worker while the other idles. Every other file keeps its place (alphabetical) behind them. Measured with
+# `--durations=0` on 2 cores (the commit that last changed this list gives the times).
+SLOWEST_FIRST = ("test_train.py", "test_train_step.py", "test_sharding.py", "test_bench.py", "test_real_model.py",
+                 "test_reliability.py", "test_bench_program.py", "test_export_script.py", "test_losses_vs_trl.py",
+                 "test_evaluate.py", "test_sampling.py", "test_models.py", "test_judges.py", "test_export.py")
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: checks that mean something only with a GPU as jax's default backend "
                                        "(precision, export at scale, determinism, bf16); skipped elsewhere")
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: keep the files in the order given below
+        config.option.loadscopereorder = False  # (its default sorts them by their number of tests)
 
 
 def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the order within a file is kept
     gpu_items = [item for item in items if "gpu" in item.keywords]
     if not gpu_items or config.getoption("--gpu-tests-on-cpu"):
         return
@@ -92,10 +111,20 @@ def tokenizer_dir(checkpoints):
 
 
 @pytest.fixture(scope="session")
-def tiny_run(tmp_path_factory):
-    """The embedded default (configs/tiny.py), run once to the end: 200 steps, checkpoints at 100 and 200."""
+def tiny_run():
+    """The embedded default (configs/tiny.py), run once to the end: 200 steps, checkpoints at 100 and 200. Run once
+    per session by whichever pytest-xdist worker needs it first (the other waits for it, then reads the same
+    directory), in the session's $JODPO_CACHE beside the tiny world it was trained on. Tests copy it to change it."""
+    import fcntl
+
     from jodpo import train
 
-    out = tmp_path_factory.mktemp("tiny")
-    assert train.main(["--config", "tiny.py", f"--config.output_dir={out}"]) == 0
+    root = Path(os.environ["JODPO_CACHE"])
+    out, done = root / "tiny-run", root / "tiny-run.done"
+    with open(root / "tiny-run.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or when its holder dies
+        if not done.exists():
+            shutil.rmtree(out, ignore_errors=True)  # from a worker that failed or died in the middle
+            assert train.main(["--config", "tiny.py", f"--config.output_dir={out}"]) == 0
+            done.touch()
     return out
