@@ -45,6 +45,9 @@ def set_deterministic() -> None:
     os.environ["XLA_FLAGS"] = f"{flags} {DETERMINISTIC_FLAG}".strip()
 
 
+CACHE_MAX_BYTES = 32 * 2**30
+
+
 def default_cache_dir() -> Path:
     return Path(os.environ.get("JODPO_CACHE", Path.home() / ".cache" / "jodpo")) / "xla"
 
@@ -66,6 +69,10 @@ def set_compilation_cache(directory: str | None, min_compile_time_secs: float = 
         path.mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", str(path) if path else None)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", min_compile_time_secs)
+    # A size limit turns on jax's file lock around every read and write of the cache: without one, a process can read
+    # an entry another is still writing (the hosts of a job on one disk, or the test suite's two workers), and
+    # recompile with a warning. 32 GiB, the least recently used programs evicted past it.
+    jax.config.update("jax_compilation_cache_max_size", CACHE_MAX_BYTES)
     # jax reads the directory once, at its first compile: start over so that this one is used from now on
     compilation_cache.reset_cache()
     return path

@@ -48,7 +48,8 @@ def pytest_addoption(parser):
 # `--durations=0` on 2 cores (the commit that last changed this list gives the times).
 SLOWEST_FIRST = ("test_train.py", "test_train_step.py", "test_sharding.py", "test_bench.py", "test_real_model.py",
                  "test_reliability.py", "test_bench_program.py", "test_export_script.py", "test_losses_vs_trl.py",
-                 "test_evaluate.py", "test_sampling.py", "test_models.py", "test_judges.py", "test_export.py")
+                 "test_evaluate.py", "test_sampling.py", "test_models.py", "test_pairing.py", "test_judges.py",
+                 "test_export.py")
 
 
 def pytest_configure(config):

@@ -53,6 +53,9 @@ def test_the_compilation_cache_keeps_programs_across_processes(tmp_path, cache_h
     _compile_fresh()
     written = list((tmp_path / "xla").iterdir())
     assert written and not cache_hits
+    # bounded, hence read and written under jax's file lock (processes sharing the directory never read half a file)
+    assert jax.config.jax_compilation_cache_max_size == backend.CACHE_MAX_BYTES
+    assert (tmp_path / "xla" / ".lockfile").exists()
     backend.set_compilation_cache(str(tmp_path / "xla"), min_compile_time_secs=0)  # as a new process would
     _compile_fresh()
     assert len(cache_hits) == 1
