@@ -99,7 +99,12 @@ def checksums(tree) -> list[str]:
     moments, 110 leaves): 125 ms (the non-finite check: 145 ms), so the save's blocking part went from
     265-271 ms to 372-398 ms; the background write (2.1-2.6 s) varied more than that. On an accelerator it is
     one read of the state at memory bandwidth."""
-    sums = jax.device_get([_leaf_checksum(x) for x in jax.tree.leaves(tree)])
+    leaves = jax.tree.leaves(tree)
+    jax.block_until_ready(leaves)
+    # One program at a time, each waited for: a sharded leaf's checksum is a multi-device program with collectives,
+    # and XLA:CPU deadlocked (a cross-device all-gather waiting forever, on 2 cores with 8 fake devices) when
+    # several of them were in flight at once.
+    sums = [jax.device_get(_leaf_checksum(x)) for x in leaves]
     return [f"{int(a):08x}{int(b):08x}" for a, b in sums]
 
 
@@ -154,9 +159,9 @@ class Checkpointer:
 
         A state with a non-finite entry is never written (it would become the one a resume starts from), and
         a full disk is reported as such; in both cases the previous checkpoints stay as they were."""
-        finite = all_finite(state)  # dispatched: it runs while the checksums are dispatched
-        sums = checksums(state)
-        if not bool(jax.device_get(finite)):
+        finite = bool(jax.device_get(all_finite(state)))
+        sums = checksums(state)  # after it, never beside it (``checksums``)
+        if not finite:
             raise SaveError(f"the training state at step {step} has non-finite values (NaN or Inf); it was not saved, "
                             f"so {self.directory} still ends with the last finite checkpoint. Lower the "
                             "learning rate or check the rewards, then resume")

@@ -198,7 +198,7 @@ def _check(c: TrainConfig) -> None:
                           f"{c.num_generations}")
     if c.pairing not in PAIRINGS:
         raise ConfigError(f"pairing must be one of {PAIRINGS}, got {c.pairing!r}")
-    if c.sync_steps % c.updates_per_step:
+    if c.sync_steps > 1 and c.sync_steps % c.updates_per_step:
         raise ConfigError(f"sync_steps={c.sync_steps} is not a multiple of the {c.updates_per_step} optimizer steps "
                           "of a rollout (num_epochs x num_mini_batches): the sampler is refreshed between rollouts; "
                           "use a multiple")

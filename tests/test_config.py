@@ -59,6 +59,7 @@ def test_sync_steps_must_be_a_multiple_of_a_rollouts_updates():
     with pytest.raises(C.ConfigError, match="sync_steps=3 is not a multiple of the 2 optimizer steps of a rollout"):
         C.TrainConfig(sync_steps=3, num_mini_batches=2)
     assert C.TrainConfig(sync_steps=4, num_mini_batches=2).sync_steps == 4
+    assert C.TrainConfig(num_mini_batches=2).sync_steps == 1  # on-policy: refreshed every rollout
 
 
 def test_run_length_from_steps_episodes_or_epochs():
