@@ -22,18 +22,28 @@ else:
 # and in every subprocess; the flag does nothing on a CPU. tests/test_gpu.py checks the `deterministic` field
 # itself without it.
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_gpu_deterministic_ops=true".strip()
-# On a machine without an accelerator, the suite's programs are compiled without LLVM's optimisations (XLA's HLO
-# passes, which decide fusion, layouts and precision, are unchanged): its models are tiny, so its time is
-# compiling, and this takes a third off it. JODPO_TEST_FULL_OPT=1 compiles as a run does. An accelerator: a GPU
-# (/dev/nvidia0...), a TPU (/dev/accel0... on v4/v5p, /dev/vfio/0... on v5e/v6e), or libtpu installed.
+# On a machine without an accelerator, the suite's programs are compiled for speed of compiling: its models are
+# tiny, so its time is compiling. LLVM's optimisations are off (a third of it), and XLA:CPU emits its fusions with
+# its classic elemental emitters instead of the MLIR fusion emitters (half of what is left: 292 -> 149 s of CPU for
+# tests/test_models.py and tests/test_pairing.py side by side). XLA's HLO passes, which decide fusion, layouts and
+# precision, are unchanged, and both emitters compute the same float32 operations (ulp-level differences in
+# transcendentals, which every tolerance here allows: they come from the dtype). JODPO_TEST_FULL_OPT=1 compiles as
+# a run does. An accelerator: a GPU (/dev/nvidia0...), a TPU (/dev/accel0... on v4/v5p, /dev/vfio/0... on
+# v5e/v6e), or libtpu installed.
 _ACCELERATOR = (glob.glob("/dev/nvidia[0-9]*") or glob.glob("/dev/accel[0-9]*") or glob.glob("/dev/vfio/[0-9]*")
                 or importlib.util.find_spec("libtpu") is not None)
 if not (_ACCELERATOR or os.environ.get("JODPO_TEST_FULL_OPT")):
-    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
+    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 
 import pytest
 
+from jodpo.backend import set_compilation_cache
 from tests import hf_fixtures
+
+# Every test process keeps its compiled programs in the session's compilation cache ($JODPO_CACHE/xla, where the
+# training runs and the subprocesses keep theirs): a program that another worker or a subprocess compiled is read,
+# and so is one compiled again after _release_compiled_programs below cleared jax's in-memory caches.
+set_compilation_cache("auto")
 
 
 def pytest_addoption(parser):

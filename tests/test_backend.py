@@ -40,7 +40,7 @@ def cache_hits():
     jax.monitoring.register_event_listener(listen)
     yield hits
     jax.monitoring.unregister_event_listener(listen)
-    backend.set_compilation_cache(None)
+    backend.set_compilation_cache("auto")  # the session's cache again (tests/conftest.py)
 
 
 def _compile_fresh():
