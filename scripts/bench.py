@@ -86,6 +86,7 @@ def bench_train(args) -> dict:
         dims = build_fixture(fx, args)
         fixture_s = time.perf_counter() - t
         spec = dict(fixture=str(fx), batch=args.batch, new_tokens=args.new_tokens, repeats=args.repeats, dtype=args.dtype,
+                    peak_size=args.peak_size,
                     trl_gradient_checkpointing=args.trl_gradient_checkpointing, attention=args.attention)
         sides = ["jodpo"] + ([] if args.no_trl else ["trl"])
         workers = {s: Worker(s, spec, Path(tmp) / f"{s}.log") for s in sides}
@@ -202,6 +203,7 @@ def summarize(args, dims, fixture_s, ready, runs, rss, parts, torch_peak, sample
                          loss_type="sigmoid", missing_eos_penalty=MISSING_EOS_PENALTY, learning_rate=LR,
                          trl_gradient_checkpointing=args.trl_gradient_checkpointing, dtype=args.dtype,
                          attention=args.attention, nominal_peak_tflops=args.nominal_peak_tflops,
+                         peak_size=args.peak_size,
                          eos_token_ids=ready["jodpo"]["eos_token_ids"], fixture_build_s=fixture_s),
         "jodpo": j, "trl": trl, "trl_worker": ready.get("trl"),
         "ratio_time_jodpo_over_trl": j["median_s"] / trl["median_s"] if trl else None,
@@ -328,6 +330,8 @@ def main(argv=None):
     t.add_argument("--steps", type=int, default=5, help="timed steps per side")
     t.add_argument("--repeats", type=int, default=3, help="timed calls per piece of jodpo's breakdown")
     t.add_argument("--sample-repeats", type=int, default=5, help="timed pairs of the sampler comparison")
+    t.add_argument("--peak-size", type=int, help="side of the square matmul the peak is measured on (default 2048 "
+                                                  "on a CPU, 8192 on a GPU; smaller is quicker and lower)")
     t.add_argument("--no-trl", action="store_true", help="jodpo only")
     t.add_argument("--trl-gradient-checkpointing", action="store_true",
                    help="TRL with its own default (gradient checkpointing on, so generate runs without a KV cache); "

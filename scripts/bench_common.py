@@ -331,10 +331,10 @@ def peak_size(on_gpu: bool) -> int:
     return 8192 if on_gpu else 2048
 
 
-def _jax_matmul_peak(dtype: str = "float32", repeats: int = 5) -> float:
+def _jax_matmul_peak(dtype: str = "float32", repeats: int = 5, n: int | None = None) -> float:
     import jax
 
-    n = peak_size(jax.default_backend() == "gpu")
+    n = n or peak_size(jax.default_backend() == "gpu")
     a = jax.random.normal(jax.random.key(0), (n, n), dtype)
     b = jax.random.normal(jax.random.key(1), (n, n), dtype)
     mm = jax.jit(lambda x, y: x @ y)

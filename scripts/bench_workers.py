@@ -87,7 +87,7 @@ def worker_jodpo(spec: dict, ch: Channel):
         elif cmd == "eval":  # bench.py program: an evaluation, and its sampling alone
             ch.send(**_time_eval(jax, run, state))
         elif cmd == "peak":
-            ch.send(matmul_peak_gflops=_jax_matmul_peak(spec["dtype"]))
+            ch.send(matmul_peak_gflops=_jax_matmul_peak(spec["dtype"], n=spec.get("peak_size")))
         elif cmd == "breakdown":
             ch.send(**_jodpo_breakdown(jax, jnp, ts, cfg, state, ref, rm_params, *last, spec["repeats"],
                                        completion_logprobs, online_dpo_loss))
@@ -289,7 +289,7 @@ def worker_trl(spec: dict, ch: Channel):
                     ch.send(peak_rss_mib=_maxrss_mib(), device=str(dev), device_peak_mib=(
                         torch.cuda.max_memory_allocated() / 2 ** 20 if dev.type == "cuda" else None))
                 elif cmd == "peak":
-                    n = peak_size(dev.type == "cuda")
+                    n = spec.get("peak_size") or peak_size(dev.type == "cuda")
                     x, y = (torch.randn(n, n, dtype=dtype, device=dev) for _ in range(2))
                     ch.send(matmul_peak_gflops=2 * n ** 3 / _median_time(lambda: (torch.mm(x, y), _sync(torch)), 5) / 1e9)
                 elif cmd == "quit":

@@ -19,7 +19,7 @@ def _run_bench(out: Path, steps: int, *extra: str) -> subprocess.CompletedProces
     cmd = [sys.executable, str(ROOT / "scripts" / "bench.py"), "train", "--hidden", "64", "--layers", "1",
            "--heads", "4", "--vocab", "512", "--prompts", "16", "--prompt-len", str(P), "--new-tokens", str(T),
            "--batch", str(B), "--warmup", "1", "--steps", str(steps), "--repeats", "1", "--sample-repeats", "1",
-           *extra, "--out", str(out)]
+           "--peak-size", "256", *extra, "--out", str(out)]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
@@ -39,7 +39,7 @@ def _positive(x) -> bool:
 
 def test_step_times_and_ratio(result):
     s = result["settings"]
-    assert (s["batch"], s["new_tokens"], s["steps"], s["warmup"]) == (B, T, 2, 1)
+    assert (s["batch"], s["new_tokens"], s["steps"], s["warmup"], s["peak_size"]) == (B, T, 2, 1, 256)
     assert P - 6 <= s["prompt_len_min"] <= s["prompt_len_max"] <= s["prompt_width"] == P
     for side in ("jodpo", "trl"):
         r = result[side]

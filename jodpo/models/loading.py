@@ -292,7 +292,7 @@ def _gguf_model(file: Path, task: str, dtype):
     if task != "causal_lm":
         raise CheckpointError(f"{file}: a GGUF file holds a causal LM; a reward model must be a "
                               "*ForSequenceClassification transformers checkpoint with num_labels=1.")
-    g = gguf.GGUF(file)
+    g = gguf.open_file(file)
     cfg = g.hf_config()
     try:
         model = families.model_from_hf_config(cfg, task, dtype=jnp.dtype(dtype).name, eos_token_ids=g.eos_token_ids())
