@@ -14,20 +14,27 @@ ROOT = Path(__file__).resolve().parents[1]
 B, T, P = 2, 4, 20
 
 
-def _run_bench(out: Path, steps: int, *extra: str) -> subprocess.CompletedProcess:
-    """bench.py train on a tiny GPT-NeoX (hidden 64, 1 layer, vocab 512), writing its JSON to ``out``."""
+def _run_bench(out: Path, fixture: Path, steps: int, *extra: str) -> subprocess.CompletedProcess:
+    """bench.py train on a tiny GPT-NeoX (hidden 64, 1 layer, vocab 512), writing its JSON to ``out``, with its models
+    and prompts in ``fixture`` (the first run builds them there, the next reuse them)."""
     cmd = [sys.executable, str(ROOT / "scripts" / "bench.py"), "train", "--hidden", "64", "--layers", "1",
            "--heads", "4", "--vocab", "512", "--prompts", "16", "--prompt-len", str(P), "--new-tokens", str(T),
            "--batch", str(B), "--warmup", "1", "--steps", str(steps), "--repeats", "1", "--sample-repeats", "1",
-           "--peak-size", "256", *extra, "--out", str(out)]
+           "--peak-size", "256", "--fixture", str(fixture), *extra, "--out", str(out)]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
 @pytest.fixture(scope="module")
-def result(tmp_path_factory):
+def models(tmp_path_factory):
+    """The directory of the tiny models and prompts that this file's bench.py runs share."""
+    return tmp_path_factory.mktemp("bench_fixture")
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory, models):
     pytest.importorskip("trl")
     out = tmp_path_factory.mktemp("bench") / "bench.json"
-    proc = _run_bench(out, 2)
+    proc = _run_bench(out, models, 2)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "s / step" in proc.stdout and "targets:" in proc.stdout  # the table was printed
     return json.loads(out.read_text())
@@ -120,12 +127,12 @@ def test_sampler_and_targets(result):
     assert set(result["cores_taken_by_others_share"]) >= {"steps", "breakdown", "sampler"}
 
 
-def test_bfloat16_jodpo_only(tmp_path):
+def test_bfloat16_jodpo_only(tmp_path, models):
     """--dtype bfloat16 --no-trl (the accelerator recipe's flags) on the tiny model: bf16 throughout, MFU against
     the nominal peak given, and no TRL fields."""
     pytest.importorskip("torch")  # the fixture and the sampler comparison are built with transformers' torch models
     out = tmp_path / "bench.json"
-    proc = _run_bench(out, 1, "--no-trl", "--dtype", "bfloat16", "--nominal-peak-tflops", "2.5")
+    proc = _run_bench(out, models, 1, "--no-trl", "--dtype", "bfloat16", "--nominal-peak-tflops", "2.5")
     assert proc.returncode == 0, proc.stderr[-4000:]
     r = json.loads(out.read_text())
     assert r["settings"]["dtype"] == "bfloat16" and "bfloat16" in r["model"] and r["sampler"]["dtype"] == "bfloat16"

@@ -123,8 +123,9 @@ def test_fused_step_equals_split_path_and_does_not_recompile(checkpoints, neox):
     atol = 8 * np.finfo(np.float32).eps * abs(float(split_metrics["logps/chosen"]))
     for k in split_metrics:
         np.testing.assert_allclose(float(metrics[k]), float(split_metrics[k]), rtol=1e-5, atol=atol, err_msg=k)
-    for a, b in zip(jax.tree.leaves(fused.params), jax.tree.leaves(split_state.params)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+    # the same update from gradients the two programs round differently (their fusions differ): Adam's first step
+    # turns a gradient entry that is float noise into up to +-lr, so _close_params' bound, not a float32 tolerance
+    _close_params(fused.params, split_state.params, 1e-3, 1)
     assert int(fused.step) == 1 and float(metrics["lr"]) == pytest.approx(1e-3 * 9 / 10)
     compiled = ts.jit_online_step._cache_size()
     fused, metrics, _, _ = ts.jit_online_step(cfg, fused, params, rm_params, ids, mask)
