@@ -26,8 +26,8 @@ os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_gpu_determin
 # tiny, so its time is compiling. LLVM's optimisations are off (a third of it), and XLA:CPU emits its fusions with
 # its classic elemental emitters instead of the MLIR fusion emitters (half of what is left: 292 -> 149 s of CPU for
 # tests/test_models.py and tests/test_pairing.py side by side). XLA's HLO passes, which decide fusion, layouts and
-# precision, are unchanged, and both emitters compute the same float32 operations (ulp-level differences in
-# transcendentals, which every tolerance here allows: they come from the dtype). JODPO_TEST_FULL_OPT=1 compiles as
+# precision, are unchanged, and both emitters compute the same float32 operations (their roundings may differ in
+# the last bits, which every tolerance here allows: the tolerances come from the dtype). JODPO_TEST_FULL_OPT=1 compiles as
 # a run does. An accelerator: a GPU (/dev/nvidia0...), a TPU (/dev/accel0... on v4/v5p, /dev/vfio/0... on
 # v5e/v6e), or libtpu installed.
 _ACCELERATOR = (glob.glob("/dev/nvidia[0-9]*") or glob.glob("/dev/accel[0-9]*") or glob.glob("/dev/vfio/[0-9]*")

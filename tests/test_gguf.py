@@ -70,6 +70,12 @@ def test_gguf_logits_equal_transformers_gguf_loading(checkpoints, tmp_path, fami
     path = checkpoints[family]["causal_lm"]
     f = write_gguf(path, tmp_path / "m.gguf", quant)
     model, params = jodpo.load_model(str(f))
+    # parsed once while the file is unchanged (load_model and load_tokenizer share it), anew once it changes
+    hits = G._opened.cache_info().hits
+    opened = G.open_file(f)
+    assert G._opened.cache_info().hits == hits + 1 and G.open_file(f) is opened  # the one load_model parsed
+    write_gguf(path, f, quant)
+    assert G.open_file(f) is not opened
     hf = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf", dtype=torch.float32)
     assert (model.num_kv_heads, model.tie_embeddings) == (hf.config.num_key_value_heads, hf.config.tie_word_embeddings)
     ids, mask = hf_fixtures.padded_batch(np.random.default_rng(0), [9, 6], model.pad_token_id, "right")
