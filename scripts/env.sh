@@ -16,15 +16,20 @@ py="${PYTHON:-python3}"
 "$py" -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { echo "jodpo needs Python >= 3.11 (set PYTHON=...)" >&2; exit 1; }
 [ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
 stamp="$venv/.jodpo-installed${extras:+-$extras}"
+# pip installs without compiling every module to bytecode (--no-compile: ~80 s of the test install, mostly torch's
+# and transformers' modules that nothing here imports); Python writes the bytecode of what is imported, the first
+# time it is imported, under the environment's own pycache directory, and reads it from there afterwards (also
+# where PYTHONDONTWRITEBYTECODE is set, which would otherwise compile every import of every process anew).
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   echo "[jodpo] installing into $venv (once)" >&2
-  "$venv/bin/python" -m pip install -q --upgrade pip
+  "$venv/bin/python" -m pip install -q --no-compile --upgrade pip
   if [ "$extras" = test ]; then
     # The CPU build of torch, before anything that depends on torch can pull the multi-GB CUDA wheels.
-    "$venv/bin/python" -m pip install -q "torch==2.13.0"
+    "$venv/bin/python" -m pip install -q --no-compile "torch==2.13.0"
   fi
-  "$venv/bin/python" -m pip install -q -e ".${extras:+[$extras]}"
+  "$venv/bin/python" -m pip install -q --no-compile -e ".${extras:+[$extras]}"
   touch "$stamp"
 fi
-export PATH="$venv/bin:$PATH" VIRTUAL_ENV="$venv"
+unset PYTHONDONTWRITEBYTECODE
+export PATH="$venv/bin:$PATH" VIRTUAL_ENV="$venv" PYTHONPYCACHEPREFIX="$venv/pycache"
 exec "$@"

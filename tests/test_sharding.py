@@ -109,11 +109,12 @@ ASYNC = ["--config.async_mode=True", "--config.sync_steps=2", "--config.num_gene
 SPLIT = ["--config.sampler_devices=4"]
 
 
-def _argv(out: Path, checkpoints, dataset: Path, per_device: int, mesh=(1, -1, 1)) -> list[str]:
+def _argv(out: Path, checkpoints, dataset: Path, per_device: int, mesh=(1, -1, 1), resumable=False) -> list[str]:
     """3 steps of online DPO with the reward model on device (NeoX policy + NeoX RM), global batch 8 (``+ LORA``:
-    LoRA adapters on every projection, the fused query_key_value included)."""
+    LoRA adapters on every projection, the fused query_key_value included), saved at the end (``resumable``: after
+    every step, for ``_resumable_copy``)."""
     fields = dict(model_name_or_path=checkpoints["neox"]["causal_lm"], reward_model_path=checkpoints["neox"]["reward"],
-                  dataset_name=dataset, output_dir=out, max_steps=3, save_steps=1, logging_steps=1,
+                  dataset_name=dataset, output_dir=out, max_steps=3, save_steps=1 if resumable else 3, logging_steps=1,
                   per_device_train_batch_size=per_device, per_device_eval_batch_size=per_device, max_new_tokens=6,
                   max_length=96, max_prompt_length=64, learning_rate=1e-3, bf16=False, eval_steps=3,
                   mesh_data=mesh[0], mesh_fsdp=mesh[1], mesh_tensor=mesh[2], num_sample_generations=1)
@@ -197,13 +198,13 @@ def _run_8_devices(jobs: list[tuple[list[str], Path | None, Path | None]]) -> tu
 
 @pytest.fixture(scope="module")
 def runs(checkpoints, tmp_path_factory):
-    """The 1-device reference, and the same run on 8 devices in two layouts (each saved every step); then
+    """The 1-device reference, and the same run on 8 devices in two layouts (these three saved every step); then
     checkpoint 3 removed from a copy of each, and resumed on the other device count (the mesh fields
     differ, hence --allow_config_change; the run itself is the same)."""
     root = tmp_path_factory.mktemp("sharded")
     data = hf_fixtures.prompt_dataset(root / "data")
     one = root / "one"
-    assert train.main(_argv(one, checkpoints, data, per_device=8)) == 0
+    assert train.main(_argv(one, checkpoints, data, per_device=8, resumable=True)) == 0
     resume_on_8 = _resumable_copy(one, root / "one_then_8")
     assert train.main(_argv(root / "lora_one", checkpoints, data, per_device=8) + LORA) == 0
     assert train.main(_argv(root / "async_one", checkpoints, data, per_device=8) + ASYNC) == 0
@@ -212,10 +213,10 @@ def runs(checkpoints, tmp_path_factory):
     # split over fsdp x tensor) sampled apart
     async_then_split = root / "async_then_split"
     split, sampled = _run_8_devices([
-        (_argv(root / "dft", checkpoints, data, 2, (2, 2, 2)), None, None),
+        (_argv(root / "dft", checkpoints, data, 2, (2, 2, 2), resumable=True), None, None),
         (_argv(root / "d8", checkpoints, data, 1, (8, 1, 1)), None, None),
         (_argv(resume_on_8, checkpoints, data, 1, (8, 1, 1)), None, None),
-        (_argv(root / "async", checkpoints, data, 2, (2, 2, 2)) + ASYNC, None, None),
+        (_argv(root / "async", checkpoints, data, 2, (2, 2, 2), resumable=True) + ASYNC, None, None),
         (_argv(root / "async_split", checkpoints, data, 4, (1, 2, 2)) + ASYNC + SPLIT, None, None),
         (_argv(async_then_split, checkpoints, data, 4, (1, 2, 2)) + ASYNC + SPLIT, root / "async", async_then_split),
         (_argv(root / "lora_split", checkpoints, data, 4, (1, 2, 2)) + LORA + SPLIT, None, None)])

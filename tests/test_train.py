@@ -93,7 +93,7 @@ def test_a_resumed_run_reads_no_policy_weights_of_its_own_dtype(checkpoints, tmp
                         reward_model_path=str(checkpoints["llama"]["reward"]),
                         dataset_name=str(hf_fixtures.prompt_dataset(tmp_path / "data")), output_dir=str(out),
                         max_steps=2, save_steps=1, per_device_train_batch_size=2, learning_rate=1e-3, logging_steps=1,
-                        max_new_tokens=6, max_length=120, max_prompt_length=96, bf16=False,
+                        max_new_tokens=6, max_length=120, max_prompt_length=96, prompt_buckets=(96,), bf16=False,
                         frozen_param_dtype="bfloat16", report_to=("tensorboard", "wandb"), run_name="resumable",
                         loss_type=loss_type, num_epochs=2 if loss_type == "simpo" else 1)
     reads, load, runs, build = [], run_module.load_model, [], train.build
@@ -148,8 +148,9 @@ def test_every_config_runs_two_steps_on_local_stand_ins(name, checkpoints, tmp_p
         "reward_model_path": str(checkpoints[family]["reward"])}
     cfg = cfg.replace(model_name_or_path=str(checkpoints[family]["causal_lm"]), **scorer, **source,
                       output_dir=str(tmp_path / "out"), total_episodes=None, max_steps=2, per_device_train_batch_size=2,
-                      max_new_tokens=6, max_length=120, max_prompt_length=96, eval_steps=2, max_eval_prompts=4, per_device_eval_batch_size=2,
-                      logging_steps=1)
+                      max_new_tokens=6, max_length=120, max_prompt_length=96, eval_steps=2, max_eval_prompts=4,
+                      per_device_eval_batch_size=2, logging_steps=1,
+                      prompt_buckets=(96,))  # one prompt shape: each program compiles once (the prompts straddle 64)
     last = train.train(cfg)
     lines = _metrics(tmp_path / "out")
     assert [m["step"] for m in lines if "loss" in m] == [1, 2]
