@@ -173,13 +173,18 @@ def test_checkpoints_are_written_uncompressed_and_compressed_ones_still_restore(
 
 # python -m jodpo.train with each save held (after Orbax started it) until the test writes a line: the second Ctrl-C
 # then arrives while a save is pending, whatever the machine's speed.
+# Each save is held until the test writes a line. The wait polls (0.1 s), so that the run's SIGINT handler runs
+# whichever of the process's threads the kernel delivered the signal to: a read() blocked in the main thread is
+# interrupted only by a signal delivered to that thread (seen once: the first Ctrl-C never handled, the test hung).
 HELD_SAVES = """
-import runpy, sys
+import runpy, select, sys
 from jodpo.checkpoint import Checkpointer
 real = Checkpointer.save
 def save(self, *args, **kwargs):
     real(self, *args, **kwargs)
     print("saving", flush=True)
+    while not select.select([sys.stdin], [], [], 0.1)[0]:
+        pass
     sys.stdin.readline()
 Checkpointer.save = save
 runpy.run_module("jodpo.train", run_name="__main__")
