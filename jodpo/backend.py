@@ -48,6 +48,14 @@ def set_deterministic() -> None:
 CACHE_MAX_BYTES = 32 * 2**30
 
 
+def quiet_transformers_advice() -> None:
+    """For the command-line programs: transformers' advisory warnings off (unless the environment sets them). Where
+    torch is not installed (jodpo needs none; the README's first command installs none), importing transformers says
+    "PyTorch was not found. Models won't be available...", true of transformers' models and misleading as a run's
+    first line: the models here are jodpo's own. Its warnings proper are still shown."""
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+
 def default_cache_dir() -> Path:
     return Path(os.environ.get("JODPO_CACHE", Path.home() / ".cache" / "jodpo")) / "xla"
 

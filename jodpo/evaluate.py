@@ -24,6 +24,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from jodpo import backend
 from jodpo import data as D
 from jodpo import generate as G
 from jodpo import judges as J
@@ -209,6 +210,7 @@ def report(summary: dict, out_dir: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    backend.quiet_transformers_advice()
     p = G.parser("python -m jodpo.evaluate", __doc__.split("\n\n")[0].replace("``", ""))
     p.add_argument("--out", required=True, help="the directory to write (continued if it holds an evaluation)")
     group = p.add_argument_group("the other side (default: the dataset's 'completion' column)")

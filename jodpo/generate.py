@@ -26,6 +26,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from jodpo import backend
 from jodpo import data as D
 from jodpo import sharding as S
 from jodpo.config import FIELDS, ConfigError, TrainConfig, from_dict, parse_override
@@ -290,6 +291,7 @@ def data_overrides(overrides: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    backend.quiet_transformers_advice()
     p = parser("python -m jodpo.generate", __doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="the JSONL file to write (continued if it exists)")
     args = p.parse_args(argv)

@@ -363,6 +363,7 @@ def init_distributed(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    backend.quiet_transformers_advice()
     argv = sys.argv[1:] if argv is None else argv
     debug = "--debug" in argv
     try:

@@ -1,5 +1,9 @@
 """Environments of the tests' subprocesses."""
 import os
+import re
+import shutil
+import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -15,3 +19,38 @@ def cpu_env(devices: int, **extra: str) -> dict:
     the CPU platform is pinned and the device count added to the XLA flags already set."""
     flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
     return env(JAX_PLATFORMS="cpu", XLA_FLAGS=flags, **extra)
+
+
+_TORCH = {"torch", "functorch", "torchgen"}
+
+
+def _site_without_torch() -> Path:
+    """A view of this process's packages without torch (a symlink to every other entry of each packages directory
+    on sys.path), built once per test session in its cache and shared by the pytest-xdist workers."""
+    view = Path(os.environ["JODPO_TEST_SESSION_CACHE"]) / "site-without-torch"
+    if view.is_dir():
+        return view
+    given = os.environ.get("PYTHONPATH", "").split(os.pathsep)  # e.g. a `pip install --target` directory
+    tmp = Path(tempfile.mkdtemp(prefix="site-", dir=view.parent))
+    for directory in sys.path:
+        if not (directory.endswith("-packages") or directory in given) or not Path(directory).is_dir() or \
+                Path(directory).resolve() == ROOT:
+            continue
+        for entry in Path(directory).iterdir():
+            link = tmp / entry.name
+            if re.split(r"[-.]", entry.name)[0] not in _TORCH and not link.exists() and not link.is_symlink():
+                link.symlink_to(entry)
+    try:
+        tmp.rename(view)
+    except OSError:  # another worker made it first
+        shutil.rmtree(tmp)
+    return view
+
+
+def without_torch(env: dict) -> tuple[list[str], dict]:
+    """The interpreter command and environment of a subprocess that cannot import torch: the environment the
+    README's first command installs (torch and the references are the test extra's). Python starts without its
+    site directories (``-S``) and imports from the checkout and the view above. transformers imports torch whenever
+    it is installed (4-5 s of every process's start, 35 processes in the suite); a run's process needs none of it."""
+    path = os.pathsep.join([str(ROOT), str(_site_without_torch())])
+    return [sys.executable, "-S"], dict(env, PYTHONPATH=path)

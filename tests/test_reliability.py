@@ -6,7 +6,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -35,10 +34,11 @@ def _assert_same_as(reference: Path, out: Path) -> None:
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # bitwise
 
 
-def _start(out: Path, *extra: str, env: dict | None = None) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "jodpo.train", "--config", "tiny.py", f"--config.output_dir={out}", *extra]
-    return subprocess.Popen(cmd, cwd=ROOT, env=env or subproc.env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+def _start(out: Path, *extra: str) -> subprocess.Popen:
+    """The README's first command (tiny.py), in an environment without torch as that command installs it."""
+    python, env = subproc.without_torch(subproc.env())
+    cmd = [*python, "-m", "jodpo.train", "--config", "tiny.py", f"--config.output_dir={out}", *extra]
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _wait_for(cond, proc: subprocess.Popen, timeout: float = 300) -> None:
@@ -79,6 +79,7 @@ def test_sigkill_then_sigterm_then_the_same_command_finishes_as_if_never_interru
     again = _start(out, "--config.save_steps=20")
     log, err = again.communicate(timeout=600)
     assert again.returncode == 0 and f"resumed from {out / 'checkpoints'}/{step}" in log, err[-3000:]
+    assert "PyTorch was not found" not in err  # transformers' advice, irrelevant to a run: not its first line
     _assert_same_as(tiny_run, out)
 
 
@@ -106,7 +107,8 @@ def _nan_argv(nan_policy, checkpoints, tmp_path, *extra):
 def _run_cli(argv: list[str]) -> subprocess.CompletedProcess:
     """``python -m jodpo.train`` in a process of its own, as a user runs it (its output and exit code as they
     are, and none of a long-lived pytest worker's compiled programs: see conftest's _release_compiled_programs)."""
-    return subprocess.run([sys.executable, "-m", "jodpo.train", *argv], cwd=ROOT, env=subproc.env(),
+    python, env = subproc.without_torch(subproc.env())
+    return subprocess.run([*python, "-m", "jodpo.train", *argv], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
 
 
@@ -202,8 +204,9 @@ def _read_until(stream, text: str) -> str:
 
 def test_a_second_ctrl_c_abandons_the_pending_save_and_exits_130(tmp_path):
     out = tmp_path / "interrupted"
-    proc = subprocess.Popen([sys.executable, "-c", HELD_SAVES, "--config", "tiny.py", f"--config.output_dir={out}",
-                             "--config.save_steps=1"], cwd=ROOT, env=subproc.env(), text=True,
+    python, env = subproc.without_torch(subproc.env())
+    proc = subprocess.Popen([*python, "-c", HELD_SAVES, "--config", "tiny.py", f"--config.output_dir={out}",
+                             "--config.save_steps=1"], cwd=ROOT, env=env, text=True,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     guard = threading.Timer(300, proc.kill)  # only a failing run gets here: its pipes close, and the test fails
     guard.start()

@@ -6,7 +6,6 @@ import json
 import shutil
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -93,7 +92,8 @@ def test_the_sampler_mesh_takes_the_last_devices_and_explains_misfits():
         "with pytest.raises(ConfigError, match='needs a single-process run'):\n"
         "    meshes(TrainConfig(sampler_devices=4))\n"
         "print('MESHES OK')\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=subproc.cpu_env(8),
+    python, env = subproc.without_torch(subproc.cpu_env(8))
+    done = subprocess.run([*python, "-c", code], capture_output=True, text=True, env=env,
                           timeout=300)
     assert done.returncode == 0 and "MESHES OK" in done.stdout, done.stderr[-3000:]
 
@@ -189,8 +189,8 @@ def _run_8_devices(jobs: list[tuple[list[str], Path | None, Path | None]]) -> tu
         "    assert train.main(argv + ['--debug']) == 0, argv\n"
         "print('SPLIT', json.dumps([seen, sampled]))\n")
     jobs = [(argv, src and str(src), dst and str(dst)) for argv, src, dst in jobs]
-    done = subprocess.run([sys.executable, "-c", code, json.dumps(jobs)], capture_output=True, text=True,
-                          env=subproc.cpu_env(8),
+    python, env = subproc.without_torch(subproc.cpu_env(8))
+    done = subprocess.run([*python, "-c", code, json.dumps(jobs)], capture_output=True, text=True, env=env,
                           timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.split("SPLIT ")[-1])
@@ -265,8 +265,8 @@ def test_two_processes_of_four_devices_equal_the_1_device_run(runs, checkpoints)
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = root / "two_processes"
-    env = subproc.cpu_env(4, JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo")
-    procs = [subprocess.Popen([sys.executable, "-m", "jodpo.train", *_argv(out, checkpoints, data, 1),
+    python, env = subproc.without_torch(subproc.cpu_env(4, JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo"))
+    procs = [subprocess.Popen([*python, "-m", "jodpo.train", *_argv(out, checkpoints, data, 1),
                                "--coordinator_address", f"127.0.0.1:{port}", "--num_processes", "2",
                                "--process_id", str(i), "--debug"], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for i in range(2)]
