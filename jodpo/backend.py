@@ -86,6 +86,20 @@ def set_compilation_cache(directory: str | None, min_compile_time_secs: float = 
     return path
 
 
+def cache_for_this_job() -> str | None:
+    """Turn the compilation cache off in a multi-process job on CPUs, once the job is joined; returns the line that
+    says so (None where nothing changed). There jax keys a program by the process's own devices, so only process 0
+    finds the programs it wrote: with a warm cache it runs the executable it reads while the others run the one they
+    compile, and the two wait on each other's collectives for ever (seen with 2 processes x 4 CPU devices and gloo:
+    a restart hung at its first step). A cold cache is safe (every process compiles), so the cache is off for the
+    whole job instead. Jobs on GPUs and TPUs keep it."""
+    if jax.process_count() == 1 or jax.default_backend() != "cpu" or not jax.config.jax_compilation_cache_dir:
+        return None
+    set_compilation_cache(None)
+    return ("compilation cache off: a multi-process job on CPUs compiles its programs in every process (a cached "
+            "program read by one process and compiled by another deadlocks their collectives)")
+
+
 def configure(cfg) -> None:
     """Everything a ``TrainConfig`` sets in XLA itself; call it before any device work."""
     if cfg.deterministic:

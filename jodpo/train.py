@@ -370,6 +370,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg, args = parse_args(argv)
         backend.configure(cfg)  # XLA flags and the compilation cache, before jax starts its backends
         init_distributed(args)
+        said = backend.cache_for_this_job()
+        if said and jax.process_index() == 0:
+            print(f"jodpo.train: {said}", flush=True)
         train(cfg, allow_config_change=args.allow_config_change)
     except Stopped as e:
         print(f"jodpo.train: {e}", file=sys.stderr)
