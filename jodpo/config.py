@@ -133,8 +133,8 @@ class TrainConfig:
     deterministic: bool = _f(False, "deterministic GPU kernels (XLA's deterministic ops): bitwise resume on a GPU, "
                                     "at some speed; CPUs and TPUs are deterministic anyway")
     compilation_cache_dir: str | None = _f("auto", "persistent XLA compilation cache, so a restarted run skips its "
-                                                  "compiles (auto: $JODPO_CACHE/xla, default ~/.cache/jodpo/xla; "
-                                                  "None: off)")
+                                                  "compiles (auto: $JAX_COMPILATION_CACHE_DIR if set, else "
+                                                  "$JODPO_CACHE/xla, default ~/.cache/jodpo/xla; None: off)")
     matmul_precision: str = _f("highest", "float32 dots: highest (float32 on every backend, as torch) | high | default "
                                           "(TF32 on GPUs, fewer bf16 passes on TPUs: faster); bf16 compute ignores it")
     attn_implementation: str = _f("xla", "attention of the forwards and the prefill: xla (any backend) | cudnn "

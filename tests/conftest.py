@@ -1,7 +1,10 @@
 import atexit
+import contextlib
 import glob
+import hashlib
 import importlib.util
 import os
+import platform
 import shutil
 import tempfile
 from pathlib import Path
@@ -9,9 +12,33 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Real weights and text from the package index (jodpo/assets.py) stay in the user's cache between sessions
-os.environ.setdefault("JODPO_ASSETS", os.path.join(os.environ.get("JODPO_CACHE", os.path.expanduser("~/.cache/jodpo")),
-                                                   "assets"))
-# The tiny world, the compilation cache and the session's shared runs (tiny_run), fresh per session and shared by its
+_USER_CACHE = Path(os.environ.get("JODPO_CACHE", Path.home() / ".cache" / "jodpo"))  # a worker finds both set
+os.environ.setdefault("JODPO_ASSETS", str(_USER_CACHE / "assets"))
+# So do the suite's compiled programs (jax's persistent compilation cache, read and written by every test process and
+# subprocess, whose runs' compilation_cache_dir="auto" follows JAX_COMPILATION_CACHE_DIR): jax keys a program by its
+# HLO, the XLA flags and the jax/XLA versions, so the next session compiles only the programs that changed, and a
+# warm cache gives the same executables a cold one compiles. One directory per CPU model and instruction set (a
+# CPU executable is machine code for the host's features, and a disk may move to another host). At 4 GiB it is
+# emptied when a session starts. JAX_COMPILATION_CACHE_DIR= (empty) compiles everything, in the session's own
+# cache, as a fresh machine does.
+TEST_XLA_CACHE_MAX_BYTES = 4 * 2**30
+
+
+def _cpu_signature() -> str:
+    try:
+        lines = [line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                 if line.startswith(("vendor_id", "model name", "flags"))][:3]
+    except OSError:  # not Linux
+        lines = [platform.machine(), platform.processor()]
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
+
+
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _xla = _USER_CACHE / "xla-tests"
+    if _xla.is_dir() and sum(f.stat().st_size for f in _xla.rglob("*") if f.is_file()) > TEST_XLA_CACHE_MAX_BYTES:
+        shutil.rmtree(_xla, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = str(_xla / _cpu_signature())
+# The tiny world, the HF checkpoints and the session's shared runs (tiny_run), fresh per session and shared by its
 # pytest-xdist workers: made by the first process (xdist's controller, or a lone pytest), which removes it at its end
 if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get("JODPO_TEST_SESSION_CACHE"):
     os.environ["JODPO_CACHE"] = os.environ["JODPO_TEST_SESSION_CACHE"]
@@ -40,8 +67,8 @@ import pytest
 from jodpo.backend import set_compilation_cache
 from tests import hf_fixtures
 
-# Every test process keeps its compiled programs in the session's compilation cache ($JODPO_CACHE/xla, where the
-# training runs and the subprocesses keep theirs): a program that another worker or a subprocess compiled is read,
+# Every test process keeps its compiled programs in the suite's compilation cache (above; where the training runs and
+# the subprocesses keep theirs): a program that another worker, a subprocess or an earlier session compiled is read,
 # and so is one compiled again after _release_compiled_programs below cleared jax's in-memory caches.
 set_compilation_cache("auto")
 
@@ -110,10 +137,34 @@ def _release_compiled_programs():
         gc.collect()
 
 
+@contextlib.contextmanager
+def _once_per_session(name: str):
+    """Yields True to the first pytest-xdist worker of the session to ask (it builds ``$JODPO_CACHE/<name>``), False
+    to the rest, which wait for it: they share the session's $JODPO_CACHE. A worker that failed or died while
+    building leaves no mark, so the next one builds it again from scratch."""
+    import fcntl
+
+    root = Path(os.environ["JODPO_CACHE"])
+    done = root / f"{name}.done"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or when its holder dies
+        first = not done.exists()
+        if first:
+            shutil.rmtree(root / name, ignore_errors=True)
+        yield first
+        if first:
+            done.touch()
+
+
 @pytest.fixture(scope="session")
-def checkpoints(tmp_path_factory):
-    """{family variant: {"causal_lm": dir, "reward": dir}}, built once per test session."""
-    return hf_fixtures.build_checkpoints(tmp_path_factory.mktemp("hf"))
+def checkpoints():
+    """{family variant: {"causal_lm": dir, "reward": dir}}, built once per test session and shared by its workers
+    (12 s of torch models saved): tests read them, none writes into them."""
+    root = Path(os.environ["JODPO_CACHE"]) / "hf"
+    with _once_per_session("hf") as first:
+        if first:
+            return hf_fixtures.build_checkpoints(root)
+    return hf_fixtures.checkpoint_dirs(root)
 
 
 @pytest.fixture(scope="session")
@@ -126,16 +177,10 @@ def tiny_run():
     """The embedded default (configs/tiny.py), run once to the end: 200 steps, checkpoints at 100 and 200. Run once
     per session by whichever pytest-xdist worker needs it first (the other waits for it, then reads the same
     directory), in the session's $JODPO_CACHE beside the tiny world it was trained on. Tests copy it to change it."""
-    import fcntl
-
     from jodpo import train
 
-    root = Path(os.environ["JODPO_CACHE"])
-    out, done = root / "tiny-run", root / "tiny-run.done"
-    with open(root / "tiny-run.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or when its holder dies
-        if not done.exists():
-            shutil.rmtree(out, ignore_errors=True)  # from a worker that failed or died in the middle
+    out = Path(os.environ["JODPO_CACHE"]) / "tiny-run"
+    with _once_per_session("tiny-run") as first:
+        if first:
             assert train.main(["--config", "tiny.py", f"--config.output_dir={out}"]) == 0
-            done.touch()
     return out

@@ -38,6 +38,9 @@ def build_tokenizer(out: Path):
     return fast
 
 
+FAMILIES = ("neox", "neox_seq", "llama", "llama_tied", "mistral", "qwen2")  # family_configs' keys, in order
+
+
 def family_configs(pad_id: int, eos_id: int) -> dict:
     """transformers configs of the tiny variants, keyed by fixture name."""
     from transformers import GPTNeoXConfig, LlamaConfig, MistralConfig, Qwen2Config
@@ -58,6 +61,11 @@ def family_configs(pad_id: int, eos_id: int) -> dict:
     }
 
 
+def checkpoint_dirs(root: Path) -> dict[str, dict[str, Path]]:
+    """{name: {"causal_lm": dir, "reward": dir}}: where ``build_checkpoints(root)`` writes them."""
+    return {name: {task: root / f"{name}-{task}" for task in ("causal_lm", "reward")} for name in FAMILIES}
+
+
 def build_checkpoints(root: Path) -> dict[str, dict[str, Path]]:
     """{name: {"causal_lm": dir, "reward": dir}} of tiny random checkpoints sharing one tokenizer."""
     import torch
@@ -65,7 +73,9 @@ def build_checkpoints(root: Path) -> dict[str, dict[str, Path]]:
 
     tok = build_tokenizer(root / "tokenizer")
     out = {}
-    for i, (name, cfg) in enumerate(family_configs(tok.pad_token_id, tok.eos_token_id).items()):
+    configs = family_configs(tok.pad_token_id, tok.eos_token_id)
+    assert tuple(configs) == FAMILIES, tuple(configs)
+    for i, (name, cfg) in enumerate(configs.items()):
         torch.manual_seed(i)
         dirs = {}
         for task, cls in (("causal_lm", AutoModelForCausalLM), ("reward", AutoModelForSequenceClassification)):

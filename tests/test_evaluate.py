@@ -4,7 +4,6 @@ itself wins half; an interrupted evaluation continues to the same files."""
 import json
 import math
 import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -185,8 +184,9 @@ def test_errors_are_one_line_and_exit_status_2(tmp_path, capsys):
     model = str(toy.world_dir() / "model")
     args = [model, "--out", str(tmp_path / "e"), "--dataset_name", str(toy.world_dir() / "eval.jsonl"),
             "--max_prompts", "8", "--bf16", "False"]
-    p = subprocess.run([sys.executable, "-m", "jodpo.evaluate", *args], capture_output=True, text=True,
-                       env=subproc.env(), cwd=subproc.ROOT)
+    python, env = subproc.without_torch(subproc.env())
+    p = subprocess.run([*python, "-m", "jodpo.evaluate", *args], capture_output=True, text=True, env=env,
+                       cwd=subproc.ROOT)
     assert p.returncode == 2 and p.stderr.strip().splitlines()[-1] == (
         "jodpo.evaluate: error: the dataset has no 'completion' column to compare with; give one (reference "
         "completions), or --baseline MODEL to compare with a second model's completions"), p.stderr

@@ -153,7 +153,8 @@ def test_checkpoint_written_on_8_devices_exports_on_1(neox_run, tmp_path):
         ckpt.save(2, {{"params": params, "step": jax.numpy.int32(2)}}, {{"step": 2}})
         ckpt.close()
     """)
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=subproc.cpu_env(8))
+    python, env = subproc.without_torch(subproc.cpu_env(8))
+    done = subprocess.run([*python, "-c", code], capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert jax.device_count() < 8  # the export runs in this process, not on the mesh that wrote the checkpoint
     out, checks = export_hf.export(str(run), str(tmp_path / "hf"))

@@ -4,7 +4,6 @@ status 2."""
 import importlib.util
 import json
 import subprocess
-import sys
 
 import pytest
 
@@ -91,9 +90,9 @@ def test_a_run_directory_and_its_export_generate_the_same(tiny_run, generated, t
 
 def test_two_devices_split_the_batch_and_generate_the_same(tiny_run, generated, tmp_path):
     out = tmp_path / "two.jsonl"  # batches of 4 prompts per device x 2 devices: the same 8 rows a batch
-    p = subprocess.run([sys.executable, "-m", "jodpo.generate", str(tiny_run), "--out", str(out), *ARGS,
-                        "--per_device_eval_batch_size", "4"], capture_output=True, text=True,
-                       env=subproc.cpu_env(2), cwd=ROOT)
+    python, env = subproc.without_torch(subproc.cpu_env(2))
+    p = subprocess.run([*python, "-m", "jodpo.generate", str(tiny_run), "--out", str(out), *ARGS,
+                        "--per_device_eval_batch_size", "4"], capture_output=True, text=True, env=env, cwd=ROOT)
     assert p.returncode == 0, p.stderr
     rows = [json.loads(line) for line in generated.read_text().splitlines()]
     mean, ended = sum(r["completion_tokens"] for r in rows) / 20, sum(r["eos"] for r in rows)
