@@ -153,8 +153,9 @@ def test_troubleshooting_lists_every_message():
                    "non-finite", "has non-finite values (NaN or Inf); it was not saved", "tokenizer has no pad token",
                    "max_new_tokens", "is not empty", "is in use by another run (pid", "is an existing file, not a "
                    "directory", "cannot be created (", "is not writable (", "output_dir is empty: the run would write",
-                   "jodpo.train: writing to", "fix the file", "compilation cache off: a multi-process job on CPUs", "completions got no reward (every reward returned None or "
-                   "NaN)", "prompts are empty; they train on completions of nothing",
+                   "jodpo.train: writing to", "fix the file", "compilation cache off: a multi-process job on CPUs",
+                   "completions got no reward (every reward returned None or NaN)",
+                   "prompts are empty; they train on completions of nothing",
                    "stopping after this step, which is saved first", "interrupted: stopped at once; a checkpoint being "
                    "written was abandoned", "holds a run whose state does not fit the configured model",
                    "the checkpoint was trained on other data (the same 16 rows, different content: fingerprint"):
