@@ -24,14 +24,14 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jodpo import backend
-from jodpo import data as D
+from jodpo.program import backend
+from jodpo.program import data as D
 from jodpo import generate as G
 from jodpo import judges as J
-from jodpo.evaluation import judge_against
+from jodpo.program.training_eval import judge_against
 from jodpo.models.loading import resolve_path
-from jodpo.rewards import import_reward_function
-from jodpo.run import load_judge, load_rewards
+from jodpo.program.user_code import import_judge, import_reward_function, is_import_path
+from jodpo.program.run import load_judge, load_rewards
 
 COMPARISON_FIELDS = ("judge", "judge_prompt", "judge_answer_tokens", "judge_both_orders", "reward_model_path",
                      "reward_funcs", "reward_weights", "frozen_param_dtype")
@@ -74,8 +74,8 @@ class Comparison:
         self.model, self.mesh, self.tokenizer = policy.model, policy.mesh, policy.tokenizer  # not its parameters
         self.judge, self.rewards = None, None
         if cfg.judge:
-            if J.is_import_path(cfg.judge):
-                self.judge = J.import_judge(cfg.judge)
+            if is_import_path(cfg.judge):
+                self.judge = import_judge(cfg.judge)
             else:
                 resolve_path(cfg.judge)
             self.name = f"judge {cfg.judge}"
@@ -210,7 +210,7 @@ def report(summary: dict, out_dir: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    backend.quiet_transformers_advice()
+    backend.start_command()
     p = G.parser("python -m jodpo.evaluate", __doc__.split("\n\n")[0].replace("``", ""))
     p.add_argument("--out", required=True, help="the directory to write (continued if it holds an evaluation)")
     group = p.add_argument_group("the other side (default: the dataset's 'completion' column)")

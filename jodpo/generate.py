@@ -26,13 +26,16 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jodpo import backend
-from jodpo import data as D
-from jodpo import sharding as S
-from jodpo.config import FIELDS, ConfigError, TrainConfig, from_dict, parse_override
-from jodpo.models import CheckpointError, Model, load_model, load_tokenizer
-from jodpo.run_policy import is_run_dir, load_run_policy
+from jodpo.errors import CheckpointError, ConfigError, GenerateError
+from jodpo.program import backend
+from jodpo.program import data as D
+from jodpo.parallel import sharding as S
+from jodpo.program.config import FIELDS, TrainConfig, from_dict, parse_override
+from jodpo.models import Model, load_model, load_tokenizer
+from jodpo.program.trained_policy import is_run_dir, load_run_policy
 from jodpo.sampling import SamplingConfig, sample
+from jodpo.program.run import stop_token_ids
+from jodpo.program.run import load_split
 
 # The training config's fields that shape generation (``--FIELD VALUE`` on the command line).
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_new_tokens", "stop_token",
@@ -43,14 +46,10 @@ DATA_FIELDS = ("dataset_name", "dataset_config", "dataset_test_split")
 _jit_sample = jax.jit(sample, static_argnums=(0, 5, 6))
 
 
-class GenerateError(ValueError):
-    """Bad input to generate or evaluate (the message names the file or flag and the fix)."""
-
 
 @dataclasses.dataclass
 class Policy:
     """A model ready to sample: its settings (a TrainConfig), compute settings applied, parameters on the mesh."""
-
     name: str  # as given
     step: int | None  # a run's checkpoint step
     cfg: TrainConfig
@@ -94,13 +93,12 @@ def load_policy(name: str, step: int | None = None, overrides: dict | None = Non
         model, params, tokenizer = None, None, load_tokenizer(name)
     mesh = S.make_mesh(cfg.mesh_data, cfg.mesh_fsdp, cfg.mesh_tensor)
     if params is None:
-        model, params = load_model(name, "causal_lm", cfg.param_dtype, mesh=mesh)
+        model, params = load_model(name, "causal_lm", cfg.param_dtype, place=S.placer(mesh))
     else:
         params = jax.device_put(jax.tree.map(lambda x: x.astype(cfg.param_dtype), params),
                                 S.param_shardings(model, mesh))
     model = model.replace(dtype="bfloat16" if cfg.bf16 else "float32", remat="none", precision=cfg.matmul_precision,
                           attention=cfg.attn_implementation)
-    from jodpo.run import stop_token_ids  # a run with stop_token='period' ends its completions there too
 
     eos = [*model.eos_token_ids, *([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []),
            *stop_token_ids(cfg, tokenizer)]
@@ -114,8 +112,6 @@ def load_policy(name: str, step: int | None = None, overrides: dict | None = Non
 def load_prompts(policy: Policy, max_prompts: int | None = None) -> D.PromptData:
     """The prompts: ``dataset_name`` if given, else a run's evaluation set (its eval_dataset, or its dataset's
     ``dataset_test_split``; mixers as the run mixes them), the first ``max_prompts`` rows."""
-    from jodpo.run import load_split
-
     cfg = policy.cfg
     if not (cfg.dataset_name or cfg.eval_dataset or cfg.dataset_eval_mixer or cfg.dataset_mixer):
         raise GenerateError("no prompts: give --dataset_name (a hub id, or a local json/jsonl/parquet/csv file or "
@@ -291,7 +287,7 @@ def data_overrides(overrides: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    backend.quiet_transformers_advice()
+    backend.start_command()
     p = parser("python -m jodpo.generate", __doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="the JSONL file to write (continued if it exists)")
     args = p.parse_args(argv)

@@ -23,7 +23,8 @@ from typing import Callable, Sequence
 import jax
 import numpy as np
 
-from jodpo.models.core import Model, Params, hidden_states
+from jodpo.errors import JudgeError
+from jodpo.models.decoder import Model, Params, hidden_states
 from jodpo.models.heads import lm_head
 
 # TRL's DEFAULT_PAIRWISE_SYSTEM_PROMPT (trl/trainer/judges.py), sent as the user's message.
@@ -82,9 +83,6 @@ def answer_probabilities(model: Model, params: Params, input_ids: jax.Array, att
 
 _jit_answer_probabilities = jax.jit(answer_probabilities, static_argnums=0)
 
-
-class JudgeError(ValueError):
-    """A judge that cannot run as configured (the message names the field)."""
 
 
 class LLMJudge:
@@ -171,25 +169,6 @@ class CallableJudge:
                 raise JudgeError(f"judge {self.name!r} returned {v!r} for pair {i}; a pairwise judge answers 0 (the "
                                  "first completion is better), 1 (the second), or -1 / None (no verdict)")
         return out
-
-
-def import_judge(spec: str) -> CallableJudge:
-    """``'module:function'``, ``'module:Class'`` (instantiated without arguments; its ``judge`` method is called) or
-    ``'module:instance'`` -> a ``CallableJudge``."""
-    from jodpo.rewards import import_object
-
-    obj = import_object(spec, "judge")
-    if isinstance(obj, type):
-        obj = obj()
-    fn = getattr(obj, "judge", obj)
-    if not callable(fn):
-        raise JudgeError(f"judge {spec!r} is neither a function nor an object with a judge() method")
-    return CallableJudge(fn, spec)
-
-
-def is_import_path(spec: str) -> bool:
-    """``judge`` names a Python object (``module:name``) rather than a model directory or hub id."""
-    return ":" in spec and not Path(spec).exists()
 
 
 def read_template(value: str | None) -> str:

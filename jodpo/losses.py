@@ -15,9 +15,9 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from jodpo.models.core import Model, Params, hidden_states, prefixed_hidden_states
+from jodpo.models.decoder import Model, Params, hidden_states, prefixed_hidden_states
 from jodpo.models.heads import lm_head
-from jodpo.rewards import apply_eos_penalty, contains_eos, pair_indices
+from jodpo.scoring import apply_eos_penalty, contains_eos, pair_indices
 
 
 def completion_logprobs(model: Model, params: Params, prompt_ids: jax.Array, prompt_mask: jax.Array,

@@ -22,8 +22,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jodpo.rewards import apply_eos_penalty, contains_eos
-
 PAIRINGS = ("auto", "best_worst", "random")
 
 
@@ -90,36 +88,6 @@ def group_metrics(scores: jax.Array, k: int) -> dict:
 def take_rows(tree, rows: jax.Array):
     """The rows ``rows`` (i32[A, 2B]) of every [A, kB, ...] array of ``tree`` (None leaves stay None)."""
     return jax.tree.map(lambda x: jax.vmap(lambda xa, ra: xa[ra])(x, rows), tree)
-
-
-def pair_choice(cfg, state, scores: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``pair_rows`` of every micro-batch of a window: i32[A, 2B] rows into the [A, kB] completions and f32[A, B]
-    pair weights, from scores f32[A, kB] (rewards after any EOS penalty, or a judge's win scores). ``cfg`` is the
-    step's ``train_step.StepConfig``, ``state`` its ``TrainState``: ``random`` draws from the state's key and step,
-    so a resumed run picks the same pairs."""
-    key = jax.random.fold_in(jax.random.fold_in(state.rng, 0x9A1E), state.step)
-    keys = jax.random.split(key, scores.shape[0])
-    pairing = resolve_pairing(cfg.pairing, cfg.num_generations)
-    return jax.vmap(lambda s, k: pair_rows(s, cfg.num_generations, pairing, k))(scores, keys)
-
-
-def choose_pairs(cfg, state, samples, rewards: jax.Array, rows: jax.Array | None = None):
-    """One pair per prompt out of its k completions, for a window: ``(samples, rewards, pair_weights, metrics)``
-    with ``Samples`` [A, 2B, T] and raw rewards f32[A, 2B] in TRL's block layout, f32[A, B] pair weights (None:
-    every pair counts) and the metrics of the k scores (``group_metrics``). The pairs are chosen by the rewards after
-    the EOS penalties, as the loss pairs them. k = 2 with ``random`` returns its arguments: TRL's step. Given
-    ``rows`` (a judge's choice, made on the host: ``jodpo.train.judge_samples``), those rows of ``samples`` are the
-    pairs and ``rewards`` are already the judge's verdicts of them."""
-    if rows is not None:
-        return take_rows(samples, rows), rewards, None, {}
-    if cfg.pairs_as_sampled:
-        return samples, rewards, None, {}
-    has_eos = contains_eos(samples.tokens, samples.mask, cfg.penalty_ids)
-    scores = apply_eos_penalty(rewards.astype(jnp.float32), has_eos, cfg.missing_eos_penalty,
-                               cfg.penalty_reward_value)
-    rows, weights = pair_choice(cfg, state, scores)
-    metrics = jax.tree.map(lambda m: m.mean(0), jax.vmap(lambda s: group_metrics(s, cfg.num_generations))(scores))
-    return take_rows(samples, rows), take_rows(rewards, rows), weights, metrics
 
 
 # --------------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jodpo.models.core import Cache, Model, Params, hidden_states, init_cache
+from jodpo.models.decoder import Cache, Model, Params, hidden_states, init_cache
 from jodpo.models.params import compute_params, split_layers
 from jodpo.models.heads import lm_head
 

@@ -1,325 +1,21 @@
-"""``python -m jodpo.train --config tldr.py [--config.FIELD=VALUE ...]``: the training program.
+"""``python -m jodpo.train --config tldr.py [--config.FIELD=VALUE ...]``: the training command.
 
-A short loop over the pieces: load models, data and rewards; restore the latest checkpoint of
-``output_dir`` if there is one; then per optimizer step sample, score, update, and log / evaluate / save.
+It reads the config and the command line, sets up XLA and joins a multi-process job, then runs the training
+program (``jodpo.program.loop.train``) and turns what ends it into one line and an exit code.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
-import functools
-import json
 import os
 import sys
-import time
-from pathlib import Path
 
 import jax
-import numpy as np
 
-from jodpo import backend
-from jodpo import data as D
-from jodpo import judges as J
-from jodpo import pairing as P
-from jodpo import rundir
-from jodpo import sharding as S
-from jodpo import train_step as ts
-from jodpo.checkpoint import Checkpointer, SaveError
-from jodpo.config import ConfigError, TrainConfig, help_text, load_config_file, parse_override
-from jodpo.evaluation import compile_evaluation, evaluate
-from jodpo.logging import RunLogger
-from jodpo.models import CheckpointError
-from jodpo.preemption import StopSignals
-from jodpo.rewards import RewardError
-from jodpo.run import Run, build
-from jodpo.split_sampler import SplitSampler
-
-# --------------------------------------------------------------------------------------------------
-# One step of each kind
-# --------------------------------------------------------------------------------------------------
-
-
-def _repeat_per_micro_batch(items: list, A: int, k: int) -> list:
-    """Row order of the samples: per micro-batch, its B items for completion 0, then again for each of the k."""
-    B = len(items) // A
-    return [x for a in range(A) for x in items[a * B:(a + 1) * B] * k]
-
-
-def online_step(run: Run, state, step: int):
-    idx = run.indices(step)
-    ids, mask = map(run.put, run.prompts(idx))
-    if run.sampler is not None:  # sampled on the sampler's own devices (sampler_devices)
-        samples = run.sampler.samples(state, step)
-    elif run.rewards is not None and run.rewards.on_device and run.cfg.updates_per_step == 1:  # one fused call
-        state, metrics, samples, raw = run.steps.online_step(run.step_cfg, state, run.ref_params, run.rewards.params,
-                                                             ids, mask)
-        return state, metrics, (idx, samples, raw, None)
-    else:
-        samples = run.steps.sample_completions(run.step_cfg, state, ids, mask, run.step_cfg.num_generations,
-                                               run.ref_params)
-    rows, judged = None, {}
-    if run.judge is not None:
-        raw, rows, judged = judge_samples(run, state, idx, S.to_host(samples.tokens))
-        raw, rows = run.put(raw), None if rows is None else run.put(rows)
-    else:
-        raw = _rewards(run, idx, ids, mask, samples)
-    if run.cfg.updates_per_step > 1:  # open-instruct: several optimizer steps over this rollout
-        state, metrics = run.steps.rollout_update(run.step_cfg, state, run.ref_params, ids, mask, samples, raw,
-                                                  run.cfg.num_epochs, run.cfg.num_mini_batches, rows)
-    else:
-        state, metrics = run.steps.online_update(run.step_cfg, state, run.ref_params, ids, mask, samples, raw, rows)
-    return state, metrics | judged, (idx, samples, raw, rows)
-
-
-def _rewards(run: Run, idx: np.ndarray, ids, mask, samples) -> jax.Array:
-    """f32[A, kB] raw rewards of a window's samples, on the device: scored there when the reward model reads the
-    token ids (no host round trip), else on the host and put back."""
-    if run.rewards.on_device:
-        return run.steps.score_completions(run.step_cfg, run.rewards.params, ids, mask, samples)
-    tokens, tmask = S.to_host(samples.tokens), S.to_host(samples.mask)
-    A = tokens.shape[0]
-    raw = run.score_on_host(run.train, _repeat_per_micro_batch(list(idx), A, run.step_cfg.num_generations),
-                            tokens.reshape(-1, tokens.shape[-1]), tmask.reshape(-1, tmask.shape[-1]))
-    return run.put(raw.reshape(A, -1))
-
-
-def judge_samples(run: Run, state, idx: np.ndarray, tokens: np.ndarray):
-    """A judge's pairs of sampled ``[A, kB, T]`` completions: ``(verdicts, rows, metrics)``, with f32[A, 2B]
-    verdicts (``judges.pair_scores`` of each pair) and the rows i32[A, 2B] of the pairs among the k completions (None
-    for k = 2 with ``random``: completions 0 and 1, TRL's pair). The window goes to the judge in one call.
-
-    ``best_worst`` ranks each prompt's k completions by a round robin (``pairing.round_robin``: k(k-1)/2 judged
-    pairs per prompt, each read in both orders by an LLM judge with ``judge_both_orders``, so k(k-1) judge prompts
-    against TRL's 2; k = 4 costs 6x TRL's judging) and pairs the most winning against the least winning
-    (``pairing.win_scores``), its verdict the round robin's; a tie in the ranking leaves the prompt without a pair
-    (NaN verdict). ``random``: the judge reads only the pair drawn."""
-    cfg = run.step_cfg
-    k = cfg.num_generations
-    A, B = tokens.shape[0], tokens.shape[1] // k
-    texts = np.asarray(run.decode(tokens), object).reshape(A, k, B)
-    prompts = [run.train.prompts[i] for i in idx]  # micro-batch a holds idx[a * B:(a + 1) * B]
-
-    def judge(i: np.ndarray, j: np.ndarray) -> np.ndarray:  # p(completion i[a, b, n] beats j[a, b, n]) of prompt b
-        a, b = np.indices(i.shape)[:2]
-        first, second = list(texts[a, i, b].reshape(-1)), list(texts[a, j, b].reshape(-1))
-        rows = [prompts[x] for x in (a * B + b).reshape(-1)]
-        if isinstance(prompts[0], list):  # chat data: the judge reads the completions as the assistant's messages
-            first, second = D.assistant_messages(first), D.assistant_messages(second)
-        return run.judge.preferences(rows, first, second).reshape(i.shape)
-
-    if cfg.pairs_as_sampled:
-        zero = np.zeros((A, B, 1), np.int64)
-        return np.stack([J.pair_scores(p) for p in judge(zero, zero + 1)[..., 0]]), None, {}
-    if P.resolve_pairing(cfg.pairing, k) == "random":
-        rows, _ = run.steps.pair_choice(cfg, state, np.zeros((A, k * B), np.float32))
-        rows = np.asarray(jax.device_get(rows))
-        i, j = rows[:, :B] // B, rows[:, B:] // B
-        p = judge(i[..., None], j[..., None])[..., 0]
-        return np.stack([J.pair_scores(x) for x in p]), rows, {}
-    pairs = np.asarray(P.round_robin(k))  # [n, 2]
-    p = judge(*(np.broadcast_to(pairs[:, c], (A, B, len(pairs))) for c in (0, 1)))  # [A, B, n]
-    wins = P.win_scores(p, k).transpose(0, 2, 1).reshape(A, k * B)  # block layout
-    rows, weights = (np.asarray(x) for x in jax.device_get(run.steps.pair_choice(cfg, state, wins)))
-    verdict = P.verdict_of(p, k, rows[:, :B] // B, rows[:, B:] // B)
-    verdict = np.where(weights > 0, verdict, np.nan)
-    metrics = {name: float(np.mean([m[name] for m in map(P.group_metrics, wins, [k] * A)]))
-               for name in ("objective/scores_spread", "frac_reward_zero_std")}
-    return np.stack([J.pair_scores(v) for v in verdict]), rows, metrics
-
-
-def offline_step(run: Run, state, step: int):
-    idx = run.indices(step)
-    A, pad, C = run.cfg.gradient_accumulation_steps, run.step_cfg.sampling.pad_token_id, run.cfg.max_new_tokens
-    ids, mask = D.prompt_batch([run.train.prompt_ids[i] for i in idx], A, run.buckets, pad)
-    c, cm = D.right_pad([run.train.chosen_ids[i] for i in idx], C, pad)
-    r, rm = D.right_pad([run.train.rejected_ids[i] for i in idx], C, pad)
-    batch = ts.PreferenceBatch(*(run.put(x.reshape(A, -1, x.shape[-1])) for x in (ids, mask, c, cm, r, rm)))
-    state, metrics = run.steps.offline_step(run.step_cfg, state, run.ref_params, batch)
-    return state, metrics, None
-
-
-# --------------------------------------------------------------------------------------------------
-# The loop
-# --------------------------------------------------------------------------------------------------
-
-
-def state_layout(run: Run):
-    """The run's first ``TrainState`` as ShapeDtypeStructs laid out as the step's outputs are (shapes, dtypes,
-    shardings; nothing computed or allocated), and ``run.steps`` jitted for that layout: what a checkpoint is
-    restored into, and what ``initial_state`` fills."""
-    init = functools.partial(ts.init_state, run.step_cfg)
-    shapes = jax.eval_shape(init, run.policy_shapes(), jax.random.PRNGKey(run.cfg.seed))
-    sharding = S.like_params(shapes, run.trainable_shardings(), run.mesh)
-    run.steps = ts.jit_steps(sharding, S.replicated(run.mesh))
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, sharding)
-
-
-def initial_state(run: Run, layout=None):
-    """The run's first ``TrainState`` (from ``cfg.seed``), laid out as ``layout`` (``state_layout(run)`` by
-    default, which also jits ``run.steps``). The state holds the policy from then on: ``run.policy_params`` is
-    dropped."""
-    layout = state_layout(run) if layout is None else layout
-    init = jax.jit(functools.partial(ts.init_state, run.step_cfg),
-                   out_shardings=jax.tree.map(lambda x: x.sharding, layout))
-    state = init(run.policy(), jax.random.PRNGKey(run.cfg.seed))
-    run.policy_params = None
-    return state
-
-
-def train(cfg: TrainConfig, allow_config_change: bool = False) -> dict:
-    """Run (or resume) training as configured; returns the last logged metrics.
-
-    Resuming (``output_dir`` has a checkpoint) with a config that differs from the saved ``config.json`` is
-    refused unless ``allow_config_change``. SIGTERM or SIGINT saves the current step and raises ``Stopped``;
-    ``max_nonfinite_steps`` skipped updates in a row raise ``Diverged``; a checkpoint that cannot be written
-    (disk full, non-finite state) raises ``SaveError``. None of them touches the checkpoints already saved.
-    ``output_dir`` is locked for the call (``rundir``): a second run there meanwhile raises ``RunDirError``; so does
-    an ``output_dir`` that cannot be made. A checkpoint whose arrays do not fit the configured model, or a dataset
-    other than the checkpoint's, raises ``ConfigError`` before anything is written."""
-    out = rundir.prepare(cfg.output_dir)
-    lock = rundir.lock_for_job(out)  # held until train returns or raises, whatever ends it
-    try:
-        if jax.process_index() == 0:
-            print(f"jodpo.train: writing to {out}", flush=True)
-        return _train(cfg, out, allow_config_change)
-    finally:
-        if lock is not None:
-            lock.release()
-
-
-def _train(cfg: TrainConfig, out: Path, allow_config_change: bool) -> dict:
-    run = build(cfg)
-    layout = state_layout(run)
-    ckpt = Checkpointer(out / "checkpoints", cfg.save_total_limit)
-    start = 0
-    if ckpt.steps() and not allow_config_change:  # before reading: another shape is not "unreadable"
-        rundir.check_same_config(out, cfg)
-    if ckpt.steps():  # an intact checkpoint of another model is refused, never set aside as unreadable
-        rundir.check_fits(ckpt, ckpt.steps()[-1], layout, out)
-    data_fingerprint = D.fingerprint(run.train)
-    # A resumed run restores straight into the layout: the first state is never built (nor, in a param_dtype of
-    # its own, the policy read), so the device holds one state, not two, while the checkpoint is read.
-    restored = ckpt.restore_latest(layout)
-    if restored is None:
-        state = initial_state(run, layout)
-    else:
-        run.policy_params = None
-        start, state, meta = restored
-        if meta["dataset_rows"] != len(run.train):
-            raise ConfigError(f"{out}: the checkpoint was trained on {meta['dataset_rows']} rows, the dataset now has "
-                              f"{len(run.train)}; use a new output_dir")
-        if meta.get("dataset_fingerprint", data_fingerprint) != data_fingerprint:  # older checkpoints have none
-            raise ConfigError(f"{out}: the checkpoint was trained on other data (the same {len(run.train)} rows, "
-                              f"different content: fingerprint {meta['dataset_fingerprint']}, now {data_fingerprint}); "
-                              "resume with the data it was trained on, or use a new output_dir")
-    if run.sampler_mesh is not None:
-        run.sampler = SplitSampler(run, state.rng)
-    if jax.process_index() == 0:
-        (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
-        rundir.write_source_model(run.step_cfg.model, run.tokenizer, out / "source_model")
-    logger = RunLogger(out, run.total_steps, start, enabled=jax.process_index() == 0, report_to=cfg.report_to,
-                       run_name=cfg.run_name, config=cfg.to_dict())
-    if start:
-        logger.message(f"resumed from {ckpt.directory}/{start}")
-    if cfg.async_mode and run.sampler is None:
-        logger.message("async_mode: sampling and the update take turns on the same devices (one step off-policy, "
-                       + ("nothing to overlap on one device)" if jax.device_count() == 1 else
-                          "no overlap; sampler_devices=k gives sampling devices of its own so that the two overlap)"))
-    try:
-        with StopSignals() as stop:
-            return _loop(run, state, start, ckpt, logger, stop, data_fingerprint)
-    finally:
-        # a second Ctrl-C (KeyboardInterrupt) waits for nothing: not the save in flight, not a background compile
-        if not isinstance(sys.exc_info()[1], KeyboardInterrupt):
-            if run.eval_compile is not None:  # a run stopped before its first evaluation
-                run.eval_compile.join()
-            ckpt.close()
-        logger.close()
-
-
-class Stopped(Exception):
-    """A signal (preemption, Ctrl-C) stopped the run after it saved a checkpoint: the same command resumes."""
-
-
-class Diverged(RuntimeError):
-    """Too many updates in a row were skipped for a non-finite loss or gradient norm."""
-
-
-def _loop(run: Run, state, start: int, ckpt: Checkpointer, logger: RunLogger, stop: StopSignals,
-          data_fingerprint: str) -> dict:
-    cfg = run.cfg
-    step_fn = offline_step if isinstance(run.train, D.PreferenceData) else online_step
-    table_every = max(1, run.total_steps // max(1, cfg.num_sample_generations))
-    last, t0, since = {}, time.perf_counter(), 0
-    skipped, streak = None, 0  # the previous step's skip flag (read a step late: no wait) and the run of skips
-
-    def check_skipped(flag, step):
-        nonlocal streak
-        streak = streak + 1 if float(S.to_host(flag)) else 0
-        if streak:
-            logger.message(f"step {step}: non-finite loss or gradient norm, update skipped ({streak} in a row)")
-        if streak >= cfg.max_nonfinite_steps:
-            raise Diverged(f"{streak} updates in a row had a non-finite loss or gradient norm (up to step {step}); "
-                           f"stopped without saving. {ckpt.directory} ends with the last finite state: lower the "
-                           "learning rate, check the rewards and the data, then run again (max_nonfinite_steps sets "
-                           "the limit)")
-
-    def save(done):
-        ckpt.save(done, state, {"step": done, "epoch": done // run.steps_per_epoch,
-                                "batch_in_epoch": done % run.steps_per_epoch, "dataset_rows": len(run.train),
-                                "dataset_fingerprint": data_fingerprint, "seed": cfg.seed})
-
-    for step in range(start, run.total_steps):
-        with _reward_errors(f"at step {step + 1}: batch {step % run.steps_per_epoch} of epoch "
-                            f"{step // run.steps_per_epoch}"):
-            state, metrics, sampled = step_fn(run, state, step)
-        if step == start:  # dispatched, so compiled: the evaluation compiles in the background while it runs
-            compile_evaluation(run, state)
-        if skipped is not None:
-            check_skipped(skipped, step)
-        skipped = metrics["skipped_update"]
-        since += run.global_batch
-        done = step + 1
-        if done % cfg.logging_steps == 0 or done == run.total_steps:
-            metrics = {k: float(S.to_host(v)) for k, v in metrics.items()}
-            now = time.perf_counter()
-            last = metrics | {"step": done, "episode": done * run.global_batch, "epoch": done / run.steps_per_epoch,
-                              "eps": since / (now - t0)}
-            t0, since = now, 0
-            logger.log(last)
-        if sampled is not None and (done % table_every == 0 or done == run.total_steps):
-            idx, samples, raw, pairs = sampled  # pairs: a judge's rows (its verdicts in raw), else None
-            B = len(idx) // run.cfg.micro_batches
-            tokens = S.to_host(samples.tokens)[0]
-            texts = run.decode(tokens[:B] if pairs is None else tokens[S.to_host(pairs)[0, :B]])
-            rows = [(J.plain_text(run.train.prompts[i]), t, float(r))
-                    for i, t, r in zip(idx[:B], texts, S.to_host(raw)[0])]
-            logger.table(done, rows[:4])
-        if run.eval is not None and (done == run.total_steps or (cfg.eval_steps and done % cfg.eval_steps == 0)):
-            with _reward_errors(f"in the evaluation at step {done}"):
-                ev = evaluate(run, state)
-            logger.log({"step": done} | ev)
-            last |= ev
-        logger.advance()
-        if done == run.total_steps:
-            check_skipped(skipped, done)
-        signal_name = stop.requested()
-        if done % run.save_every == 0 or done == run.total_steps or signal_name:
-            save(done)
-        if signal_name:
-            ckpt.wait()
-            raise Stopped(f"stopped by {signal_name} at step {done}; saved {ckpt.directory}/{done}; run the same "
-                          "command to resume")
-    return last
-
-
-@contextlib.contextmanager
-def _reward_errors(where: str):
-    """A reward function's failure, said with the step (and batch) it failed at."""
-    try:
-        yield
-    except RewardError as e:
-        raise RewardError(f"{e} ({where}); fix the function, then run the same command to resume") from e
+from jodpo.errors import (BackendError, CheckpointError, ConfigError, DataError, Diverged, SaveError,  # noqa: F401
+                          Stopped)
+from jodpo.program import backend
+from jodpo.program.config import TrainConfig, help_text, load_config_file, parse_override
+from jodpo.program.loop import train
 
 
 def parse_args(argv: list[str]) -> tuple[TrainConfig, argparse.Namespace]:
@@ -363,7 +59,7 @@ def init_distributed(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    backend.quiet_transformers_advice()
+    backend.start_command()
     argv = sys.argv[1:] if argv is None else argv
     debug = "--debug" in argv
     try:
@@ -386,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"jodpo.train: error: {e}", file=sys.stderr)
         return 1
-    except (ConfigError, D.DataError, CheckpointError, ValueError, FileNotFoundError) as e:  # BackendError too
+    except (ConfigError, DataError, CheckpointError, ValueError, FileNotFoundError) as e:  # BackendError too
         if debug:
             raise
         print(f"jodpo.train: error: {e}", file=sys.stderr)

@@ -22,112 +22,20 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
 
-from jodpo.losses import (LossOptions, check_loss_options, completion_logprobs, dpo_loss, needs_reference,
-                          online_dpo_loss)
-from jodpo.models.core import Model, Params
+from jodpo.losses import LossOptions, completion_logprobs, dpo_loss, online_dpo_loss  # noqa: F401 (LossOptions)
+from jodpo.models.decoder import Model, Params
 from jodpo.models.lora import attach
 from jodpo.models.params import frozen_params
 from jodpo.optim import SCHEDULES, OptimizerConfig, learning_rate_schedule, make_optimizer  # noqa: F401 (re-exported)
-from jodpo.pairing import choose_pairs, pair_choice, resolve_pairing
-from jodpo.rewards import score_tokens
-from jodpo.sampling import Samples, SamplingConfig, sample
-
-@dataclasses.dataclass(frozen=True)
-class StepConfig:
-    """Everything static about a step (hashable: the first, static argument of the jitted steps)."""
-
-    model: Model
-    sampling: SamplingConfig
-    optimizer: OptimizerConfig
-    beta: tuple[float, ...] = (0.1,)  # beta[min(int(epoch), len - 1)]
-    updates_per_epoch: int = 1  # optimizer steps per epoch, to index ``beta``
-    loss_type: str = "sigmoid"
-    loss_options: LossOptions = LossOptions()
-    missing_eos_penalty: float | None = None
-    penalty_reward_value: float | None = None
-    max_length: int | None = None  # prompt + completion, left-truncating the prompt in the loss forward
-    reward_model: Model | None = None  # scored on device by ``online_step`` (shared tokenizer)
-    judged: bool = False  # ``update``'s rewards are a judge's verdicts (``jodpo.judges.pair_scores``)
-    logprob_temperature: float | None = None  # the loss's logits divided by it (open-instruct); None: raw (TRL)
-    # open-instruct's stop_token='period': ids that end a completion (the sampler stops at them too: they are among
-    # sampling.eos_token_ids) and alone decide the EOS penalties and val/contain_eos_token; () : the EOS ids do
-    stop_token_ids: tuple[int, ...] = ()
-    # open-instruct's async_mode: a step samples with the parameters from before the previous update (one step
-    # off-policy; the state keeps them as ``sampler_params``), so sampling and training can overlap
-    async_mode: bool = False
-    num_generations: int = 2  # completions sampled per prompt, k (TRL GRPO's name); one pair per prompt is trained
-    pairing: str = "auto"  # which pair of the k (``jodpo.pairing``): auto | best_worst | random
-    # semi-online (Lanchantin et al. 2025): the sampler's parameters are the policy's at the last multiple of
-    # sync_steps optimizer steps (1: on-policy); with async_mode, at the last multiple before the previous rollout
-    sync_steps: int = 1
-
-    @property
-    def reference_free(self) -> bool:
-        """The loss needs no reference (``simpo``): the steps take ``ref_params=None`` (with LoRA, the base the
-        adapters ride on) and never run a reference forward."""
-        return not needs_reference(self.loss_type)
-
-    @property
-    def lagging(self) -> bool:
-        """The sampler is not the trained policy (``async_mode``, ``sync_steps`` > 1): the state keeps its
-        parameters as ``sampler_params``."""
-        return self.async_mode or self.sync_steps > 1
-
-    @property
-    def pairs_as_sampled(self) -> bool:
-        """Each prompt's two completions are its pair as sampled (k = 2, ``random``): TRL's step, nothing chosen."""
-        return self.num_generations == 2 and resolve_pairing(self.pairing, 2) == "random"
-
-    @property
-    def penalty_ids(self) -> tuple[int, ...]:
-        """The ids whose presence spares a completion the EOS penalties."""
-        return self.stop_token_ids or self.sampling.eos_token_ids
-
-    @property
-    def special_eos_ids(self) -> tuple[int, ...]:
-        """The EOS ids proper (special tokens, absent from the text a reward model reads), without stop tokens."""
-        return tuple(i for i in self.sampling.eos_token_ids if i not in self.stop_token_ids)
-
-    def __post_init__(self):
-        beta = (self.beta,) if isinstance(self.beta, (int, float)) else tuple(self.beta)
-        if not beta or any(not b > 0 for b in beta):
-            raise ValueError(f"beta must be a positive number or a non-empty list of them, got {self.beta}")
-        object.__setattr__(self, "beta", tuple(float(b) for b in beta))
-        check_loss_options(self.loss_type, self.loss_options)
-        if self.updates_per_epoch < 1:
-            raise ValueError("updates_per_epoch must be >= 1")
-        if self.num_generations < 2 or self.sync_steps < 1:
-            raise ValueError(f"num_generations must be >= 2 and sync_steps >= 1, got {self.num_generations} and "
-                             f"{self.sync_steps}")
-        resolve_pairing(self.pairing, self.num_generations)
-
-
-@flax.struct.dataclass
-class TrainState:
-    step: jax.Array  # i32[]: optimizer steps applied
-    params: Params
-    opt_state: optax.OptState
-    rng: jax.Array  # the run's key; never advanced (steps fold in their index)
-    sampler_params: Params | None = None  # async_mode / sync_steps > 1 (``StepConfig.lagging``): the policy that
-    # samples, as the sampler reads it (``sampler_weights``: in the compute dtype, or LoRA adapters as they are)
-
-
-@flax.struct.dataclass
-class PreferenceBatch:
-    """Offline DPO data for one window: prompts left-padded, responses right-padded (EOS included)."""
-
-    prompt_ids: jax.Array  # i32[A, B, P]
-    prompt_mask: jax.Array
-    chosen_ids: jax.Array  # i32[A, B, C]
-    chosen_mask: jax.Array
-    rejected_ids: jax.Array  # i32[A, B, C]
-    rejected_mask: jax.Array
-
+from jodpo.pairing import group_metrics, pair_rows, resolve_pairing, take_rows
+from jodpo.scoring import apply_eos_penalty, contains_eos
+from jodpo.scoring import score_tokens
+from jodpo.sampling import Samples, SamplingConfig, sample  # noqa: F401 (SamplingConfig: re-exported)
+from jodpo.step_state import PreferenceBatch, StepConfig, TrainState  # noqa: F401 (PreferenceBatch: re-exported)
 
 def init_state(cfg: StepConfig, params: Params, rng: jax.Array) -> TrainState:
     """A fresh state. The policy is a copy of ``params`` (made once), so ``params`` can stay the frozen
@@ -179,7 +87,7 @@ def sample_completions(cfg: StepConfig, state: TrainState, prompt_ids: jax.Array
 def sample_with(cfg: StepConfig, params: Params, rng: jax.Array, step: jax.Array, prompt_ids: jax.Array,
                 prompt_mask: jax.Array, num_samples: int | None = None, ref_params: Params | None = None) -> Samples:
     """``sample_completions`` from its parts: the sampling ``params`` (or ``sampler_weights`` of them), the run's key
-    and the step whose draw this is, so a sampler on devices of its own (``jodpo.split_sampler``) draws exactly
+    and the step whose draw this is, so a sampler on devices of its own (``jodpo.parallel.split_sampler``) draws exactly
     what the state would.
 
     The A micro-batches of a window are sampled in one call (the parameters do not change within a window): one
@@ -217,6 +125,35 @@ def score_completions(cfg: StepConfig, rm_params: Params, prompt_ids: jax.Array,
         return score_tokens(cfg.reward_model, rm_params, ids_BP, mask_BP, tokens, mask, eos)  # prompts shared
 
     return jax.lax.map(one, (prompt_ids, prompt_mask, samples.tokens, samples.mask))
+
+
+def pair_choice(cfg: StepConfig, state: TrainState, scores: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``pair_rows`` of every micro-batch of a window: i32[A, 2B] rows into the [A, kB] completions and f32[A, B]
+    pair weights, from scores f32[A, kB] (rewards after any EOS penalty, or a judge's win scores). ``random`` draws from the state's key and step,
+    so a resumed run picks the same pairs."""
+    key = jax.random.fold_in(jax.random.fold_in(state.rng, 0x9A1E), state.step)
+    keys = jax.random.split(key, scores.shape[0])
+    pairing = resolve_pairing(cfg.pairing, cfg.num_generations)
+    return jax.vmap(lambda s, k: pair_rows(s, cfg.num_generations, pairing, k))(scores, keys)
+
+
+def choose_pairs(cfg: StepConfig, state: TrainState, samples: Samples, rewards: jax.Array, rows: jax.Array | None = None):
+    """One pair per prompt out of its k completions, for a window: ``(samples, rewards, pair_weights, metrics)``
+    with ``Samples`` [A, 2B, T] and raw rewards f32[A, 2B] in TRL's block layout, f32[A, B] pair weights (None:
+    every pair counts) and the metrics of the k scores (``group_metrics``). The pairs are chosen by the rewards after
+    the EOS penalties, as the loss pairs them. k = 2 with ``random`` returns its arguments: TRL's step. Given
+    ``rows`` (a judge's choice, made on the host: ``jodpo.program.loop.judge_samples``), those rows of ``samples`` are the
+    pairs and ``rewards`` are already the judge's verdicts of them."""
+    if rows is not None:
+        return take_rows(samples, rows), rewards, None, {}
+    if cfg.pairs_as_sampled:
+        return samples, rewards, None, {}
+    has_eos = contains_eos(samples.tokens, samples.mask, cfg.penalty_ids)
+    scores = apply_eos_penalty(rewards.astype(jnp.float32), has_eos, cfg.missing_eos_penalty,
+                               cfg.penalty_reward_value)
+    rows, weights = pair_choice(cfg, state, scores)
+    metrics = jax.tree.map(lambda m: m.mean(0), jax.vmap(lambda s: group_metrics(s, cfg.num_generations))(scores))
+    return take_rows(samples, rows), take_rows(rewards, rows), weights, metrics
 
 
 def _accumulate(model: Model, loss_fn, params: Params, batches):
@@ -269,7 +206,7 @@ def update(cfg: StepConfig, state: TrainState, ref_params: Params, prompt_ids: j
     """The optimizer step from pairs of sampled completions and their raw rewards f32[A, 2B] (or, with
     ``cfg.judged``, a judge's verdicts in the same layout). ``ref_logprobs`` f32[A, 2B, C]: the reference's log-probs
     when they are already known (``rollout_update``), else the loss computes them. ``pair_weights`` f32[A, B]: the
-    pairs' weights in the loss (``pairing.choose_pairs``). ``ref_params``: the frozen reference, None with a
+    pairs' weights in the loss (``choose_pairs``). ``ref_params``: the frozen reference, None with a
     reference-free loss (``cfg.reference_free``) unless LoRA needs the base; the same for every step below."""
     beta = current_beta(cfg, state.step)
 
@@ -293,7 +230,7 @@ def online_update(cfg: StepConfig, state: TrainState, ref_params: Params, prompt
                   prompt_mask: jax.Array, samples: Samples, rewards: jax.Array,
                   rows: jax.Array | None = None) -> tuple[TrainState, dict]:
     """A step's update from its k completions per prompt (``samples`` [A, kB, T], ``rewards`` f32[A, kB]): one pair
-    per prompt (``pairing.choose_pairs``; ``rows``: a judge's), ``update``, and the sampler's parameters for the next
+    per prompt (``choose_pairs``; ``rows``: a judge's), ``update``, and the sampler's parameters for the next
     step (``_sampled``)."""
     pairs, rewards, weights, chosen = choose_pairs(cfg, state, samples, rewards, rows)
     new, metrics = update(cfg, state, ref_params, prompt_ids, prompt_mask, pairs, rewards, pair_weights=weights)

@@ -8,8 +8,8 @@ float32``, 53 new tokens, warmup_ratio 0.1; ``--steps`` optimizer steps with a c
 and an evaluation every ``--eval-steps`` (on ``--eval-prompts`` prompts of the test split):
 
 1. **step**: ``train_step.jit_online_step`` in the train mode's jodpo worker, built from the same command line
-   by ``jodpo.run.build`` (same config, buckets, dtypes, remat, data order) and started by
-   ``train.initial_state`` (the program's first state, laid out as the step's outputs); two untimed calls (the
+   by ``jodpo.program.run.build`` (same config, buckets, dtypes, remat, data order) and started by
+   ``loop.initial_state`` (the program's first state, laid out as the step's outputs); two untimed calls (the
    first compiles), then the median of ``--step-repeats`` timed calls.
    Then, on that state, what the loop's stalls are measured against: checkpoint saves as the program makes them,
    one more than the recipe keeps, so that the last deletes the oldest first (``Checkpointer.save`` timed to its
@@ -106,7 +106,7 @@ def write_datasets(fx: Path, a) -> tuple[Path, Path]:
 
 def train_argv(fx: Path, a, out_dir: Path, cache_dir: Path) -> list[str]:
     """The program's command line (after ``python -m jodpo.train``): tldr.py on the fixture."""
-    from jodpo.config import FIELDS
+    from jodpo.program.config import FIELDS
 
     o = dict(model_name_or_path=fx / "policy", reward_model_path=fx / "reward", dataset_name=fx / "train.jsonl",
              eval_dataset=fx / "test.jsonl", output_dir=out_dir, max_steps=a.steps, save_steps=a.save_steps,
@@ -191,7 +191,7 @@ def resume_program(argv: list[str], tmp: Path, out_dir: Path, kept: list[int]) -
     log lines after the previous one removed (as the program itself truncates them), then the same command in
     the same directory, killed at its first step (``run_program``'s ``first_only``). None with fewer than two
     checkpoints kept."""
-    from jodpo.logging import truncate_metrics
+    from jodpo.program.metrics_log import truncate_metrics
 
     if len(kept) < 2:
         return None

@@ -12,7 +12,7 @@ the tokenizer's chat template (SmolLM2's adds its default system prompt). With `
 
 Both sides run with the same settings: batch, ``max_new_tokens``, temperature 0.9, beta 0.1, sigmoid loss, lr 5e-7,
 ``missing_eos_penalty`` 1.0, ``max_length`` 512, float32, no gradient checkpointing; otherwise each its defaults. jodpo
-is the training program's own path (``jodpo.run.build`` from a ``TrainConfig``, ``train.initial_state``): sample on
+is the training program's own path (``jodpo.program.run.build`` from a ``TrainConfig``, ``loop.initial_state``): sample on
 the device, decode and call the reward function on the host, then the jitted update; its prompts are padded to one
 bucket, the longest prompt (as TRL pads each batch to its longest). TRL is its real ``Trainer`` loop, held between
 steps by a callback. Each side is a worker process (``bench_workers``); the parent alternates their steps, then
@@ -20,7 +20,7 @@ asks each for its peak RSS, then compares jodpo's sampler with transformers' ``g
 batch (``bench_common.compare_sampler``).
 
 Time split per step: *sampling* (jodpo: ``sample_completions`` to its end; TRL: ``_generate``), *scoring* (jodpo:
-decoding and the reward function, ``train._rewards``; TRL: ``_calculate_rewards_from_functions``), *update* (the
+decoding and the reward function, ``loop.sampled_rewards``; TRL: ``_calculate_rewards_from_functions``), *update* (the
 rest of the step: reference and policy forwards, backward, clip, AdamW; TRL's decoding of the completions too).
 """
 from __future__ import annotations
@@ -81,7 +81,7 @@ def build(tmp: Path, a) -> dict:
 
     import jodpo
     from jodpo import assets
-    from jodpo import data as D
+    from jodpo.program import data as D
 
     src = str(assets.fetch("smollm2")) if a.model == "smollm2" else a.model
     t = time.perf_counter()
@@ -157,10 +157,10 @@ def bench_real(a) -> dict:
 
 
 def host_reward_step(jax, run, state, k: int):
-    """Step ``k`` of the program with host rewards (``train.online_step``'s path when the reward is a function):
-    sample on the device, decode and score on the host (``train._rewards``), the jitted update; each piece timed
+    """Step ``k`` of the program with host rewards (``loop.online_iteration``'s path when the reward is a function):
+    sample on the device, decode and score on the host (``loop.sampled_rewards``), the jitted update; each piece timed
     to its end (the host waits for the samples anyway, and the program reads the metrics back after the update)."""
-    from jodpo.train import _rewards
+    from jodpo.program.loop import sampled_rewards as _rewards
 
     idx = run.indices(k)
     ids, mask = map(run.put, run.prompts(idx))

@@ -22,7 +22,7 @@ def worker_jodpo(spec: dict, ch: Channel):
     from datasets import Dataset
 
     import jodpo
-    from jodpo import data as D
+    from jodpo.program import data as D
     from jodpo import train_step as ts
     from jodpo.losses import completion_logprobs, online_dpo_loss
 
@@ -98,19 +98,20 @@ def worker_jodpo(spec: dict, ch: Channel):
 
 def _program_setup(jax, ts, train_argv: list[str] | None, fields: dict | None = None):
     """The step exactly as ``python -m jodpo.train <train_argv>`` runs it (or a ``TrainConfig`` of ``fields``): the
-    config parsed by the program, models, data, buckets and step config from ``jodpo.run.build``, the first state
-    from ``train.initial_state`` (which also jits ``run.steps``, used by the evaluation), step k's prompts as the
+    config parsed by the program, models, data, buckets and step config from ``jodpo.program.run.build``, the first state
+    from ``loop.initial_state`` (which also jits ``run.steps``, used by the evaluation), step k's prompts as the
     program draws them (``Run.indices``, ``Run.prompts``: the window [A, B, P])."""
-    from jodpo.config import TrainConfig
-    from jodpo.run import build
-    from jodpo.train import initial_state, parse_args
+    from jodpo.program.config import TrainConfig
+    from jodpo.program.run import build
+    from jodpo.program.loop import initial_state
+    from jodpo.train import parse_args
 
     if fields is not None:
         tcfg = TrainConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
     else:
         tcfg, _ = parse_args(train_argv)
     if tcfg.deterministic:  # as the program (not its compilation cache: the cold run must find it empty)
-        from jodpo.backend import set_deterministic
+        from jodpo.program.backend import set_deterministic
 
         set_deterministic()
     run = build(tcfg)
@@ -124,7 +125,7 @@ def _time_saves(jax, state, directory: Path, limit: int | None) -> dict:
     the whole save, each time (the first also creates the directories); and the CPU seconds the whole save took,
     user and kernel (nothing else runs in this process meanwhile): what the write takes from the cores a training
     step would use, on this filesystem."""
-    from jodpo.checkpoint import Checkpointer
+    from jodpo.program.checkpoint import Checkpointer
 
     ckpt, out = Checkpointer(directory, save_total_limit=limit), []
     try:
@@ -144,7 +145,7 @@ def _time_saves(jax, state, directory: Path, limit: int | None) -> dict:
 def _time_eval(jax, run, state, repeats: int = 3) -> dict:
     """``evaluation.evaluate`` as the program calls it, and its sampling alone (``evaluation.eval_samples``, waited
     for), each ``repeats`` times after one untimed call of each (compiles, the references' rewards)."""
-    from jodpo.evaluation import eval_samples, evaluate
+    from jodpo.program.training_eval import eval_samples, evaluate
 
     def sampling():
         jax.block_until_ready([x[-1] for x in eval_samples(run, state)])
@@ -221,7 +222,7 @@ def worker_trl(spec: dict, ch: Channel):
     dtype, dev = getattr(torch, spec["dtype"]), torch_device()
     policy = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=dtype)
     if spec.get("reward_funcs"):  # the same 'module:function' callables as jodpo's reward_funcs (not through
-        import importlib  # jodpo.rewards, which would load jax into this process)
+        import importlib  # jodpo.program.rewards, which would load jax into this process)
 
         rewards = [getattr(importlib.import_module(m), n)
                    for m, _, n in (f.partition(":") for f in spec["reward_funcs"])]

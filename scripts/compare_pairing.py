@@ -32,9 +32,9 @@ def main(argv=None) -> int:
     parser.add_argument("--eval-steps", type=int, default=25)
     parser.add_argument("--out", default=None, help="where the runs go (default: a temporary directory)")
     args = parser.parse_args(argv)
-    from jodpo import backend
-    from jodpo.config import load_config_file
-    from jodpo.train import train
+    from jodpo.program import backend
+    from jodpo.program.config import load_config_file
+    from jodpo.program.loop import train
 
     out = Path(args.out or tempfile.mkdtemp(prefix="compare-pairing-"))
     base = load_config_file(args.config)

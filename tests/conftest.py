@@ -64,7 +64,8 @@ if not (_ACCELERATOR or os.environ.get("JODPO_TEST_FULL_OPT")):
 
 import pytest
 
-from jodpo.backend import set_compilation_cache
+import jodpo
+from jodpo.program.backend import set_compilation_cache
 from tests import hf_fixtures
 
 # Every test process keeps its compiled programs in the suite's compilation cache (above; where the training runs and
@@ -86,7 +87,7 @@ def pytest_addoption(parser):
 SLOWEST_FIRST = ("test_sharding.py", "test_train.py", "test_bench.py", "test_train_step.py", "test_reliability.py",
                  "test_real_model.py", "test_bench_program.py", "test_models.py", "test_export_script.py",
                  "test_sampling.py", "test_losses_vs_trl.py", "test_errors.py", "test_pairing.py", "test_losses.py",
-                 "test_lora.py", "test_judges.py", "test_evaluate.py", "test_generate.py", "test_evaluation.py")
+                 "test_lora.py", "test_judges.py", "test_evaluate.py", "test_generate.py", "test_training_eval.py")
 
 
 def pytest_configure(config):
@@ -184,3 +185,8 @@ def tiny_run():
         if first:
             assert train.main(["--config", "tiny.py", f"--config.output_dir={out}"]) == 0
     return out
+
+
+@pytest.fixture(scope="module")
+def neox(checkpoints):
+    return jodpo.load_model(str(checkpoints["neox"]["causal_lm"]))

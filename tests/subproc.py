@@ -1,9 +1,12 @@
 """Environments of the tests' subprocesses."""
+import json
 import os
 import re
 import shutil
+import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,3 +58,23 @@ def without_torch(env: dict) -> tuple[list[str], dict]:
     83 s; with a warm page cache the whole suite's gain is within the machine's noise)."""
     path = os.pathsep.join([str(ROOT), str(_site_without_torch())])
     return [sys.executable, "-S"], dict(env, PYTHONPATH=path)
+
+
+def metrics_lines(out: Path) -> list[dict]:
+    return [{k: v for k, v in json.loads(line).items() if k != "eps"}  # eps is wall-clock
+            for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def start_tiny(out: Path, *extra: str) -> subprocess.Popen:
+    """The README's first command (tiny.py), in an environment without torch as that command installs it."""
+    python, environ = without_torch(env())
+    cmd = [*python, "-m", "jodpo.train", "--config", "tiny.py", f"--config.output_dir={out}", *extra]
+    return subprocess.Popen(cmd, cwd=ROOT, env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for(cond, proc: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.time() + timeout
+    while not cond():
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.time() < deadline
+        time.sleep(0.02)

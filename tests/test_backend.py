@@ -1,4 +1,4 @@
-"""jodpo.backend: deterministic GPU kernels and the persistent compilation cache, set up before jax starts;
+"""jodpo.program.backend: deterministic GPU kernels and the persistent compilation cache, set up before jax starts;
 and the run's precision (and its frozen models' compute form) reaching every model it builds."""
 import subprocess
 import sys
@@ -7,15 +7,16 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jodpo import backend, run
-from jodpo.config import TrainConfig
+from jodpo.program import backend
+from jodpo.program import run
+from jodpo.program.config import TrainConfig
 from tests import hf_fixtures, subproc
 
 
 def test_deterministic_sets_xla_flags_before_jax_starts():
     code = ("import os, jax\n"
-            "from jodpo import backend\n"
-            "from jodpo.config import TrainConfig\n"
+            "from jodpo.program import backend\n"
+            "from jodpo.program.config import TrainConfig\n"
             "backend.configure(TrainConfig(deterministic=True, compilation_cache_dir=None))\n"
             "flags = os.environ['XLA_FLAGS'].split()\n"
             "assert '--xla_force_host_platform_device_count=2' in flags and backend.DETERMINISTIC_FLAG in flags\n"

@@ -2,13 +2,13 @@
 of the JSON is there and the values are consistent with each other and with the shapes asked for."""
 import importlib.util
 import json
-import math
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from tests import helpers
 
 ROOT = Path(__file__).resolve().parents[1]
 B, T, P = 2, 4, 20
@@ -40,10 +40,6 @@ def result(tmp_path_factory, models):
     return json.loads(out.read_text())
 
 
-def _positive(x) -> bool:
-    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
-
-
 def test_step_times_and_ratio(result):
     s = result["settings"]
     assert (s["batch"], s["new_tokens"], s["steps"], s["warmup"], s["peak_size"]) == (B, T, 2, 1, 256)
@@ -51,7 +47,7 @@ def test_step_times_and_ratio(result):
     for side in ("jodpo", "trl"):
         r = result[side]
         assert len(r["times_s"]) == 2 and len(r["warmup_s"]) == 1
-        assert all(_positive(t) for t in r["times_s"])
+        assert all(helpers.positive(t) for t in r["times_s"])
         assert min(r["times_s"]) <= r["median_s"] <= max(r["times_s"])
         assert r["episodes_per_s"] == pytest.approx(B / r["median_s"])
         # Both sides sample two completions of T tokens per prompt (EOS may end a row early in either).
@@ -79,10 +75,10 @@ def test_memory(result):
 
 def test_breakdown_and_flops(result):
     b, fl, pk = result["breakdown"], result["flops_gflop"], result["matmul_peak_gflops"]
-    assert _positive(pk["jax"]) and _positive(pk["torch"]) and pk["peak"] == max(pk["jax"], pk["torch"])
+    assert helpers.positive(pk["jax"]) and helpers.positive(pk["torch"]) and pk["peak"] == max(pk["jax"], pk["torch"])
     pieces = ("sampling", "reward_scoring", "reference_logprobs", "policy_fwd_bwd", "optimizer")
     for k in pieces:
-        assert _positive(b[k]["s"]), k
+        assert helpers.positive(b[k]["s"]), k
         assert b[k]["useful_gflops_per_s"] == pytest.approx(b[k]["useful_gflop"] / b[k]["s"])
         assert b[k]["useful_frac_of_peak"] == pytest.approx(b[k]["useful_gflops_per_s"] / pk["peak"])
         assert b[k]["useful_frac_of_peak"] < 1.5, k  # nothing runs (much) faster than the measured peak
@@ -239,7 +235,7 @@ def test_real_side_by_side(tmp_path, checkpoints):
     assert s["eos_token_ids"]["jodpo"] == s["eos_token_ids"]["trl"]  # the same EOS ids on both sides
     for side in ("jodpo", "trl"):
         x = r[side]
-        assert len(x["times_s"]) == 2 and all(_positive(t) for t in x["times_s"])
+        assert len(x["times_s"]) == 2 and all(helpers.positive(t) for t in x["times_s"])
         assert x["episodes_per_s"] == pytest.approx(Bq / x["median_s"])
         # the same prompts every step (prompts == batch), padded to the longest on both sides
         assert x["prompt_width"] == [s["prompt_len_max"]] * 2

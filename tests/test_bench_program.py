@@ -8,7 +8,10 @@ import sys
 import numpy as np
 import pytest
 
-from tests.test_bench import B, ROOT, T, _positive
+from tests import helpers
+
+ROOT = helpers.ROOT
+B, T = 2, 4  # the prompts of a micro-batch and the tokens of a completion (as tests/test_bench.py)
 
 # --------------------------------------------------------------------------------------------------
 # bench.py program: python -m jodpo.train vs its fused step, TRL's train() side by side
@@ -42,7 +45,7 @@ def test_program_runs_saves_and_evaluates(program):
     assert t["saves_after_steps"] == [3, 6] and t["evals_after_steps"] == []
     assert t["step_kind"] == ["first", "steady", "steady", "save", "steady", "steady"]
     assert t["gradient_checkpointing"] is True and len(t["save_s_direct"]) == 2
-    assert all(_positive(x) for x in t["save_s_direct"])
+    assert all(helpers.positive(x) for x in t["save_s_direct"])
     assert (t["eval_error"] is None) != (t["eval_s_direct"] is None)  # TRL 1.16's evaluation: its error, or its time
     assert program["step"]["recompiles_timed"] == 0 and program["step"]["prompt_width"] == 32
     assert p["kept_checkpoints"] == [3, 6]  # tldr.py keeps the last two (save_total_limit)
@@ -50,7 +53,7 @@ def test_program_runs_saves_and_evaluates(program):
 
 def test_restart_with_a_warm_cache(program):
     w, p = program["restart_warm_cache"], program["program"]
-    assert _positive(w["time_to_first_step_s"]) and _positive(w["first_step_s"])
+    assert helpers.positive(w["time_to_first_step_s"]) and helpers.positive(w["first_step_s"])
     assert w["ratio_cold_over_warm"] == pytest.approx(p["time_to_first_step_s"] / w["time_to_first_step_s"])
     assert w["overhead_cold_s"] == pytest.approx(p["time_to_first_step_s"] - p["steady_median_step_s"])
     assert w["overhead_warm_s"] == pytest.approx(w["time_to_first_step_s"] - p["steady_median_step_s"])
@@ -60,7 +63,7 @@ def test_restart_with_a_warm_cache(program):
 def test_resumed_run_restores_the_previous_checkpoint(program):
     u, p = program["resume"], program["program"]
     assert u["resumed_from_step"] == SAVE and u["first_step"] == SAVE + 1  # the newest (STEPS) removed
-    assert _positive(u["time_to_first_step_s"]) and _positive(u["first_step_s"])
+    assert helpers.positive(u["time_to_first_step_s"]) and helpers.positive(u["first_step_s"])
     assert u["ratio_cold_over_resumed"] == pytest.approx(p["time_to_first_step_s"] / u["time_to_first_step_s"])
     assert u["overhead_resumed_s"] == pytest.approx(u["time_to_first_step_s"] - p["steady_median_step_s"])
     assert "resume" in program["phases_s"] and f"resumed from the checkpoint of step {SAVE}" in program["stdout"]
@@ -73,8 +76,8 @@ def test_program_numbers_and_ratios(program):
         for k in ("episodes_per_s_whole", "episodes_per_s_after_first_step", "episodes_per_s_steady",
                   "steady_median_step_s", "time_to_first_step_s", "first_step_s", "before_first_step_s",
                   "after_last_step_s", "wall_s", "peak_rss_mib"):
-            assert _positive(r[k]), k
-        assert len(r["step_s"]) == STEPS and all(_positive(x) for x in r["step_s"])
+            assert helpers.positive(r[k]), k
+        assert len(r["step_s"]) == STEPS and all(helpers.positive(x) for x in r["step_s"])
         steady = [x for x, k in zip(r["step_s"], r["step_kind"]) if k == "steady"]
         assert r["steady_median_step_s"] == pytest.approx(float(np.median(steady)))
         assert r["episodes_per_s_steady"] == pytest.approx(gb / r["steady_median_step_s"])
@@ -87,7 +90,7 @@ def test_program_numbers_and_ratios(program):
         assert 100 < r["peak_rss_mib"] < 20000
     assert p["first_step_s"] > p["steady_median_step_s"]  # the first step compiles
     assert p["device"] == "cpu:0" and p["device_peak_mib"] is None
-    assert _positive(st["episodes_per_s"]) and st["episodes_per_s"] == pytest.approx(gb / st["median_s"])
+    assert helpers.positive(st["episodes_per_s"]) and st["episodes_per_s"] == pytest.approx(gb / st["median_s"])
     assert program["ratio_program_over_step_steady"] == pytest.approx(p["episodes_per_s_steady"] / st["episodes_per_s"])
     assert program["ratio_program_over_step_whole"] == pytest.approx(p["episodes_per_s_whole"] / st["episodes_per_s"])
     assert program["ratio_program_over_step_after_first"] == pytest.approx(
@@ -114,7 +117,7 @@ def test_stalls_against_the_save_and_the_evaluation_alone(program):
     assert z["save_beyond_blocking_s"] == pytest.approx([p["save_s"][0]["s"] - saves[0]["blocking_s"]])
     ev = alone["eval"]
     assert len(ev["evaluate_s"]) == len(ev["sampling_s"]) == 3
-    assert all(_positive(x) for x in ev["evaluate_s"] + ev["sampling_s"])
+    assert all(helpers.positive(x) for x in ev["evaluate_s"] + ev["sampling_s"])
     assert z["eval_sampling_s"] == min(ev["sampling_s"]) and z["evaluate_alone_s"] == min(ev["evaluate_s"])
     assert z["eval_over_sampling"] == pytest.approx([x["s"] / z["eval_sampling_s"] for x in p["eval_s"]])
     assert z["eval_over_evaluate_alone"] == pytest.approx([x["s"] / z["evaluate_alone_s"] for x in p["eval_s"]])

@@ -9,8 +9,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from jodpo.checkpoint import Checkpointer, all_finite, checksums, restore_params
-from jodpo.models import CheckpointError
+from jodpo.errors import CheckpointError
+from jodpo.program.checkpoint import Checkpointer, all_finite, checksums, restore_params
 
 
 def _tree(dtype, n):

@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from jodpo import config as C
+from jodpo.program import config as C
 from jodpo import train
 
 
@@ -63,7 +63,7 @@ def test_sync_steps_must_be_a_multiple_of_a_rollouts_updates():
 
 
 def test_run_length_from_steps_episodes_or_epochs():
-    from jodpo.run import run_length
+    from jodpo.program.run import run_length
 
     assert run_length(C.TrainConfig(max_steps=7), 16, 100) == 7
     assert run_length(C.TrainConfig(total_episodes=1000), 16, 100) == 62  # open-instruct: total_episodes // batch
@@ -80,7 +80,7 @@ def test_cudnn_attention_needs_bf16_and_a_gpu():
         C.TrainConfig(attn_implementation="cudnn", bf16=False)
     import jax
 
-    from jodpo.run import build
+    from jodpo.program.run import build
 
     if jax.default_backend() == "gpu":
         pytest.skip("a GPU is jax's backend: cudnn is allowed here")
@@ -126,9 +126,9 @@ def test_help_lists_every_field_and_docs_document_them(capsys):
 
 
 @pytest.mark.parametrize("body,line,phrase", [
-    ("from jodpo.config import TrainConfig\ndef get_config():\n    return TrainConfig(max_steps=3\n", 3,
+    ("from jodpo.program.config import TrainConfig\ndef get_config():\n    return TrainConfig(max_steps=3\n", 3,
      "SyntaxError: '(' was never closed; fix the file"),
-    ("from jodpo.config import TrainConfig\nimport no_such_module\n", 2,
+    ("from jodpo.program.config import TrainConfig\nimport no_such_module\n", 2,
      "ModuleNotFoundError: No module named 'no_such_module'; fix the file"),
     ("def get_config():\n    steps = 3\n    return {'max_steps': stepz}\n", 3, "NameError: name 'stepz' is not defined"),
 ])

@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from jodpo import config as C
-from jodpo import data as D
+from jodpo.program import config as C
+from jodpo.program import data as D
 
 
 def _write(path, rows):

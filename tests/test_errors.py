@@ -8,9 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jodpo import sharding as S
+from jodpo.parallel import sharding as S
 from jodpo import train
-from jodpo.checkpoint import Checkpointer
+from jodpo.program import loop
+from jodpo.program.checkpoint import Checkpointer
 from tests import hf_fixtures
 
 DOC_FILE = Path(__file__).resolve().parents[1] / "docs" / "troubleshooting.md"
@@ -24,7 +25,7 @@ def world(checkpoints, tmp_path_factory):
     data = hf_fixtures.prompt_dataset(root / "data")
     cfg = root / "cfg.py"
     cfg.write_text(
-        "from jodpo.config import TrainConfig\n"
+        "from jodpo.program.config import TrainConfig\n"
         "def get_config():\n"
         f"    return TrainConfig(model_name_or_path={str(checkpoints['neox']['causal_lm'])!r},\n"
         f"        reward_model_path={str(checkpoints['neox']['reward'])!r}, dataset_name={str(data)!r},\n"
@@ -166,7 +167,7 @@ def test_batch_not_divisible_by_the_data_parallel_size():
     class FakeMesh:
         shape = {"data": 2, "fsdp": 2, "tensor": 1}
 
-    run = train.Run.__new__(train.Run)
+    run = loop.Run.__new__(loop.Run)
     run.mesh = FakeMesh()
     with pytest.raises(S.MeshError, match="a batch of 6 rows cannot be split over the 4 data-parallel devices"):
         run.put(np.zeros((1, 6, 3), np.int32))

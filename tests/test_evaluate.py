@@ -10,10 +10,12 @@ import numpy as np
 import pytest
 
 from jodpo import evaluate as E
-from jodpo import evaluation, toy, train
-from jodpo.checkpoint import restore_params
-from jodpo.config import TrainConfig, from_dict
-from jodpo.run import build
+from jodpo.program import loop
+from jodpo.program import training_eval as evaluation
+from jodpo.tasks import toy
+from jodpo.program.checkpoint import restore_params
+from jodpo.program.config import from_dict
+from jodpo.program.run import build
 from tests import hf_fixtures, subproc
 
 JUDGE_PROMPT = "review {prompt} {response0} {response1} :"  # the tiny world's words; answers "good" / "bad"
@@ -63,7 +65,7 @@ def test_llm_judge_gives_what_the_training_run_s_evaluation_gives(tiny_run, refe
                              "judge_answer_tokens": ["good", "bad"], "eval_dataset": str(references),
                              "max_eval_prompts": 16, "output_dir": str(tmp_path / "run")})
     run = build(cfg)
-    state = train.initial_state(run)
+    state = loop.initial_state(run)
     state = state.replace(params=jax.device_put(restore_params(tiny_run / "checkpoints" / "200"),
                                                 jax.tree.map(lambda x: x.sharding, state.params)))
     sampled = [t for _, _, _, s in evaluation.eval_samples(run, state) for t in run.decode(np.asarray(s.tokens)[0])]
@@ -108,7 +110,7 @@ def test_reward_model_verdicts_are_its_scores_compared(checkpoints, tmp_path):
     assert summary["win_rate"] == wins / 8 and summary["ci95"] == list(E.wilson_interval(wins, 8))
 
 
-SELF = ["--reward_funcs", "jodpo.toy:sentiment_reward", "--bf16", "False", "--max_new_tokens", "12",
+SELF = ["--reward_funcs", "jodpo.tasks.toy:sentiment_reward", "--bf16", "False", "--max_new_tokens", "12",
         "--temperature", "1.0", "--seed", "0", "--per_device_eval_batch_size", "16"]
 
 
@@ -195,8 +197,8 @@ def test_errors_are_one_line_and_exit_status_2(tmp_path, capsys):
              (["--baseline", model, "--judge", "no_such_module:judge"],
               "judge 'no_such_module:judge' cannot be imported: No module named 'no_such_module'"),
              (["--baseline", model, "--judge", str(tmp_path / "no_judge")], "no_judge: not a model directory"),
-             (["--baseline", model, "--reward_funcs", "jodpo.toy:no_reward"],
-              "reward function 'jodpo.toy:no_reward' cannot be imported")]
+             (["--baseline", model, "--reward_funcs", "jodpo.tasks.toy:no_reward"],
+              "reward function 'jodpo.tasks.toy:no_reward' cannot be imported")]
     for extra, message in cases:
         capsys.readouterr()
         assert E.main([*args, *extra]) == 2

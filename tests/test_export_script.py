@@ -15,9 +15,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import jodpo
-from jodpo import train
-from jodpo.checkpoint import restore_params
-from jodpo.config import TrainConfig
+from jodpo.program import loop
+from jodpo.program.checkpoint import restore_params
+from jodpo.program.config import TrainConfig
 from tests import hf_fixtures, subproc
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,7 +34,7 @@ def _train_two_steps(checkpoints, family: str, root: Path) -> Path:
                       dataset_name=str(hf_fixtures.prompt_dataset(root / "data")), output_dir=str(out), max_steps=2,
                       save_steps=1, per_device_train_batch_size=2, max_new_tokens=4, max_length=96,
                       max_prompt_length=64, learning_rate=1e-2, bf16=False, logging_steps=1)
-    train.train(cfg)
+    loop.train(cfg)
     return out
 
 
@@ -137,7 +137,7 @@ def test_checkpoint_written_on_8_devices_exports_on_1(neox_run, tmp_path):
     code = textwrap.dedent(f"""
         import jax, numpy as np
         from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-        from jodpo.checkpoint import Checkpointer, restore_params
+        from jodpo.program.checkpoint import Checkpointer, restore_params
         assert len(jax.devices()) == 8
         mesh = Mesh(np.array(jax.devices()), ("fsdp",))
         def shard(x):  # split the largest axis that 8 divides, as an FSDP layout would

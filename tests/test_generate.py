@@ -8,7 +8,7 @@ import subprocess
 import pytest
 
 from jodpo import generate as G
-from jodpo import toy
+from jodpo.tasks import toy
 from tests import subproc
 
 ROOT = subproc.ROOT

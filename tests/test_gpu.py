@@ -12,11 +12,10 @@ import pytest
 
 import jodpo
 from jodpo import train_step
-from jodpo.checkpoint import restore_params
+from jodpo.program.checkpoint import restore_params
 from jodpo.models.export import save_hf, verify_export
 from jodpo.models.loading import model_from_dir
 from tests import hf_fixtures, subproc
-from tests.test_reliability import _lines, _start, _wait_for
 
 pytestmark = pytest.mark.gpu
 ON_GPU = jax.default_backend() == "gpu"
@@ -61,14 +60,14 @@ def _deterministic_env():
 
 
 def _run(out, *extra, env=None):
-    proc = _start(out, *extra, env=env)
+    proc = subproc.start_tiny(out, *extra, env=env)
     _, err = proc.communicate(timeout=900)
     assert proc.returncode == 0, err[-3000:]
 
 
 def _killed_and_resumed(out, *extra, env=None):
-    proc = _start(out, "--config.save_steps=20", *extra, env=env)
-    _wait_for(lambda: (out / "checkpoints" / "20").is_dir(), proc)
+    proc = subproc.start_tiny(out, "--config.save_steps=20", *extra, env=env)
+    subproc.wait_for(lambda: (out / "checkpoints" / "20").is_dir(), proc)
     proc.send_signal(signal.SIGKILL)
     proc.communicate()
     _run(out, "--config.save_steps=20", *extra, env=env)
@@ -82,7 +81,7 @@ def test_deterministic_kill_and_resume_is_bitwise(tmp_path):
     env = _deterministic_env()
     _run(tmp_path / "whole", "--config.save_steps=20", "--config.deterministic=True", env=env)
     _killed_and_resumed(tmp_path / "resumed", "--config.deterministic=True", env=env)
-    assert _lines(tmp_path / "resumed") == _lines(tmp_path / "whole")
+    assert subproc.metrics_lines(tmp_path / "resumed") == subproc.metrics_lines(tmp_path / "whole")
     for a, b in zip(_params(tmp_path / "whole"), _params(tmp_path / "resumed")):
         np.testing.assert_array_equal(a, b)
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import jodpo  # noqa: F401  (installs the listener)
-from jodpo import hostmem
+from jodpo.program import hostmem
 
 
 def test_every_compilation_and_nothing_else_trims_the_heap(monkeypatch):

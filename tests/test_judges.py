@@ -7,11 +7,13 @@ import numpy as np
 import pytest
 
 import jodpo
-from jodpo import config as C
+from jodpo.program import config as C
 from jodpo import judges as J
-from jodpo import train
+from jodpo.program import user_code
+from jodpo.program import loop
 from jodpo.losses import online_dpo_loss
 from tests import hf_fixtures
+from tests import references
 
 PROMPTS = ["SUBREDDIT: r/test POST: hello world TL;DR:", [{"role": "user", "content": "the lazy dog"}]]
 FIRST = [" the quick brown fox", [{"role": "assistant", "content": "hello jax"}]]
@@ -25,41 +27,15 @@ def judge_parts(checkpoints):
     return path, model, params, jodpo.load_tokenizer(str(path))
 
 
-def _transformers_p_first(path, texts):
-    """P("0") / (P("0") + P("1")) at the end of each text, by transformers (float32, one row at a time)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(path)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    zero, one = (tok(a, add_special_tokens=False)["input_ids"][0] for a in ("0", "1"))
-    out = []
-    for text in texts:
-        ids = torch.tensor([tok(text, add_special_tokens=False)["input_ids"]])
-        with torch.no_grad():
-            last = hf(ids).logits[0, -1].double()
-        out.append(torch.softmax(last[[zero, one]], -1)[0].item())
-    return np.array(out)
-
-
-def _reference_text(tokenizer, prompt, a, b):
-    """The judge's input written out by hand: TRL's prompt as the user's message, in the judge's chat template."""
-    as_text = lambda x: x if isinstance(x, str) else "".join(  # noqa: E731
-        f"{m['role'].capitalize()}: {m['content']}\n\n" for m in x)
-    content = J.DEFAULT_PAIRWISE_PROMPT.format(prompt=as_text(prompt), response0=as_text(a), response1=as_text(b))
-    return tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                         add_generation_prompt=True)
-
-
 @pytest.mark.parametrize("both_orders", [False, True])
 def test_llm_judge_equals_transformers(judge_parts, both_orders):
     path, model, params, tok = judge_parts
     judge = J.LLMJudge(model, params, tok, both_orders=both_orders)
     got = judge.preferences(PROMPTS, FIRST, SECOND)
-    ab = _transformers_p_first(path, [_reference_text(tok, *x) for x in zip(PROMPTS, FIRST, SECOND)])
+    ab = references.transformers_p_first(path, [references.reference_text(tok, *x) for x in zip(PROMPTS, FIRST, SECOND)])
     expect = ab
     if both_orders:
-        ba = _transformers_p_first(path, [_reference_text(tok, *x) for x in zip(PROMPTS, SECOND, FIRST)])
+        ba = references.transformers_p_first(path, [references.reference_text(tok, *x) for x in zip(PROMPTS, SECOND, FIRST)])
         expect = (ab + 1 - ba) / 2
     np.testing.assert_allclose(got, expect, atol=1e-4)
     assert np.all(np.abs(ab - 0.5) > 1e-3), "the random tiny judge must have an opinion for this test to bite"
@@ -102,16 +78,16 @@ class ShorterJudge:
 
 def test_callable_judges_verdicts():
     for spec in ("tests.test_judges:prefer_shorter", "tests.test_judges:ShorterJudge"):
-        judge = J.import_judge(spec)
+        judge = user_code.import_judge(spec)
         p = judge.preferences(["p"] * 3, ["ab", "abc", "xy"], ["abc", "ab", "zw"])
         np.testing.assert_array_equal(p[:2], [1.0, 0.0])
         assert math.isnan(p[2])
     with pytest.raises(ValueError, match="cannot be imported"):
-        J.import_judge("tests.test_judges:nothing_here")
+        user_code.import_judge("tests.test_judges:nothing_here")
     bad = J.CallableJudge(lambda prompts, pairs: [2] * len(pairs), "bad")
     with pytest.raises(J.JudgeError, match="returned 2"):
         bad.preferences(["p"], ["a"], ["b"])
-    assert J.is_import_path("pkg.mod:fn") and not J.is_import_path("Qwen/Qwen2.5-1.5B-Instruct")
+    assert user_code.is_import_path("pkg.mod:fn") and not user_code.is_import_path("Qwen/Qwen2.5-1.5B-Instruct")
     assert J.win_rate(np.array([0.2, 0.9, 0.5, np.nan])) == pytest.approx(0.5)
 
 
@@ -161,7 +137,7 @@ def test_a_callable_judge_trains_end_to_end(checkpoints, tmp_path):
                         learning_rate=1e-3, logging_steps=1, max_new_tokens=8, max_length=120, bf16=False,
                         eval_steps=3, max_eval_prompts=4, per_device_eval_batch_size=4, num_generations=3,
                         use_peft=True, lora_r=4)
-    last = train.train(cfg)
+    last = loop.train(cfg)
     lines = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in lines if "loss" in m]
     assert [m["step"] for m in steps] == [1, 2, 3]

@@ -12,8 +12,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from jodpo.errors import CheckpointError
 import jodpo
-from jodpo.models import CheckpointError
 from tests import subproc
 
 

@@ -10,25 +10,15 @@ import numpy as np
 import pytest
 
 import jodpo
-from jodpo import config as C
-from jodpo import train
-from jodpo.checkpoint import restore_params
+from jodpo.program import config as C
+from jodpo.program import loop
+from jodpo.program.checkpoint import restore_params
 from jodpo.models import lora
 from tests import hf_fixtures, subproc
+from tests import references
 
 sys.path.insert(0, str(subproc.ROOT / "scripts"))
 import export_hf  # noqa: E402
-
-
-def _peft_logits(path, adapter_dir, ids, mask):
-    import torch
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    model = PeftModel.from_pretrained(hf, str(adapter_dir)).eval()
-    with torch.no_grad():
-        return model(input_ids=torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask)).logits.numpy()
 
 
 @pytest.mark.parametrize("family,targets", [("neox", None), ("neox", ["all-linear"]), ("llama", ["all-linear"]),
@@ -52,7 +42,7 @@ def test_adapters_are_the_base_at_start_and_equal_peft(checkpoints, tmp_path, fa
     lora.save_peft(model, adapters, tmp_path / "adapter", names, 0.05, str(path))
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert config["r"] == 4 and config["lora_alpha"] == 8.0 and config["target_modules"] == list(names)
-    np.testing.assert_allclose(_peft_logits(path, tmp_path / "adapter", ids, mask)[keep], adapted[keep], rtol=1e-4,
+    np.testing.assert_allclose(references.peft_logits(path, tmp_path / "adapter", ids, mask)[keep], adapted[keep], rtol=1e-4,
                                atol=1e-4)
 
 
@@ -73,7 +63,7 @@ def lora_run(checkpoints, tmp_path_factory):
                         max_steps=4, save_steps=2, per_device_train_batch_size=4, learning_rate=1e-2,
                         logging_steps=1, max_new_tokens=6, max_length=96, max_prompt_length=64, bf16=False,
                         use_peft=True, lora_r=4, lora_alpha=8, lora_target_modules=("all-linear",))
-    train.train(cfg)
+    loop.train(cfg)
     return cfg, root / "run"
 
 
@@ -96,7 +86,7 @@ def test_a_lora_run_trains_only_its_adapters_and_resumes_exactly(lora_run, check
     resumed = tmp_path / "resumed"
     shutil.copytree(out, resumed)
     shutil.rmtree(resumed / "checkpoints" / "4")
-    train.train(cfg.replace(output_dir=str(resumed)))
+    loop.train(cfg.replace(output_dir=str(resumed)))
     assert _metrics(resumed) == _metrics(out)
 
 
@@ -117,7 +107,7 @@ def test_a_lora_run_exports_merged_and_as_peft(lora_run, tmp_path):
     with torch.no_grad():
         whole = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)(
             input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits.numpy()
-    np.testing.assert_allclose(_peft_logits(base_path, adapter, ids, mask), whole, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(references.peft_logits(base_path, adapter, ids, mask), whole, rtol=1e-4, atol=1e-4)
     assert export_hf.main(["--checkpoint", str(out), "--out", str(tmp_path / "again"), "--peft"]) == 0
     # jodpo.generate reads the run as its merged export: the same completions
     from jodpo import generate

@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 
 import jodpo
-from jodpo import losses, rewards
+from jodpo import losses
+from jodpo import scoring
+from jodpo.program import rewards
 from tests import hf_fixtures
 
 BETA, EPS = 0.5, 0.1
@@ -55,19 +57,19 @@ def test_ipo_length_normalised_and_unknown_loss():
 
 def test_pairing_ties_and_nan_follow_trl():
     r = jnp.array([1.0, 2.0, jnp.nan, 0.5, 1.0, 3.0, 0.0, jnp.nan])  # B=4: (1,1) (2,3) (nan,0) (0.5,nan)
-    chosen, rejected = rewards.pair_indices(r)
+    chosen, rejected = scoring.pair_indices(r)
     assert chosen.tolist() == [0, 5, 6, 7] and rejected.tolist() == [4, 1, 2, 3]
 
 
 def test_penalty_modes():
     r = jnp.array([1.0, 2.0, 3.0])
     has = jnp.array([True, False, False])
-    assert rewards.apply_eos_penalty(r, has, 1.0).tolist() == [1.0, 1.0, 2.0]  # TRL: subtract
-    assert rewards.apply_eos_penalty(r, has, None, -5.0).tolist() == [1.0, -5.0, -5.0]  # open-instruct: replace
-    assert rewards.apply_eos_penalty(r, has).tolist() == [1.0, 2.0, 3.0]
+    assert scoring.apply_eos_penalty(r, has, 1.0).tolist() == [1.0, 1.0, 2.0]  # TRL: subtract
+    assert scoring.apply_eos_penalty(r, has, None, -5.0).tolist() == [1.0, -5.0, -5.0]  # open-instruct: replace
+    assert scoring.apply_eos_penalty(r, has).tolist() == [1.0, 2.0, 3.0]
     ids = jnp.array([[4, 7, 0], [4, 5, 6]])
-    assert rewards.contains_eos(ids, jnp.array([[1, 1, 0], [1, 1, 1]]), (7,)).tolist() == [True, False]
-    assert rewards.contains_eos(ids, jnp.array([[1, 0, 0], [1, 1, 1]]), (7,)).tolist() == [False, False]
+    assert scoring.contains_eos(ids, jnp.array([[1, 1, 0], [1, 1, 1]]), (7,)).tolist() == [True, False]
+    assert scoring.contains_eos(ids, jnp.array([[1, 0, 0], [1, 1, 1]]), (7,)).tolist() == [False, False]
 
 
 def test_reward_functions_weighted_nansum():
@@ -124,15 +126,15 @@ def test_on_device_scoring_equals_scoring_the_text_without_eos(checkpoints):
     pm = (P != pad).astype(np.int32)
     C = np.array([[20, 21, eos, pad], [22, 23, 24, 25]], np.int32)
     cm = np.array([[1, 1, 1, 0], [1, 1, 1, 1]], np.int32)
-    got = rewards.score_tokens(rm, rm_params, P, pm, C, cm, (eos,))
+    got = scoring.score_tokens(rm, rm_params, P, pm, C, cm, (eos,))
     rows = [[10, 11, 20, 21], [12, 13, 14, 22, 23, 24, 25]]  # what TRL scores: the text, EOS skipped
     ids, mask = hf_fixtures.padded_batch(np.random.default_rng(0), [4, 7], pad, "right")
     ids[0, :4], ids[1, :7] = rows[0], rows[1]
     np.testing.assert_allclose(np.asarray(got), np.asarray(jodpo.reward_scores(rm, rm_params, ids, mask)),
                                rtol=1e-5)
     # One prompt row shared by both completions (the online step's layout) scores the same.
-    shared = rewards.score_tokens(rm, rm_params, P[1:], pm[1:], C, cm, (eos,))
-    repeated = rewards.score_tokens(rm, rm_params, P[[1, 1]], pm[[1, 1]], C, cm, (eos,))
+    shared = scoring.score_tokens(rm, rm_params, P[1:], pm[1:], C, cm, (eos,))
+    repeated = scoring.score_tokens(rm, rm_params, P[[1, 1]], pm[[1, 1]], C, cm, (eos,))
     np.testing.assert_allclose(np.asarray(shared), np.asarray(repeated), rtol=1e-5)
     with pytest.raises(ValueError, match="embedding has only 320 rows"):
         rewards.check_shared_vocab(policy.replace(vocab_size=999), rm)

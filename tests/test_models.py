@@ -8,11 +8,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 import jodpo
-from jodpo.models import core, heads
+from jodpo.models import decoder, heads
 from jodpo.models import params as mparams
 from tests import hf_fixtures
 
-FAMILIES = ["neox", "neox_seq", "llama", "llama_tied", "mistral", "qwen2"]
 LENGTHS = [12, 5, 9, 1]
 
 
@@ -25,7 +24,7 @@ def _positions(mask):
 
 
 @pytest.mark.parametrize("side", ["left", "right"])
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", hf_fixtures.FAMILIES)
 def test_logits_match_transformers(checkpoints, family, side):
     path = checkpoints[family]["causal_lm"]
     model, params = jodpo.load_model(str(path))
@@ -40,7 +39,7 @@ def test_logits_match_transformers(checkpoints, family, side):
 
 
 @pytest.mark.parametrize("side", ["left", "right"])
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", hf_fixtures.FAMILIES)
 def test_reward_scores_match_transformers(checkpoints, family, side):
     path = checkpoints[family]["reward"]
     model, params = jodpo.load_model(str(path), task="reward")
@@ -57,7 +56,7 @@ def test_reward_scores_match_transformers(checkpoints, family, side):
 def test_reward_reads_last_non_pad_token_like_transformers():
     # pad == EOS (Pythia's tokenizer): transformers reads the last token that is not pad, so a trailing
     # EOS is skipped; with no pad id jodpo falls back to the attention mask.
-    model = core.Model(family="llama", task="reward", vocab_size=8, hidden_size=4, num_layers=1, num_heads=1,
+    model = decoder.Model(family="llama", task="reward", vocab_size=8, hidden_size=4, num_layers=1, num_heads=1,
                        num_kv_heads=1, head_dim=4, mlp_dim=4, norm="rmsnorm", norm_eps=1e-6, activation="silu",
                        gated_mlp=True, mlp_bias=False, qkv_bias=False, out_bias=False, parallel_residual=False,
                        rotary_dim=4, inv_freq=(1.0, 0.01), tie_embeddings=False, pad_token_id=0)
@@ -68,7 +67,7 @@ def test_reward_reads_last_non_pad_token_like_transformers():
 
 
 @pytest.mark.parametrize("per_layer", [False, True], ids=["stacked_cache", "per_layer_cache"])
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", hf_fixtures.FAMILIES)
 def test_kv_cache_decoding_equals_full_forward(checkpoints, family, per_layer):
     model, stacked = jodpo.load_model(str(checkpoints[family]["causal_lm"]))
     # per_layer is the sampler's layout: split weights, one cache buffer per layer, layers unrolled.
@@ -81,8 +80,8 @@ def test_kv_cache_decoding_equals_full_forward(checkpoints, family, per_layer):
     full_mask = np.concatenate([pmask, np.ones_like(new)], 1)
     full = np.asarray(jodpo.logits(model, stacked, full_ids, full_mask))
 
-    step = jax.jit(core.hidden_states, static_argnums=0, static_argnames="empty_cache")
-    cache = core.init_cache(model, 3, prompt.shape[1] + steps, per_layer=per_layer)
+    step = jax.jit(decoder.hidden_states, static_argnums=0, static_argnames="empty_cache")
+    cache = decoder.init_cache(model, 3, prompt.shape[1] + steps, per_layer=per_layer)
     # The prefill attends among the prompt's tokens (the forward's kernel) or over the whole empty slab: same.
     h_slab, _ = step(model, params, prompt, pmask, cache)
     h, cache = step(model, params, prompt, pmask, cache, empty_cache=True)
@@ -103,7 +102,7 @@ def test_forward_attention_equals_jodpos_own(dtype, tol):
     """The forwards' attention (token-major keys) and jax.nn.dot_product_attention called as the cuDNN path calls
     it (its XLA twin here), with jodpo's masks (left padding, causality, a window, grouped kv heads, rows that see
     no key), equal the einsum attention the decode steps use: values and gradients."""
-    model = core.Model(family="llama", task="causal_lm", vocab_size=8, hidden_size=16, num_layers=1, num_heads=4,
+    model = decoder.Model(family="llama", task="causal_lm", vocab_size=8, hidden_size=16, num_layers=1, num_heads=4,
                        num_kv_heads=2, head_dim=8, mlp_dim=8, norm="rmsnorm", norm_eps=1e-6, activation="silu",
                        gated_mlp=True, mlp_bias=False, qkv_bias=False, out_bias=False, parallel_residual=False,
                        rotary_dim=8, inv_freq=(1.0,) * 4, tie_embeddings=False, dtype=dtype)
@@ -119,13 +118,13 @@ def test_forward_attention_equals_jodpos_own(dtype, tol):
     assert not attend[0, 0].any()
 
     def own(q, k, v):
-        return core._attention(model, q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), attend)
+        return decoder._attention(model, q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), attend)
 
     def fused(q, k, v):
-        return core._forward_attention(model, q, k, v, attend)
+        return decoder._forward_attention(model, q, k, v, attend)
 
     def library(q, k, v):
-        return core._library_attention(model, q, k, v, attend, "xla")
+        return decoder._library_attention(model, q, k, v, attend, "xla")
 
     want = own(q, k, v)
     f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731
@@ -141,7 +140,7 @@ def test_forward_attention_equals_jodpos_own(dtype, tol):
         model.replace(attention="flash")
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", hf_fixtures.FAMILIES)
 def test_prefixed_forward_equals_full_forward_with_gradients(checkpoints, family):
     """Each prompt computed once for its n continuations equals the forward of the repeated rows: the hidden
     states at every real position, the gradient of a random functional of them, and the reward scores."""
@@ -153,10 +152,10 @@ def test_prefixed_forward_equals_full_forward_with_gradients(checkpoints, family
     weights = rng.normal(size=(*ids.shape, model.hidden_size)).astype(np.float32) * mask[..., None]
 
     def shared(p):
-        return core.prefixed_hidden_states(model, p, prompt, pmask, suffix, smask)
+        return decoder.prefixed_hidden_states(model, p, prompt, pmask, suffix, smask)
 
     def repeated(p):
-        return core.hidden_states(model, p, ids, mask)[0]
+        return decoder.hidden_states(model, p, ids, mask)[0]
 
     got, want = jax.jit(shared)(params), jax.jit(repeated)(params)
     real = mask.astype(bool)
@@ -169,7 +168,7 @@ def test_prefixed_forward_equals_full_forward_with_gradients(checkpoints, family
     np.testing.assert_allclose(np.asarray(heads.prefixed_reward_scores(rm, rm_params, prompt, pmask, suffix, smask)),
                                np.asarray(jodpo.reward_scores(rm, rm_params, ids, mask)), rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="block layout"):
-        core.prefixed_hidden_states(model, params, prompt, pmask, suffix[:4], smask[:4])
+        decoder.prefixed_hidden_states(model, params, prompt, pmask, suffix[:4], smask[:4])
 
 
 def test_second_call_with_same_shapes_does_not_recompile(checkpoints):
@@ -206,7 +205,7 @@ def test_a_differentiated_layer_keeps_no_float32_copy_of_its_activations(checkpo
     D, F = params["layers"]["mlp"]["up"].shape[1:]
 
     def loss(p):
-        h, _ = core.hidden_states(model, p, jnp.asarray(ids), jnp.asarray(mask))
+        h, _ = decoder.hidden_states(model, p, jnp.asarray(ids), jnp.asarray(mask))
         return h.astype(jnp.float32).sum()
 
     _, backward = jax.vjp(loss, params)  # a pytree of what the backward keeps

@@ -7,11 +7,10 @@ import jax
 import numpy as np
 import pytest
 
-import jodpo
 from jodpo import pairing as P
-from jodpo import train as T
+from jodpo.program import loop
 from jodpo import train_step as ts
-from tests.test_train_step import _cfg, _close_params, _prompts, neox  # noqa: F401 (neox: a fixture)
+from tests import helpers
 
 
 def test_pair_rows_and_group_metrics_equal_python():
@@ -63,12 +62,12 @@ def test_best_of_k_step_equals_the_two_completion_step_on_the_chosen_pairs(neox)
     (``update``) on the pairs a Python loop picks, the tied prompt left out (loss, gradients, parameters)."""
     model, params = neox
     k, B = 4, 4
-    cfg = _cfg(model, num_generations=k, missing_eos_penalty=0.5)
-    ids, mask = _prompts(model, 1, B, seed=4)
+    cfg = helpers.step_cfg(model, num_generations=k, missing_eos_penalty=0.5)
+    ids, mask = helpers.prompt_batch(model, 1, B, seed=4)
     state = ts.init_state(cfg, params, jax.random.key(2))
     samples = ts.jit_sample_completions(cfg, state, ids, mask)
     assert samples.tokens.shape[:2] == (1, k * B)
-    repeated = ts.jit_sample_completions(_cfg(model), state, np.tile(ids, (1, k, 1)), np.tile(mask, (1, k, 1)), 1)
+    repeated = ts.jit_sample_completions(helpers.step_cfg(model), state, np.tile(ids, (1, k, 1)), np.tile(mask, (1, k, 1)), 1)
     np.testing.assert_array_equal(np.asarray(repeated.tokens), np.asarray(samples.tokens))
     rewards = np.random.default_rng(1).integers(0, 4, (1, k * B)).astype(np.float32)
     rewards[0, 1::B] = 1.0  # prompt 1: every completion scores the same
@@ -84,14 +83,14 @@ def test_best_of_k_step_equals_the_two_completion_step_on_the_chosen_pairs(neox)
     assert len(pairs) == B - 1 and 1 not in [b for b, _, _ in pairs]
     keep = [b for b, _, _ in pairs]
     rows = [r for _, r, _ in pairs] + [r for _, _, r in pairs]
-    two = _cfg(model, missing_eos_penalty=0.5)
+    two = helpers.step_cfg(model, missing_eos_penalty=0.5)
     want, want_m = ts.jit_update(two, ts.init_state(two, params, jax.random.key(2)), params, ids[:, keep],
                                  mask[:, keep], jax.tree.map(lambda x: np.asarray(x)[:, rows], samples),
                                  rewards[:, rows])
     got, got_m = ts.jit_online_update(cfg, state, params, ids, mask, samples, rewards)
     for name in ("loss", "grad_norm", "rewards/margins", "logps/chosen"):
         np.testing.assert_allclose(float(got_m[name]), float(want_m[name]), rtol=1e-5, atol=1e-6, err_msg=name)
-    _close_params(got.params, want.params, 1e-3, 1)
+    helpers.close_params(got.params, want.params, 1e-3, 1)
     assert float(got_m["frac_reward_zero_std"]) == pytest.approx(1 / B)
     spread = np.mean([penalised[r] - penalised[w] for _, r, w in pairs] + [0.0])
     np.testing.assert_allclose(float(got_m["objective/scores_spread"]), spread, rtol=1e-6)
@@ -102,8 +101,8 @@ def test_two_random_completions_are_todays_step_and_k_random_pairs_are_reproduci
     """k = 2 with ``random`` is TRL's step bit for bit (the pairing changes nothing); k = 3 with ``random``: each
     prompt's pair is two of its own completions, drawn from the state's key and step (a resumed run draws the same)."""
     model, params = neox
-    ids, mask = _prompts(model, 1, 4, seed=5)
-    plain = _cfg(model)
+    ids, mask = helpers.prompt_batch(model, 1, 4, seed=5)
+    plain = helpers.step_cfg(model)
     explicit = dataclasses.replace(plain, pairing="random")
     samples = ts.jit_sample_completions(plain, ts.init_state(plain, params, jax.random.key(4)), ids, mask)
     rewards = np.random.default_rng(2).normal(size=(1, 8)).astype(np.float32)
@@ -114,7 +113,7 @@ def test_two_random_completions_are_todays_step_and_k_random_pairs_are_reproduci
     assert ma.keys() == mb.keys() and all(float(ma[n]) == float(mb[n]) for n in ma)
     for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-    three = _cfg(model, num_generations=3, pairing="random")
+    three = helpers.step_cfg(model, num_generations=3, pairing="random")
     state = ts.init_state(three, params, jax.random.key(4))
     scores = np.zeros((2, 12), np.float32)
     rows, weights = (np.asarray(x) for x in ts.jit_pair_choice(three, state, scores))
@@ -140,12 +139,12 @@ def test_a_judge_ranks_k_completions_by_a_round_robin(neox):
             return np.array([0.5 if len(x) == len(y) else float(len(x) < len(y)) for x, y in zip(first, second)])
 
     flat = np.array([texts[a][b][i] for a in range(A) for i in range(k) for b in range(B)], object)  # [A, k, B]
-    cfg = _cfg(model, num_generations=k)
+    cfg = helpers.step_cfg(model, num_generations=k)
     run = types.SimpleNamespace(step_cfg=cfg, judge=Shorter(), decode=lambda tokens: list(flat),
                                 train=types.SimpleNamespace(prompts=["p0", "p1", "p2", "p3"]),
                                 steps=types.SimpleNamespace(pair_choice=ts.jit_pair_choice))
     state = ts.init_state(cfg, params, jax.random.key(0))
-    verdicts, rows, metrics = T.judge_samples(run, state, np.arange(A * B), np.zeros((A, k * B, 1), np.int32))
+    verdicts, rows, metrics = loop.judge_samples(run, state, np.arange(A * B), np.zeros((A, k * B, 1), np.int32))
     assert calls == [A * B * 3]
     for a in range(A):
         for b in range(B):

@@ -12,9 +12,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import jodpo
+from jodpo.errors import ConfigError
 from jodpo import train_step
-from jodpo.config import ConfigError, TrainConfig
-from jodpo.models import core
+from jodpo.program.config import TrainConfig
+from jodpo.models import decoder
 from tests import hf_fixtures
 
 
@@ -125,4 +126,4 @@ def test_precision_is_checked_and_configured(checkpoints):
     model, _ = jodpo.load_model(str(checkpoints["llama"]["causal_lm"]), precision="high")
     assert model.precision == "high" and TrainConfig().matmul_precision == "highest"
     assert model != model.replace(precision="highest")  # a different compiled program: part of the jit cache key
-    assert core.PRECISIONS[0] == "highest"
+    assert decoder.PRECISIONS[0] == "highest"

@@ -13,9 +13,7 @@ import jodpo
 from jodpo import assets
 from jodpo import judges as J
 from jodpo.models import lora
-from tests.test_judges import _reference_text, _transformers_p_first
-from tests.test_lora import _peft_logits
-from tests.test_losses_vs_trl import check_step_equals_trl, record_trl_step
+from tests import references
 
 CHATS = [
     [{"role": "user", "content": "Summarize this passage in one sentence:\n\nThe Congress has passed the budget."}],
@@ -108,8 +106,8 @@ def test_one_online_dpo_step_equals_trl_on_real_weights(smol, tmp_path):
     """Several EOS ids in the generation config: the tokenizer's and ',' / ' the' (ids 28, 260), which this seed's
     samples emit in some rows and not in others, so both branches of the EOS penalty run."""
     paths = {"causal_lm": smol[4]}
-    rec = record_trl_step(paths, "sigmoid", False, tmp_path, extra_eos=(28, 260))
-    check_step_equals_trl(paths, rec, "sigmoid", False, tmp_path, scale=10)
+    rec = references.record_trl_step(paths, "sigmoid", False, tmp_path, extra_eos=(28, 260))
+    references.check_step_equals_trl(paths, rec, "sigmoid", False, tmp_path, scale=10)
 
 
 def test_lora_on_real_weights_equals_peft_and_exports(smol, tmp_path):
@@ -126,7 +124,7 @@ def test_lora_on_real_weights_equals_peft_and_exports(smol, tmp_path):
     assert np.abs(adapted - np.asarray(jodpo.logits(model, params, ids, mask)))[m].max() > 0.1
     lora.save_peft(adapted_model, adapters, tmp_path / "peft", names, 0.05, str(hf_dir))
     scale = np.abs(adapted).max()
-    np.testing.assert_allclose(_peft_logits(hf_dir, tmp_path / "peft", ids, mask)[m], adapted[m], rtol=1e-4,
+    np.testing.assert_allclose(references.peft_logits(hf_dir, tmp_path / "peft", ids, mask)[m], adapted[m], rtol=1e-4,
                                atol=1e-4 * scale)
     jodpo.save_hf(model, lora.merged(adapted_model, params, adapters), tmp_path / "merged", tokenizer=tok)
     with torch.no_grad():
@@ -142,6 +140,6 @@ def test_llm_judge_on_real_weights_equals_transformers(smol):
     second = [[{"role": "assistant", "content": "Bananas are yellow."}], " Berlin, I think."]
     judge = J.LLMJudge(model, params, tok, both_orders=True)
     got = judge.preferences(prompts, first, second)
-    ab = _transformers_p_first(hf_dir, [_reference_text(tok, *x) for x in zip(prompts, first, second)])
-    ba = _transformers_p_first(hf_dir, [_reference_text(tok, *x) for x in zip(prompts, second, first)])
+    ab = references.transformers_p_first(hf_dir, [references.reference_text(tok, *x) for x in zip(prompts, first, second)])
+    ba = references.transformers_p_first(hf_dir, [references.reference_text(tok, *x) for x in zip(prompts, second, first)])
     np.testing.assert_allclose(got, (ab + 1 - ba) / 2, atol=1e-4)

@@ -7,7 +7,6 @@ import shutil
 import signal
 import subprocess
 import threading
-import time
 from pathlib import Path
 
 import jax
@@ -16,37 +15,17 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from jodpo import train
-from jodpo.checkpoint import restore_params
+from jodpo.program.checkpoint import restore_params
 from tests import hf_fixtures, subproc
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _lines(out: Path) -> list[dict]:
-    return [{k: v for k, v in json.loads(line).items() if k != "eps"}  # eps is wall-clock
-            for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
 def _assert_same_as(reference: Path, out: Path) -> None:
-    assert _lines(out) == _lines(reference)
+    assert subproc.metrics_lines(out) == subproc.metrics_lines(reference)
     for a, b in zip(jax.tree.leaves(restore_params(reference / "checkpoints" / "200")),
                     jax.tree.leaves(restore_params(out / "checkpoints" / "200"))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # bitwise
-
-
-def _start(out: Path, *extra: str) -> subprocess.Popen:
-    """The README's first command (tiny.py), in an environment without torch as that command installs it."""
-    python, env = subproc.without_torch(subproc.env())
-    cmd = [*python, "-m", "jodpo.train", "--config", "tiny.py", f"--config.output_dir={out}", *extra]
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def _wait_for(cond, proc: subprocess.Popen, timeout: float = 300) -> None:
-    deadline = time.time() + timeout
-    while not cond():
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        assert time.time() < deadline
-        time.sleep(0.02)
 
 
 def test_sigkill_then_sigterm_then_the_same_command_finishes_as_if_never_interrupted(tiny_run, tmp_path):
@@ -54,8 +33,8 @@ def test_sigkill_then_sigterm_then_the_same_command_finishes_as_if_never_interru
     moment loses only what was in flight, and a partial save left by a crash is ignored; SIGTERM saves the current
     step and exits 0; each time the same command resumes, and the run ends bit for bit as the uninterrupted one."""
     out = tmp_path / "stopped"
-    proc = _start(out, "--config.save_steps=20")
-    _wait_for(lambda: (out / "checkpoints" / "20").is_dir(), proc)
+    proc = subproc.start_tiny(out, "--config.save_steps=20")
+    subproc.wait_for(lambda: (out / "checkpoints" / "20").is_dir(), proc)
     proc.kill()  # SIGKILL: no handler runs; whatever was in flight (a step, a save) is lost
     proc.communicate()
     assert proc.returncode == -signal.SIGKILL
@@ -64,10 +43,10 @@ def test_sigkill_then_sigterm_then_the_same_command_finishes_as_if_never_interru
     partial.mkdir()
     (partial / "state").mkdir()
     (partial / "state" / "garbage").write_bytes(b"\0" * 100)
-    proc = _start(out, "--config.save_steps=20")
+    proc = subproc.start_tiny(out, "--config.save_steps=20")
     # resumed from 20 and well past where the kill struck (a few steps after 20: lines past the restored step are
     # dropped on resume, so a line of step 60 is this process's)
-    _wait_for(lambda: (out / "metrics.jsonl").exists() and any(m["step"] >= 60 for m in _lines(out)), proc)
+    subproc.wait_for(lambda: (out / "metrics.jsonl").exists() and any(m["step"] >= 60 for m in subproc.metrics_lines(out)), proc)
     proc.send_signal(signal.SIGTERM)
     log, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
@@ -76,7 +55,7 @@ def test_sigkill_then_sigterm_then_the_same_command_finishes_as_if_never_interru
     m = re.search(r"jodpo.train: stopped by SIGTERM at step (\d+); saved (\S+); run the same command to resume", line[0])
     step = int(m.group(1))
     assert 20 <= step < 200 and Path(m.group(2)) == out / "checkpoints" / str(step) and Path(m.group(2)).is_dir()
-    again = _start(out, "--config.save_steps=20")
+    again = subproc.start_tiny(out, "--config.save_steps=20")
     log, err = again.communicate(timeout=600)
     assert again.returncode == 0 and f"resumed from {out / 'checkpoints'}/{step}" in log, err[-3000:]
     assert "PyTorch was not found" not in err  # transformers' advice, irrelevant to a run: not its first line
@@ -148,7 +127,7 @@ def test_checkpoints_are_written_uncompressed_and_compressed_ones_still_restore(
     A checkpoint written compressed (Orbax's default, jodpo's before) restores the same."""
     import orbax.checkpoint as ocp
 
-    from jodpo.checkpoint import Checkpointer, abstract_like
+    from jodpo.program.checkpoint import Checkpointer, abstract_like
 
     state = {"zeros": jax.numpy.zeros((1 << 20,), jax.numpy.float32), "w": jax.random.normal(jax.random.key(0), (64,)),
              "step": jax.numpy.int32(7)}
@@ -180,7 +159,7 @@ def test_checkpoints_are_written_uncompressed_and_compressed_ones_still_restore(
 # interrupted only by a signal delivered to that thread (seen once: the first Ctrl-C never handled, the test hung).
 HELD_SAVES = """
 import runpy, select, sys
-from jodpo.checkpoint import Checkpointer
+from jodpo.program.checkpoint import Checkpointer
 real = Checkpointer.save
 def save(self, *args, **kwargs):
     real(self, *args, **kwargs)

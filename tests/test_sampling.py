@@ -11,10 +11,10 @@ from transformers import AutoModelForCausalLM
 
 import jodpo
 from jodpo import sampling
-from jodpo.models import core, heads
+from jodpo.models import decoder, heads
 from jodpo.models import params as mparams
 from tests import hf_fixtures
-from tests.test_models import FAMILIES
+from tests import helpers
 
 _sample = jax.jit(sampling.sample, static_argnums=(0, 5))
 
@@ -23,8 +23,8 @@ def sample_reference(model, params, prompt_ids, prompt_mask, rng, config):
     """The sampler as a plain Python loop, one jitted step at a time."""
     B, P = prompt_ids.shape
     T = config.max_new_tokens
-    step = jax.jit(core.hidden_states, static_argnums=0)
-    cache = core.init_cache(model, B, P + T)
+    step = jax.jit(decoder.hidden_states, static_argnums=0)
+    cache = decoder.init_cache(model, B, P + T)
     h, cache = step(model, params, prompt_ids, prompt_mask, cache)
     logits = heads.lm_head(model, params, h[:, -1])
     seen = np.zeros((B, model.vocab_size), bool)
@@ -50,7 +50,7 @@ def sample_reference(model, params, prompt_ids, prompt_mask, rng, config):
     return sampling.Samples(tokens=jnp.asarray(tokens), mask=jnp.asarray(mask), logprobs=jnp.asarray(logprobs))
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", hf_fixtures.FAMILIES)
 def test_greedy_equals_transformers_generate(checkpoints, family):
     path = checkpoints[family]["causal_lm"]
     model, params = jodpo.load_model(str(path))
@@ -145,7 +145,7 @@ def _filtered_distribution(logits, temperature, top_k=0, top_p=1.0, min_p=0.0):
 @pytest.mark.parametrize("filters", [dict(temperature=0.6), dict(temperature=1.3, top_k=5),
                                      dict(temperature=0.8, top_p=0.7), dict(temperature=1.0, min_p=0.15)])
 def test_empirical_frequencies_match_filtered_distribution(filters):
-    model = core.Model(family="llama", task="causal_lm", vocab_size=12, hidden_size=8, num_layers=1, num_heads=2,
+    model = decoder.Model(family="llama", task="causal_lm", vocab_size=12, hidden_size=8, num_layers=1, num_heads=2,
                        num_kv_heads=1, head_dim=4, mlp_dim=8, norm="rmsnorm", norm_eps=1e-6, activation="silu",
                        gated_mlp=True, mlp_bias=False, qkv_bias=False, out_bias=False, parallel_residual=False,
                        rotary_dim=4, inv_freq=(1.0, 0.01), tie_embeddings=False)
@@ -225,25 +225,6 @@ def test_bucket_errors_and_config_validation():
     assert hash(jodpo.SamplingConfig(eos_token_ids=[1, 2])) == hash(jodpo.SamplingConfig(eos_token_ids=(1, 2)))
 
 
-def jaxpr_eqns(jaxpr, inside=False):
-    """Every equation of ``jaxpr`` and of the jaxprs nested in it, depth first, each with whether it runs inside a
-    while loop (``inside``: the whole of ``jaxpr`` does)."""
-    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-    for eqn in jaxpr.eqns:
-        yield eqn, inside
-        for v in eqn.params.values():
-            for sub in (v if isinstance(v, (tuple, list)) else (v,)):
-                if hasattr(sub, "eqns") or hasattr(getattr(sub, "jaxpr", None), "eqns"):
-                    yield from jaxpr_eqns(sub, inside or eqn.primitive.name == "while")
-
-
-def _loop_converts(jaxpr, inside=False) -> list:
-    """Shapes of the float32 -> other-dtype converts of 2-D or larger arrays inside while loops of ``jaxpr``."""
-    return [eqn.invars[0].aval.shape for eqn, looped in jaxpr_eqns(jaxpr, inside)
-            if looped and eqn.primitive.name == "convert_element_type" and eqn.invars[0].aval.dtype == jnp.float32
-            and eqn.invars[0].aval.ndim >= 2 and eqn.params["new_dtype"] != jnp.float32]
-
-
 def test_decode_loop_converts_no_weights(checkpoints):
     """bf16 compute on float32 master weights: the weights are cast once per sampling call, before the decode
     loop, not on each of its steps (which would read every weight twice and convert it, max_new_tokens times)."""
@@ -253,12 +234,12 @@ def test_decode_loop_converts_no_weights(checkpoints):
     config = jodpo.SamplingConfig(max_new_tokens=4, eos_token_ids=(5,), pad_token_id=model.pad_token_id)
     weights = {x.shape[1:] for x in jax.tree.leaves(params["layers"])} | {x.shape for x in jax.tree.leaves(params)}
     jaxpr = jax.make_jaxpr(lambda p: jodpo.sample(model, p, ids, mask, jax.random.key(0), config, 2))(params)
-    converts = _loop_converts(jaxpr)
+    converts = helpers.loop_converts(jaxpr)
     assert not [s for s in converts if s in weights], converts
     # the check sees converts in loops: the plain forward in a loop converts its weights on every step
     looped = jax.make_jaxpr(lambda p: jax.lax.while_loop(lambda c: c[0] < 2, lambda c: (
         c[0] + 1, c[1] + jodpo.logits(model, p, ids, mask).sum()), (0, 0.0)))(params)
-    assert [s for s in _loop_converts(looped) if s in weights]
+    assert [s for s in helpers.loop_converts(looped) if s in weights]
 
 
 def test_compute_params_change_no_number(checkpoints):

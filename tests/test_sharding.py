@@ -3,7 +3,6 @@
 1-device run step for step; checkpoints move between 1 and 8 devices in both directions; sampling on devices of
 its own (4 sample, 4 train) equals sampling on the training mesh."""
 import json
-import shutil
 import socket
 import subprocess
 from pathlib import Path
@@ -15,10 +14,11 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jodpo
-from jodpo import sharding as S
+from jodpo.parallel import sharding as S
 from jodpo import train
-from jodpo.checkpoint import restore_params
+from jodpo.program.checkpoint import restore_params
 from tests import hf_fixtures, subproc
+from tests import helpers
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPARED = ("loss", "logps/chosen", "logps/rejected", "objective/scores", "objective/kl", "rewards/margins",
@@ -73,8 +73,8 @@ def test_the_sampler_mesh_takes_the_last_devices_and_explains_misfits():
     training mesh's tensor split) the last k; each misfit is one clear ConfigError."""
     code = (
         "import jax, pytest\n"
-        "from jodpo.config import ConfigError, TrainConfig\n"
-        "from jodpo.run import meshes\n"
+        "from jodpo.program.config import ConfigError, TrainConfig\n"
+        "from jodpo.program.run import meshes\n"
         "ids = lambda m: sorted(d.id for d in m.devices.flat)\n"
         "train, sampler = meshes(TrainConfig(sampler_devices=2, mesh_tensor=2, per_device_train_batch_size=2))\n"
         "assert ids(train) == list(range(6)) and dict(train.shape) == {'data': 1, 'fsdp': 3, 'tensor': 2}\n"
@@ -112,13 +112,13 @@ SPLIT = ["--config.sampler_devices=4"]
 def _argv(out: Path, checkpoints, dataset: Path, per_device: int, mesh=(1, -1, 1), resumable=False) -> list[str]:
     """3 steps of online DPO with the reward model on device (NeoX policy + NeoX RM), global batch 8 (``+ LORA``:
     LoRA adapters on every projection, the fused query_key_value included), saved at the end (``resumable``: after
-    every step, for ``_resumable_copy``)."""
+    every step, for ``helpers.resumable_copy``)."""
     fields = dict(model_name_or_path=checkpoints["neox"]["causal_lm"], reward_model_path=checkpoints["neox"]["reward"],
                   dataset_name=dataset, output_dir=out, max_steps=3, save_steps=1 if resumable else 3, logging_steps=1,
                   per_device_train_batch_size=per_device, per_device_eval_batch_size=per_device, max_new_tokens=6,
                   max_length=96, max_prompt_length=64, learning_rate=1e-3, bf16=False, eval_steps=3,
                   mesh_data=mesh[0], mesh_fsdp=mesh[1], mesh_tensor=mesh[2], num_sample_generations=1)
-    return ["--config", str(ROOT / "configs" / "tldr.py"), *(f"--config.{k}={v}" for k, v in fields.items()),
+    return ["--config", str(ROOT / "jodpo" / "configs" / "tldr.py"), *(f"--config.{k}={v}" for k, v in fields.items()),
             "--config.gradient_accumulation_steps=1", "--allow_config_change"]
 
 
@@ -145,16 +145,9 @@ def _assert_same_run(a: Path, b: Path) -> None:
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-6)
 
 
-def _resumable_copy(src: Path, dst: Path) -> Path:
-    """A copy of the run ``src`` without its last checkpoint (3), to resume from checkpoint 2."""
-    shutil.copytree(src, dst)
-    shutil.rmtree(dst / "checkpoints" / "3")
-    return dst
-
-
 def _run_8_devices(jobs: list[tuple[list[str], Path | None, Path | None]]) -> tuple[list[bool], list[list]]:
     """Run ``jodpo.train.main`` on each job's argv in one process with 8 fake CPU devices (after
-    ``_resumable_copy(src, dst)`` when the job names them: a run to resume); returns, per run, whether
+    ``helpers.resumable_copy(src, dst)`` when the job names them: a run to resume); returns, per run, whether
     the train state was really split (some array not held whole by every device), and the events of its sampler
     mesh (sampler_devices; none without): ``["launch", step, devices, version]``, where a rollout's sampling
     started (version: the optimizer step of the weights it samples with), and ``["train", step, devices]``, where
@@ -162,18 +155,19 @@ def _run_8_devices(jobs: list[tuple[list[str], Path | None, Path | None]]) -> tu
     code = (
         "import json, sys, jax\n"
         "from pathlib import Path\n"
-        "from jodpo import train, sharding\n"
-        "from tests.test_sharding import _resumable_copy\n"
+        "from jodpo import train\n"
+        "from jodpo.program import loop\n"
+        "from tests.helpers import resumable_copy\n"
         "assert jax.device_count() == 8\n"
         "seen, sampled = [], []\n"
-        "real = train.ts.jit_steps\n"
+        "real = loop.ts.jit_steps\n"
         "def spy(state_sharding, metrics_sharding):\n"
         "    seen.append(any(not s.is_fully_replicated for s in jax.tree.leaves(state_sharding)))\n"
         "    return real(state_sharding, metrics_sharding)\n"
-        "train.ts.jit_steps = spy\n"
+        "loop.ts.jit_steps = spy\n"
         "def devices(x):\n"
         "    return sorted(d.id for d in x.tokens.devices())\n"
-        "real_launch, real_samples = train.SplitSampler.launch, train.SplitSampler.samples\n"
+        "real_launch, real_samples = loop.SplitSampler.launch, loop.SplitSampler.samples\n"
         "def launch_spy(self, params, step, version):\n"
         "    real_launch(self, params, step, version)\n"
         "    sampled[-1].append(['launch', step, devices(self.pending[1]), self.weights_step])\n"
@@ -181,10 +175,10 @@ def _run_8_devices(jobs: list[tuple[list[str], Path | None, Path | None]]) -> tu
         "    out = real_samples(self, state, step)\n"
         "    sampled[-1].append(['train', step, devices(out)])\n"
         "    return out\n"
-        "train.SplitSampler.launch, train.SplitSampler.samples = launch_spy, samples_spy\n"
+        "loop.SplitSampler.launch, loop.SplitSampler.samples = launch_spy, samples_spy\n"
         "for argv, src, dst in json.loads(sys.argv[1]):\n"
         "    if src:\n"
-        "        _resumable_copy(Path(src), Path(dst))\n"
+        "        resumable_copy(Path(src), Path(dst))\n"
         "    sampled.append([])\n"
         "    assert train.main(argv + ['--debug']) == 0, argv\n"
         "print('SPLIT', json.dumps([seen, sampled]))\n")
@@ -205,7 +199,7 @@ def runs(checkpoints, tmp_path_factory):
     data = hf_fixtures.prompt_dataset(root / "data")
     one = root / "one"
     assert train.main(_argv(one, checkpoints, data, per_device=8, resumable=True)) == 0
-    resume_on_8 = _resumable_copy(one, root / "one_then_8")
+    resume_on_8 = helpers.resumable_copy(one, root / "one_then_8")
     assert train.main(_argv(root / "lora_one", checkpoints, data, per_device=8) + LORA) == 0
     assert train.main(_argv(root / "async_one", checkpoints, data, per_device=8) + ASYNC) == 0
     # open-instruct's async_mode on one 8-device mesh, then with a sampler mesh of its own (4 devices that sample,
@@ -225,7 +219,7 @@ def runs(checkpoints, tmp_path_factory):
     assert sampled[:4] == [[]] * 4
     (root / "sampled.json").write_text(json.dumps(dict(zip(["async_split", "async_then_split", "lora_split"],
                                                            sampled[4:]))))
-    resume_on_1 = _resumable_copy(root / "dft", root / "dft_then_1")
+    resume_on_1 = helpers.resumable_copy(root / "dft", root / "dft_then_1")
     assert train.main(_argv(resume_on_1, checkpoints, data, per_device=8)) == 0
     return root, data
 

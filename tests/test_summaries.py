@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from jodpo import summaries as Su
+from jodpo.tasks import summaries as Su
 
 PASSAGE = ("The Congress must fund the navy and the army. The navy protects our commerce, and the army our "
            "frontier; the navy and the army need ships, forts and men.")

@@ -5,10 +5,11 @@ import sys
 
 import pytest
 
+from jodpo.errors import ConfigError
 from jodpo import train
-from jodpo.config import ConfigError, TrainConfig, parse_override
-from jodpo.logging import RunLogger
-from jodpo.tracking import trackers, wandb_name
+from jodpo.program.config import TrainConfig, parse_override
+from jodpo.program.metrics_log import RunLogger
+from jodpo.program.tracking import trackers, wandb_name
 
 
 def test_report_to_names_trackers():

@@ -10,14 +10,15 @@ import pytest
 import wandb
 
 import jodpo
-from jodpo import config as C
-from jodpo import data as D
-from jodpo import run as run_module
+from jodpo.program import config as C
+from jodpo.program import data as D
+from jodpo.program import run as run_module
 from jodpo import train
-from jodpo.tracking import wandb_name
+from jodpo.program import loop
+from jodpo.program.tracking import wandb_name
 from tests import hf_fixtures, wandb_files
 
-CONFIGS = sorted(p.name for p in C.CONFIGS_DIR.glob("*.py"))
+CONFIGS = sorted(p.name for p in C.CONFIGS_DIR.glob("*.py") if p.name != "__init__.py")
 TRL_NAMES = ["loss", "grad_norm", "lr", "episode", "step", "epoch", "eps", "objective/kl", "objective/entropy",
              "objective/non_score_reward", "objective/rlhf_reward", "objective/scores", "objective/scores_margin",
              "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
@@ -55,14 +56,14 @@ def test_stopped_run_resumes_exactly(tiny_run, tmp_path, monkeypatch):
     shutil.copytree(tiny_run, out)
     shutil.rmtree(out / "checkpoints" / "200")
     before, seen = _live_bytes(), []
-    restore = train.Checkpointer.restore_latest
+    restore = loop.Checkpointer.restore_latest
 
     def watched(self, layout):
         state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(layout))
         seen.append((_live_bytes() - before, state_bytes))
         return restore(self, layout)
 
-    monkeypatch.setattr(train.Checkpointer, "restore_latest", watched)
+    monkeypatch.setattr(loop.Checkpointer, "restore_latest", watched)
     assert train.main(["--config", "tiny.py", f"--config.output_dir={out}"]) == 0
     [(held, state_bytes)] = seen
     assert 0 < held < state_bytes, (held, state_bytes)
@@ -96,15 +97,15 @@ def test_a_resumed_run_reads_no_policy_weights_of_its_own_dtype(checkpoints, tmp
                         max_new_tokens=6, max_length=120, max_prompt_length=96, prompt_buckets=(96,), bf16=False,
                         frozen_param_dtype="bfloat16", report_to=("tensorboard", "wandb"), run_name="resumable",
                         loss_type=loss_type, num_epochs=2 if loss_type == "simpo" else 1)
-    reads, load, runs, build = [], run_module.load_model, [], train.build
+    reads, load, runs, build = [], run_module.load_model, [], loop.build
 
     def counted(path, task="causal_lm", dtype="float32", **kwargs):
         reads.append((task, str(dtype)))
         return load(path, task, dtype, **kwargs)
 
     monkeypatch.setattr(run_module, "load_model", counted)
-    monkeypatch.setattr(train, "build", lambda cfg: runs.append(build(cfg)) or runs[-1])
-    train.train(cfg)
+    monkeypatch.setattr(loop, "build", lambda cfg: runs.append(build(cfg)) or runs[-1])
+    loop.train(cfg)
     reference = [("causal_lm", "bfloat16")] if loss_type == "sigmoid" else []
     assert sorted(reads) == sorted(reference + [("causal_lm", "float32"), ("reward", "bfloat16")])
     assert (runs[0].ref_params is None) == (loss_type == "simpo")
@@ -122,7 +123,7 @@ def test_a_resumed_run_reads_no_policy_weights_of_its_own_dtype(checkpoints, tmp
     shutil.rmtree(resumed / "checkpoints" / "2")
     shutil.rmtree(resumed / "wandb")  # the W&B files already synced (or kept elsewhere); the run's id stays
     reads.clear()
-    train.train(cfg.replace(output_dir=str(resumed)))
+    loop.train(cfg.replace(output_dir=str(resumed)))
     assert sorted(reads) == reference + [("reward", "bfloat16")]
     strip = lambda p: [{k: v for k, v in m.items() if k != "eps"} for m in _metrics(p)]  # noqa: E731
     assert strip(resumed) == strip(out)
@@ -151,7 +152,7 @@ def test_every_config_runs_two_steps_on_local_stand_ins(name, checkpoints, tmp_p
                       max_new_tokens=6, max_length=120, max_prompt_length=96, eval_steps=2, max_eval_prompts=4,
                       per_device_eval_batch_size=2, logging_steps=1,
                       prompt_buckets=(96,))  # one prompt shape: each program compiles once (the prompts straddle 64)
-    last = train.train(cfg)
+    last = loop.train(cfg)
     lines = _metrics(tmp_path / "out")
     assert [m["step"] for m in lines if "loss" in m] == [1, 2]
     assert np.isfinite(last["loss"]) and 0 <= last["eval/win_rate"] <= 1
@@ -174,8 +175,8 @@ def test_offline_dpo_from_preference_data(checkpoints, tmp_path, chat):
                         output_dir=str(tmp_path / "out"), max_steps=3, per_device_train_batch_size=4,
                         learning_rate=1e-3, logging_steps=1, max_new_tokens=8, bf16=False)
     with pytest.raises(C.ConfigError, match="num_generations, pairing and sync_steps shape online rollouts"):
-        train.train(cfg.replace(num_generations=4, output_dir=str(tmp_path / "refused")))
-    train.train(cfg)
+        loop.train(cfg.replace(num_generations=4, output_dir=str(tmp_path / "refused")))
+    loop.train(cfg)
     tok = jodpo.load_tokenizer(cfg.model_name_or_path)
     prefs = D.prepare_preferences(D.load_rows(str(data)), tok, 64, 64)
     expect = "the quick brown fox<|endoftext|>" if chat else " the quick brown fox<|endoftext|>"
@@ -198,7 +199,7 @@ def test_open_instruct_passes_over_each_rollout_resume_exactly(checkpoints, tmp_
                         max_steps=3, save_steps=1, per_device_train_batch_size=2, learning_rate=1e-3,
                         logging_steps=1, max_new_tokens=6, max_length=96, max_prompt_length=64, bf16=False,
                         num_epochs=2, num_mini_batches=2, async_mode=True, num_generations=3, sync_steps=8)
-    train.train(cfg)
+    loop.train(cfg)
     said = capsys.readouterr().out
     assert "async_mode: sampling and the update take turns on the same devices" in said
     assert ("nothing to overlap on one device" if jax.device_count() == 1 else "sampler_devices=k gives") in said
@@ -210,6 +211,6 @@ def test_open_instruct_passes_over_each_rollout_resume_exactly(checkpoints, tmp_
     resumed = tmp_path / "resumed"
     shutil.copytree(out, resumed)
     shutil.rmtree(resumed / "checkpoints" / "3")
-    train.train(cfg.replace(output_dir=str(resumed)))
+    loop.train(cfg.replace(output_dir=str(resumed)))
     strip = lambda p: [{k: v for k, v in m.items() if k != "eps"} for m in _metrics(p)]  # noqa: E731
     assert strip(resumed) == strip(out)

@@ -1,9 +1,10 @@
 """Flax decoders (GPT-NeoX, Llama/Mistral/SmolLM, Qwen2) as pure functions, and their HF loading."""
-from jodpo.models.core import Cache, Model, Params, hidden_states, init_cache, prefixed_hidden_states
+from jodpo.errors import CheckpointError
+from jodpo.models.decoder import Cache, Model, Params, hidden_states, init_cache, prefixed_hidden_states
 from jodpo.models.params import init_params, param_axes, param_shapes, param_specs
 from jodpo.models.heads import last_token_index, lm_head, logits, prefixed_reward_scores, reward_scores
 from jodpo.models.families import ARCHITECTURES, SUPPORTED, hf_architecture, weight_rules
-from jodpo.models.loading import CheckpointError, load_model, load_tokenizer
+from jodpo.models.loading import load_model, load_tokenizer
 
 __all__ = [
     "ARCHITECTURES", "Cache", "CheckpointError", "Model", "Params", "SUPPORTED", "hf_architecture", "hidden_states",

@@ -20,8 +20,11 @@ import jax
 import ml_dtypes
 import numpy as np
 
+from jodpo.errors import ExportMismatch
 from jodpo.models import families
-from jodpo.models.core import Model, Params
+from jodpo.models.decoder import Model, Params
+from jodpo.models.heads import logits, reward_scores
+from jodpo.models.loading import load_model
 
 DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -180,9 +183,6 @@ def _umask_modes(root: Path) -> None:
         os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)
 
 
-class ExportMismatch(RuntimeError):
-    """The written checkpoint does not reproduce the parameters or logits it was written from."""
-
 
 def verify_export(model: Model, params: Params, out: str | Path, dtype: str = "float32", rtol: float = 1e-4) -> list[str]:
     """Re-read an export and check it against ``params`` (rounded to the exported ``dtype``).
@@ -192,8 +192,6 @@ def verify_export(model: Model, params: Params, out: str | Path, dtype: str = "f
     largest logit. Returns one line per check; raises ``ExportMismatch`` on a difference."""
     import jax.numpy as jnp
 
-    from jodpo.models.heads import logits, reward_scores
-    from jodpo.models.loading import load_model
 
     out = Path(out)
     rounded = jax.tree.map(lambda x: np.asarray(x, np.float32).astype(DTYPES[dtype]).astype(np.float32), params)

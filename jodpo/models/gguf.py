@@ -17,9 +17,9 @@ import functools
 from pathlib import Path
 from typing import Iterator
 
+from jodpo.errors import CheckpointError
 import numpy as np
 
-from jodpo.models.loading import CheckpointError
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jodpo.models.core import Model, Params, einsum, hidden_states, prefixed_hidden_states
+from jodpo.models.decoder import Model, Params, einsum, hidden_states, prefixed_hidden_states
 
 
 def lm_head(model: Model, params: Params, h_BXD: jax.Array) -> jax.Array:

@@ -17,17 +17,15 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from jodpo.models import families
-from jodpo.models.core import Model, Params
+from jodpo.errors import CheckpointError, UnsupportedModelError
+from jodpo.models import families, gguf
+from jodpo.models.decoder import Model, Params
 from jodpo.models.params import _is_spec, param_specs
 
 WEIGHT_PATTERNS = ["config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json"]
 TOKENIZER_PATTERNS = ["tokenizer*", "special_tokens_map.json", "vocab.*", "merges.txt", "*.model",
                       "chat_template.*", "added_tokens.json"]
 
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used, with the reason and the fix in the message."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -144,7 +142,7 @@ def iter_tensors(path: Path) -> Iterator[tuple[str, np.ndarray]]:
 
 def _strip_prefix(name: str, model: Model) -> str:
     # Some checkpoints (e.g. a base model saved without the head class) lack the "model."/"gpt_neox." prefix.
-    base = "gpt_neox." if model.family == "gpt_neox" else "model."
+    base = families.family_of(model).prefix
     if not name.startswith((base, "lm_head.", "embed_out.", "score.")):
         return base + name
     return name
@@ -184,7 +182,7 @@ def model_from_dir(path: Path, task: str, dtype) -> Model:
         eos = g if isinstance(g, list) else [g]
     try:
         return families.model_from_hf_config(cfg, task, dtype=jnp.dtype(dtype).name, eos_token_ids=eos)
-    except families.UnsupportedModelError as e:
+    except UnsupportedModelError as e:
         raise CheckpointError(f"{path}: {e}") from e
 
 
@@ -248,7 +246,7 @@ def load_params(model: Model, path: Path, dtype=jnp.float32, place=None, tensors
 
 
 def load_model(path_or_hub_id: str, task: str = "causal_lm", dtype=jnp.float32, *,
-               revision: str | None = None, mesh=None, precision: str = "highest") -> tuple[Model, Params]:
+               revision: str | None = None, place=None, precision: str = "highest") -> tuple[Model, Params]:
     """Load a transformers checkpoint as ``(model, params)``.
 
     Args:
@@ -259,15 +257,14 @@ def load_model(path_or_hub_id: str, task: str = "causal_lm", dtype=jnp.float32, 
         ``*ForSequenceClassification`` reward model with ``num_labels=1``.
       dtype: parameter and compute dtype (float32 or bfloat16).
       revision: a hub branch, tag or commit.
-      mesh: a ``jax.sharding.Mesh`` (``jodpo.sharding.make_mesh``): each parameter goes straight from the host
-        to its shards (``jodpo.sharding.param_shardings``); every process reads the files, and transfers only
-        the pieces its own devices hold.
+      place: where the parameters go, a function ``(model, dtype) -> put(leaf_path, host_array) -> jax.Array``:
+        ``jodpo.parallel.sharding.placer(mesh)`` sends each parameter straight from the host to its shards on a
+        mesh (every process reads the files and transfers only the pieces its own devices hold); None: the default
+        device.
       precision: how float32 dots are computed (``Model.precision``, jax's names): ``"highest"`` is float32 on
         every backend, as torch computes; ``"high"`` or ``"default"`` let a GPU use TF32 (faster, ~1e-3
         relative) and a TPU fewer bf16 passes. ``model.replace(precision=...)`` changes it later.
     """
-    from jodpo.models import gguf
-
     path = resolve_path(path_or_hub_id, revision)
     gguf_file, tensors = gguf.find(path), None
     if gguf_file is not None:
@@ -277,18 +274,12 @@ def load_model(path_or_hub_id: str, task: str = "causal_lm", dtype=jnp.float32, 
             path = resolve_path(path_or_hub_id, revision, with_bin=True)
         model = model_from_dir(path, task, dtype)
     model = model.replace(precision=precision)
-    place = None
-    if mesh is not None:
-        from jodpo.sharding import placer
-
-        place = placer(model, mesh, jnp.dtype(dtype))
-    return model, load_params(model, gguf_file or path, dtype, place, tensors)
+    put = None if place is None else place(model, jnp.dtype(dtype))
+    return model, load_params(model, gguf_file or path, dtype, put, tensors)
 
 
 def _gguf_model(file: Path, task: str, dtype):
     """The ``Model`` of a GGUF file and the iterator of its dequantized tensors (read only when iterated)."""
-    from jodpo.models import gguf
-
     if task != "causal_lm":
         raise CheckpointError(f"{file}: a GGUF file holds a causal LM; a reward model must be a "
                               "*ForSequenceClassification transformers checkpoint with num_labels=1.")
@@ -296,7 +287,7 @@ def _gguf_model(file: Path, task: str, dtype):
     cfg = g.hf_config()
     try:
         model = families.model_from_hf_config(cfg, task, dtype=jnp.dtype(dtype).name, eos_token_ids=g.eos_token_ids())
-    except families.UnsupportedModelError as e:
+    except UnsupportedModelError as e:
         raise CheckpointError(f"{file}: {e}") from e
     return model, g.tensors(cfg.num_attention_heads, cfg.num_key_value_heads)
 
@@ -305,8 +296,6 @@ def describe_model(path_or_hub_id: str, task: str = "causal_lm", dtype=jnp.float
                    revision: str | None = None) -> Model:
     """The static ``Model`` that ``load_model`` would return, without reading the weights (a transformers
     directory's config.json, or a GGUF file's metadata)."""
-    from jodpo.models import gguf
-
     path = resolve_path(path_or_hub_id, revision)
     gguf_file = gguf.find(path)
     return _gguf_model(gguf_file, task, dtype)[0] if gguf_file else model_from_dir(path, task, dtype)
@@ -318,8 +307,6 @@ def load_tokenizer(path_or_hub_id: str, revision: str | None = None):
     A tokenizer without a pad token gets EOS as its pad token, with a warning, as TRL does.
     """
     from transformers import AutoTokenizer
-
-    from jodpo.models import gguf
 
     path = resolve_path(path_or_hub_id, revision)
     gguf_file = gguf.find(path)

@@ -4,7 +4,7 @@ A target is a HF module name, as PEFT's ``target_modules`` names it (``q_proj``,
 adapter is one ``a`` ``[N, in..., r]`` (PEFT's ``lora_A``, shared by the weights of a fused module) and one ``b``
 ``[N, r, out...]`` per jodpo weight it feeds (PEFT's ``lora_B``, zeros at the start), stacked over the N layers like
 the weights. The adapters live apart from the base parameters (``attach`` puts them in ``params["layers"]["lora"]``
-for a forward); the forward folds them into each layer's weights (``core.merge_adapters``), and the reference policy
+for a forward); the forward folds them into each layer's weights (``decoder.merge_adapters``), and the reference policy
 is the base parameters alone: the adapters off, no second copy of the model.
 """
 from __future__ import annotations
@@ -16,34 +16,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jodpo.models.core import Model, Params, merge_adapters
+from jodpo.models.decoder import Model, Params, merge_adapters
 from jodpo.models.params import param_specs
+from jodpo.models.export import write_atomically
+from jodpo.models.families import family_of
 
-# HF module name -> the jodpo weights it holds, per family (GPT-NeoX fuses q, k and v in one module).
-TARGETS = {
-    "gpt_neox": {"query_key_value": ("q", "k", "v"), "dense": ("o",), "dense_h_to_4h": ("up",),
-                 "dense_4h_to_h": ("down",)},
-    "llama": {"q_proj": ("q",), "k_proj": ("k",), "v_proj": ("v",), "o_proj": ("o",), "gate_proj": ("gate",),
-              "up_proj": ("up",), "down_proj": ("down",)},
-}
-TARGETS["qwen2"] = TARGETS["llama"]
-# PEFT's defaults when target_modules is not given (peft.utils.constants' mapping for these model types).
-DEFAULT_TARGETS = {"gpt_neox": ("query_key_value",), "llama": ("q_proj", "v_proj"), "qwen2": ("q_proj", "v_proj")}
+# Each family's modules (HF name -> the jodpo weights it holds; GPT-NeoX fuses q, k and v in one module), PEFT's
+# default targets and where each module sits in a HF state dict: ``Family.lora_modules``, ``lora_defaults``,
+# ``prefix`` and ``lora_paths`` (jodpo.models.families).
 # How many leading axes of each weight (after the layer axis) are its inputs.
 _N_IN = {"q": 1, "k": 1, "v": 1, "o": 2, "up": 1, "gate": 1, "down": 1}
-# Where each module sits in a HF state dict (the PEFT adapter's tensor names are built from it).
-_MODULE_PATH = {"gpt_neox": "gpt_neox.layers.{i}.{sub}.{name}", "llama": "model.layers.{i}.{sub}.{name}"}
-_MODULE_SUB = {"query_key_value": "attention", "dense": "attention", "dense_h_to_4h": "mlp", "dense_4h_to_h": "mlp",
-               "q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-               "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 
 
 def resolve_targets(model: Model, targets) -> tuple[str, ...]:
     """``lora_target_modules`` for this model: None gives PEFT's default, ``"all-linear"`` every projection; an
     unknown name is refused with the list of this family's names."""
-    known = TARGETS[model.family]
+    known = family_of(model).lora_modules
     if targets is None or len(targets) == 0:
-        return DEFAULT_TARGETS[model.family]
+        return family_of(model).lora_defaults
     if tuple(targets) == ("all-linear",) or targets == "all-linear":
         return tuple(n for n, ws in known.items() if all(w != "gate" or model.gated_mlp for w in ws))
     bad = [t for t in targets if t not in known or ("gate" in known[t] and not model.gated_mlp)]
@@ -61,7 +51,7 @@ def adapter_specs(model: Model, targets: tuple[str, ...]) -> dict:
     weights = {**layers["attn"], **layers["mlp"]}
     out = {}
     for group in targets:
-        names = TARGETS[model.family][group]
+        names = family_of(model).lora_modules[group]
         shape, axes = weights[names[0]]
         k = 1 + _N_IN[names[0]]
         b = {}
@@ -106,13 +96,13 @@ def peft_tensors(model: Model, adapters: Params) -> dict[str, np.ndarray]:
     and ``lora_B.weight`` ``[out, r]`` per layer, in the HF module's row order (GPT-NeoX's fused rows interleave
     q, k, v per head)."""
     out = {}
-    family = "gpt_neox" if model.family == "gpt_neox" else "llama"
+    family = family_of(model)
     for group, ad in adapters.items():
         a = np.asarray(ad["a"], np.float32)
         bs = {n: np.asarray(b, np.float32) for n, b in ad["b"].items()}
         r = a.shape[-1]
         for i in range(a.shape[0]):
-            name = "base_model.model." + _MODULE_PATH[family].format(i=i, sub=_MODULE_SUB[group], name=group)
+            name = f"base_model.model.{family.prefix}layers.{i}.{family.lora_paths[group]}.{group}"
             out[name + ".lora_A.weight"] = np.ascontiguousarray(a[i].reshape(-1, r).T)
             if set(bs) == {"q", "k", "v"}:  # [r, H, Dh] each -> rows [H, (q|k|v), Dh], as the fused weight's
                 rows = np.stack([bs[n][i] for n in ("q", "k", "v")], 0).transpose(2, 0, 3, 1).reshape(-1, r)
@@ -138,8 +128,6 @@ def save_peft(model: Model, adapters: Params, out_dir, targets: tuple[str, ...],
     (a non-empty ``out_dir`` needs ``overwrite``, and nothing is replaced until the new directory is complete).
     Returns the directory."""
     from safetensors.numpy import save_file
-
-    from jodpo.models.export import write_atomically
 
     def write(tmp):
         save_file(peft_tensors(model, adapters), str(tmp / "adapter_model.safetensors"))

@@ -1,7 +1,7 @@
 """``Model``, the static architecture of a decoder, and ``einsum``, the one place its dots get their precision.
 
 ``Model`` is frozen and hashable (a valid ``static_argnums`` of ``jax.jit``) and holds no arrays; ``params`` is a
-plain nested dict of arrays. The forwards that read both are in ``jodpo.models.core``.
+plain nested dict of arrays. The forwards that read both are in ``jodpo.models.decoder``.
 """
 from __future__ import annotations
 

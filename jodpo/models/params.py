@@ -1,4 +1,4 @@
-"""The parameters of ``jodpo.models.core``'s decoder: their shapes and logical axis names in one table
+"""The parameters of ``jodpo.models.decoder``'s decoder: their shapes and logical axis names in one table
 (``param_specs``, the one source of shapes, read by loading, export and sharding), random initialisation, and
 the per-call transforms the sampler applies (``compute_params``, ``split_layers``), and the frozen models' form
 (``frozen_params``)."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jodpo.models.core import Model, Params, merge_adapters
+from jodpo.models.decoder import Model, Params, merge_adapters
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,0 +1,73 @@
+"""Every family jodpo implements, one module each (``gpt_neox``, ``llama``, ``qwen2``): a transformers config ->
+``Model``, and HF tensor names <-> jodpo parameters (``jodpo.models.hf_mapping``).
+
+A new family is a new module here defining ``FAMILY`` (a ``Family``) and one line in ``FAMILIES``; where its
+forward differs from the shared decoder, a field of ``Model`` says so (``jodpo.models.decoder``).
+"""
+from __future__ import annotations
+
+import json
+
+from jodpo.errors import UnsupportedModelError
+from jodpo.models.decoder import ACTIVATIONS
+from jodpo.models.families import gpt_neox, llama, qwen2
+from jodpo.models.hf_mapping import Family, Rule, rope_inv_freq
+from jodpo.models.model import Model
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (gpt_neox.FAMILY, llama.FAMILY, qwen2.FAMILY)}
+# HF model_type -> the family that implements it
+MODEL_TYPES = {model_type: f.name for f in FAMILIES.values() for model_type in f.classes}
+# architecture name in config.json -> (family, task)
+ARCHITECTURES = {prefix + suffix: (f.name, task) for f in FAMILIES.values() for prefix in f.classes.values()
+                 for suffix, task in (("ForCausalLM", "causal_lm"), ("ForSequenceClassification", "reward"))}
+SUPPORTED = "GPT-NeoX/Pythia (gpt_neox), Llama 2/3, Mistral, SmolLM, TinyLlama (llama, mistral), Qwen2 (qwen2)"
+# HF tensors that carry no parameters (buffers some checkpoints include).
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "attention.bias", "attention.masked_bias")
+
+
+def family_of(model: Model) -> Family:
+    return FAMILIES[model.family]
+
+
+def hf_architecture(model: Model) -> str:
+    """The transformers class name that a jodpo model exports as."""
+    model_type = json.loads(model.hf_config).get("model_type", model.family)
+    prefix = family_of(model).classes.get(model_type) or next(iter(family_of(model).classes.values()))
+    return prefix + ("ForCausalLM" if model.task == "causal_lm" else "ForSequenceClassification")
+
+
+def model_from_hf_config(cfg, task: str, dtype: str = "float32", eos_token_ids=()) -> Model:
+    """Build the static ``Model`` from a ``transformers.PretrainedConfig`` of a supported family."""
+    family = MODEL_TYPES.get(cfg.model_type)
+    if family is None:
+        raise UnsupportedModelError(f"model_type {cfg.model_type!r} is not supported; jodpo supports {SUPPORTED}")
+    if cfg.hidden_act not in ACTIVATIONS:
+        raise UnsupportedModelError(f"hidden_act {cfg.hidden_act!r} is not supported (supported: {ACTIVATIONS})")
+    num_heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
+    inv_freq, rotary_dim = rope_inv_freq(dict(cfg.rope_parameters), head_dim, cfg.max_position_embeddings)
+    windows: tuple[int, ...] = ()
+    if getattr(cfg, "sliding_window", None):
+        layer_types = getattr(cfg, "layer_types", None) or ["sliding_attention"] * cfg.num_hidden_layers
+        windows = tuple(int(cfg.sliding_window) if t == "sliding_attention" else 0 for t in layer_types)
+    eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, (list, tuple)) else [cfg.eos_token_id]
+    eos_ids = tuple(dict.fromkeys(int(e) for e in [*eos, *eos_token_ids] if e is not None))
+    return Model(
+        family=family, task=task, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+        num_layers=cfg.num_hidden_layers, num_heads=num_heads, head_dim=head_dim, mlp_dim=cfg.intermediate_size,
+        activation=cfg.hidden_act, rotary_dim=rotary_dim, inv_freq=tuple(float(f) for f in inv_freq),
+        tie_embeddings=bool(cfg.tie_word_embeddings) and task == "causal_lm", sliding_windows=windows,
+        pad_token_id=cfg.pad_token_id, eos_token_ids=eos_ids, dtype=dtype, hf_config=cfg.to_json_string(),
+        **FAMILIES[family].model_fields(cfg))
+
+
+def weight_rules(model: Model) -> list[Rule]:
+    """Every HF tensor of ``model``'s checkpoint and the jodpo leaves it becomes."""
+    rules = family_of(model).rules(model)
+    if model.task == "reward":
+        rules.append(Rule(("score.weight",), (("score",),), lambda w: (w.T,), lambda w: (w.T,), False))
+    return rules
+
+
+__all__ = ["ARCHITECTURES", "FAMILIES", "Family", "IGNORED_SUFFIXES", "MODEL_TYPES", "Rule", "SUPPORTED",
+           "UnsupportedModelError", "family_of", "hf_architecture", "model_from_hf_config", "weight_rules"]

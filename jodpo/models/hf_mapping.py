@@ -1,0 +1,99 @@
+"""What a family module (``jodpo.models.families.<name>``) is built from.
+
+``Family`` is everything jodpo knows of one family of transformers checkpoints: its class names, how its config
+becomes a ``Model``, its tensor-name rules and its LoRA modules. A ``Rule`` ties one or more HF tensors to one or
+more jodpo leaves and carries both directions (``to_jodpo`` for loading, ``to_hf`` for export), so the mapping is
+written once. The helpers below are the rules that recur across families, and RoPE's inverse frequencies as
+transformers computes them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable
+
+import numpy as np
+
+from jodpo.errors import UnsupportedModelError
+from jodpo.models.model import Model
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One family of transformers checkpoints (``Model.family`` is its ``name``)."""
+
+    name: str
+    module: str  # its module in jodpo.models.families
+    classes: dict[str, str]  # HF model_type -> the transformers class prefix ("mistral" -> "Mistral")
+    # the family's own fields of ``Model`` from a transformers config (the shared ones are filled by the registry)
+    model_fields: Callable[[Any], dict]
+    rules: Callable[[Model], list["Rule"]]  # every HF tensor of a checkpoint and the jodpo leaves it becomes
+    lora_modules: dict[str, tuple[str, ...]]  # HF module name -> the jodpo weights it holds (PEFT's target_modules)
+    lora_defaults: tuple[str, ...]  # PEFT's default target_modules for this model type
+    prefix: str  # where the decoder sits in a HF state dict ("model.", "gpt_neox.")
+    lora_paths: dict[str, str]  # HF module name -> its submodule in a layer ("q_proj" -> "self_attn")
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    hf: tuple[str, ...]  # HF tensor names; "{i}" is the layer index
+    jodpo: tuple[tuple[str, ...], ...]  # jodpo leaf paths (per-layer leaves are stacked on axis 0)
+    to_jodpo: Callable[..., tuple[np.ndarray, ...]]  # hf arrays -> jodpo arrays (one layer)
+    to_hf: Callable[..., tuple[np.ndarray, ...]]  # jodpo arrays -> hf arrays (one layer)
+    per_layer: bool = True
+
+
+def linear(path, name):
+    """HF ``nn.Linear`` weight [out, in] <-> jodpo [in, *out_shape] (reshape done by the caller's shape)."""
+    return Rule((name,), (path,), lambda w: (w.T,), lambda w: (w.reshape(w.shape[0], -1).T,))
+
+
+def in_heads(path, name, heads, head_dim):
+    """A projection into heads: HF [heads*head_dim, D] <-> jodpo [D, heads, head_dim]."""
+    return Rule((name,), (path,), lambda w: (w.T.reshape(-1, heads, head_dim),),
+                lambda w: (w.reshape(w.shape[0], -1).T,))
+
+
+def out_heads(path, name, heads, head_dim):
+    """The output projection: HF [D, heads*head_dim] <-> jodpo [heads, head_dim, D]."""
+    return Rule((name,), (path,), lambda w: (w.T.reshape(heads, head_dim, -1),),
+                lambda w: (w.reshape(heads * head_dim, -1).T,))
+
+
+def head_bias(path, name, heads, head_dim):
+    return Rule((name,), (path,), lambda b: (b.reshape(heads, head_dim),), lambda b: (b.reshape(-1),))
+
+
+def same(path, name, per_layer=True):
+    return Rule((name,), (path,), lambda x: (x,), lambda x: (x,), per_layer)
+
+
+def norm_rules(model: Model, path, name, per_layer=True) -> list[Rule]:
+    rules = [same(path + ("scale",), name + ".weight", per_layer)]
+    if model.norm == "layernorm":
+        rules.append(same(path + ("bias",), name + ".bias", per_layer))
+    return rules
+
+
+def rope_inv_freq(rope: dict, head_dim: int, max_position_embeddings: int) -> tuple[np.ndarray, int]:
+    """Inverse frequencies (float32, computed as transformers computes them) and the rotary width."""
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    dim = int(head_dim * rope.get("partial_rotary_factor", 1.0))
+    base = float(rope["rope_theta"])
+    inv_freq = (1.0 / (base ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))).astype(np.float32)
+    if rope_type == "default":
+        return inv_freq, dim
+    if rope_type == "linear":
+        return (inv_freq / np.float32(rope["factor"])).astype(np.float32), dim
+    if rope_type == "llama3":
+        factor, lo, hi = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+        old = rope.get("original_max_position_embeddings", max_position_embeddings)
+        lo_wavelen, hi_wavelen = old / lo, old / hi
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > lo_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < hi_wavelen) & ~(wavelen > lo_wavelen)
+        return np.where(medium, smoothed, scaled).astype(np.float32), dim
+    raise UnsupportedModelError(
+        f"RoPE scaling type {rope_type!r} is not supported (supported: default, linear, llama3)")

@@ -1,0 +1,150 @@
+"""Device meshes, the logical-axis rules, and shardings of parameters, optimizer state and batches.
+
+One mesh with three axes:
+- ``data``: pure data parallelism (parameters replicated);
+- ``fsdp``: data parallelism with parameters, gradients and optimizer state split (ZeRO-3 / FSDP);
+- ``tensor``: tensor parallelism (attention heads, MLP width and vocabulary split).
+The batch axis is split over ``data`` x ``fsdp``. Every parameter names its axes logically
+(``jodpo.models.param_axes``: ``vocab``, ``embed``, ``heads``, ...); ``RULES`` maps those names to mesh axes
+in this one place. An axis whose size the mesh axis does not divide stays whole (replicated), so tiny
+models and odd head counts work on any mesh. Optimizer state follows the parameter it belongs to.
+
+Arrays are placed with ``jax.make_array_from_callback``, which asks each process only for the pieces its
+own devices hold, so the same code runs on one device, eight, or a multi-host pod.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jodpo.errors import MeshError
+from jodpo.models.decoder import Model, Params
+from jodpo.models.params import param_specs
+
+AXES = ("data", "fsdp", "tensor")
+BATCH = ("data", "fsdp")  # the mesh axes that split a batch
+# logical parameter axis -> mesh axis (None: never split)
+RULES: dict[str | None, str | None] = {
+    "vocab": "tensor", "embed": "fsdp", "heads": "tensor", "kv_heads": "tensor", "mlp": "tensor",
+    "layers": None, "head_dim": None, None: None,
+}
+
+
+
+def mesh_shape(data: int = 1, fsdp: int = -1, tensor: int = 1, n_devices: int | None = None) -> tuple[int, int, int]:
+    """The three axis sizes; one of them may be -1, meaning all the devices the others leave."""
+    n = jax.device_count() if n_devices is None else n_devices
+    sizes = [data, fsdp, tensor]
+    if sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):
+        raise MeshError(f"mesh (data={data}, fsdp={fsdp}, tensor={tensor}): sizes must be >= 1, with at most one -1")
+    fixed = math.prod(s for s in sizes if s != -1)
+    if -1 in sizes:
+        if n % fixed:
+            raise MeshError(f"mesh (data={data}, fsdp={fsdp}, tensor={tensor}): {n} devices are not a multiple of "
+                            f"{fixed}; choose sizes whose product divides {n}")
+        sizes[sizes.index(-1)] = n // fixed
+    if math.prod(sizes) != n:
+        raise MeshError(f"mesh (data={data}, fsdp={fsdp}, tensor={tensor}) needs {math.prod(sizes)} devices, "
+                        f"there are {n}; set mesh_data/mesh_fsdp/mesh_tensor so their product is {n} (or use -1)")
+    return tuple(sizes)
+
+
+def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -> Mesh:
+    """A ``Mesh`` over all devices (all processes) with axes ``data``, ``fsdp``, ``tensor``."""
+    devices = jax.devices() if devices is None else list(devices)
+    shape = mesh_shape(data, fsdp, tensor, len(devices))
+    try:  # a physical-topology-aware order on TPU and GPU
+        from jax.experimental import mesh_utils
+
+        grid = mesh_utils.create_device_mesh(shape, devices)
+    except Exception:  # noqa: BLE001 - e.g. fake CPU devices: plain order
+        grid = np.asarray(devices).reshape(shape)
+    return Mesh(grid, AXES)
+
+
+def data_parallel_size(mesh: Mesh) -> int:
+    """How many ways a batch is split: ``data`` x ``fsdp``."""
+    return mesh.shape["data"] * mesh.shape["fsdp"]
+
+
+def spec_for(shape: tuple[int, ...], axes: tuple, mesh: Mesh) -> P:
+    """The partition spec of an array with these logical ``axes``: each axis goes to its mesh axis when that
+    divides it (and the mesh axis is not already used), else stays whole."""
+    used, out = set(), []
+    for size, name in zip(shape, axes):
+        m = RULES.get(name)
+        if m is not None and m not in used and mesh.shape[m] > 1 and size % mesh.shape[m] == 0:
+            used.add(m)
+            out.append(m)
+        else:
+            out.append(None)
+    return P(*out)
+
+
+def param_shardings(model: Model, mesh: Mesh, specs: dict | None = None) -> Params:
+    """``NamedSharding`` of every parameter (same tree as ``params``), or of the tree of ``(shape, axes)``
+    ``specs`` given (LoRA adapters: ``jodpo.models.lora.adapter_specs``)."""
+    return jax.tree.map(lambda s: NamedSharding(mesh, spec_for(s[0], s[1], mesh)),
+                        param_specs(model) if specs is None else specs,
+                        is_leaf=lambda x: isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], tuple))
+
+
+def _dict_path(path) -> tuple[str, ...]:
+    """The trailing dict keys of a tree path: where a leaf of an optimizer state sits in the params tree."""
+    keys = []
+    for k in reversed(path):
+        if not isinstance(k, jax.tree_util.DictKey):
+            break
+        keys.append(k.key)
+    return tuple(reversed(keys))
+
+
+def like_params(abstract_tree, params_sharding: Params, mesh: Mesh):
+    """Shardings for any tree whose array leaves mirror parameters (optimizer moments, gradients, a whole
+    train state): a leaf that sits at a parameter's path (the trailing dict keys of its tree path) gets that
+    parameter's sharding; anything else (step counters, keys) is replicated. (An optimizer whose state has
+    other shapes at a parameter's path, e.g. factored moments, would need its own rule.)"""
+    by_path = {_dict_path(p): s for p, s in jax.tree.leaves_with_path(params_sharding)}
+    return jax.tree_util.tree_map_with_path(lambda p, _: by_path.get(_dict_path(p), replicated(mesh)), abstract_tree)
+
+
+def batch_sharding(mesh: Mesh, ndim: int, axis: int = 1) -> NamedSharding:
+    """Split axis ``axis`` (the batch axis; axis 0 of ``[A, B, ...]`` batches is the micro-batch) over
+    ``data`` x ``fsdp``."""
+    spec = [None] * ndim
+    spec[axis] = BATCH
+    return NamedSharding(mesh, P(*spec))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def put(host: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
+    """A global array from a host array that every process holds (each process transfers only its pieces)."""
+    host = np.asarray(host)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def to_host(x: jax.Array) -> np.ndarray:
+    """The whole value of a (possibly multi-process) array on every process."""
+    if not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated:
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def placer(mesh: Mesh) -> Callable[[Model, Any], Callable[[tuple[str, ...], np.ndarray], jax.Array]]:
+    """``load_model``'s ``place`` for a mesh: each loaded host tensor (by its parameter path) goes where the mesh
+    wants it, in the loading dtype."""
+    def place(model: Model, dtype):
+        shardings = {_dict_path(p): s for p, s in jax.tree.leaves_with_path(param_shardings(model, mesh))}
+        return lambda path, host: put(np.asarray(host, dtype), shardings[tuple(path)])
+
+    return place

@@ -1,0 +1,111 @@
+"""What the training program sets up in XLA before jax touches a device: deterministic GPU kernels (when asked)
+and the persistent compilation cache.
+
+Numbers and backends (docs/performance.md, "Precision and determinism"):
+  - float32 dots are computed in float32 on every backend (``Model.precision``, ``matmul_precision``);
+  - a CPU run is bitwise reproducible, killed and resumed included, with no setting;
+  - a GPU run is bitwise reproducible with ``deterministic=True`` (XLA's deterministic ops: no atomics in
+    reductions and scatters, no autotuning, so a restarted process compiles the same kernels); without it,
+    a resumed run stays within a few float32 ulps a step of the uninterrupted one and drifts apart slowly,
+    as any two GPU runs do;
+  - TPU programs are deterministic by default (XLA:TPU has no atomics), so resume is bitwise there too.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import jax
+
+from jodpo.errors import BackendError
+from jodpo.program import hostmem
+
+log = logging.getLogger("jodpo")
+
+DETERMINISTIC_FLAG = "--xla_gpu_deterministic_ops=true"
+
+
+
+def _backends_started() -> bool:
+    from jax._src import xla_bridge
+
+    return xla_bridge.backends_are_initialized()
+
+
+def set_deterministic() -> None:
+    """Make XLA's GPU kernels deterministic (``--xla_gpu_deterministic_ops``); a no-op on CPUs and TPUs, which are
+    deterministic already. Must run before jax starts its backends: XLA reads its flags once."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "--xla_gpu_deterministic_ops" in flags:
+        return
+    if _backends_started() and jax.default_backend() == "gpu":
+        raise BackendError("deterministic=True must be set before jax starts the GPU, and it already has in this "
+                           f"process; start it with XLA_FLAGS={DETERMINISTIC_FLAG} in the environment")
+    os.environ["XLA_FLAGS"] = f"{flags} {DETERMINISTIC_FLAG}".strip()
+
+
+CACHE_MAX_BYTES = 32 * 2**30
+
+
+def start_command() -> None:
+    """What every command-line program does first (``import jodpo`` does none of it).
+
+    transformers' advisory warnings go off (unless the environment sets them): where torch is not installed (jodpo
+    needs none; the README's first command installs none), importing transformers says "PyTorch was not found.
+    Models won't be available...", true of transformers' models and misleading as a run's first line: the models
+    here are jodpo's own. Its warnings proper are still shown. And the compiler's freed scratch memory goes back to
+    the OS after each compilation (``hostmem``)."""
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    hostmem.install()
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("JODPO_CACHE", Path.home() / ".cache" / "jodpo")) / "xla"
+
+
+def set_compilation_cache(directory: str | None, min_compile_time_secs: float = 0.5) -> Path | None:
+    """Keep compiled programs in ``directory`` across processes (jax's persistent compilation cache), so a
+    restarted or resumed run skips its compiles. ``"auto"``: a directory already given to jax
+    (``JAX_COMPILATION_CACHE_DIR``) or else ``$JODPO_CACHE/xla`` (``~/.cache/jodpo/xla``); ``None`` or ``""``:
+    off. Programs that compile in under ``min_compile_time_secs`` are not worth a file and are not kept."""
+    from jax._src import compilation_cache
+
+    if directory == "auto":
+        directory = jax.config.jax_compilation_cache_dir or str(default_cache_dir())
+    path = Path(directory).expanduser().absolute() if directory else None
+    current = jax.config.jax_compilation_cache_dir
+    if (str(path) if path else None) == current and compilation_cache.is_initialized():
+        return path
+    if path is not None:
+        path.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(path) if path else None)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", min_compile_time_secs)
+    # A size limit turns on jax's file lock around every read and write of the cache: without one, a process can read
+    # an entry another is still writing (the hosts of a job on one disk, or the test suite's two workers), and
+    # recompile with a warning. 32 GiB, the least recently used programs evicted past it.
+    jax.config.update("jax_compilation_cache_max_size", CACHE_MAX_BYTES)
+    # jax reads the directory once, at its first compile: start over so that this one is used from now on
+    compilation_cache.reset_cache()
+    return path
+
+
+def cache_for_this_job() -> str | None:
+    """Turn the compilation cache off in a multi-process job on CPUs, once the job is joined; returns the line that
+    says so (None where nothing changed). There jax keys a program by the process's own devices, so only process 0
+    finds the programs it wrote: with a warm cache it runs the executable it reads while the others run the one they
+    compile, and the two wait on each other's collectives for ever (seen with 2 processes x 4 CPU devices and gloo:
+    a restart hung at its first step). A cold cache is safe (every process compiles), so the cache is off for the
+    whole job instead. Jobs on GPUs and TPUs keep it."""
+    if jax.process_count() == 1 or jax.default_backend() != "cpu" or not jax.config.jax_compilation_cache_dir:
+        return None
+    set_compilation_cache(None)
+    return ("compilation cache off: a multi-process job on CPUs compiles its programs in every process (a cached "
+            "program read by one process and compiled by another deadlocks their collectives)")
+
+
+def configure(cfg) -> None:
+    """Everything a ``TrainConfig`` sets in XLA itself; call it before any device work."""
+    if cfg.deterministic:
+        set_deterministic()
+    set_compilation_cache(cfg.compilation_cache_dir)

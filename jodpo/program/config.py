@@ -1,0 +1,410 @@
+"""The training config: one typed, frozen dataclass; config files; ``--config.FIELD=VALUE`` overrides.
+
+Fields that TRL's ``OnlineDPOConfig`` / ``TrainingArguments`` have keep TRL's names, meanings and defaults,
+so a TRL command line translates field by field. A config file is a Python file defining ``get_config()``
+that returns a ``TrainConfig`` (or a dict of fields); ``--config NAME`` also finds ``configs/NAME``.
+"""
+from __future__ import annotations
+
+import ast
+import contextlib
+import dataclasses
+import importlib.util
+import types
+import typing
+import traceback
+import warnings
+from pathlib import Path
+
+from jodpo.errors import ConfigError
+from jodpo.losses import LOSSES, LossOptions, check_loss_options
+from jodpo.models.model import ATTENTIONS, PRECISIONS
+from jodpo.pairing import PAIRINGS
+from jodpo.program.tracking import trackers
+from jodpo.program.user_code import MOVED
+
+CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"  # the bundled recipes, jodpo/configs/
+
+
+
+def _f(default, help: str):
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    # --- models and rewards
+    model_name_or_path: str = _f("", "policy (and reference): a local HF checkpoint directory or a hub id")
+    reward_model_path: str | None = _f(None, "reward model (*ForSequenceClassification, num_labels=1): dir or hub id")
+    reward_funcs: tuple[str, ...] = _f((), "reward functions as 'module:function' import paths (TRL's callables)")
+    reward_weights: tuple[float, ...] | None = _f(None, "weights of the rewards (model first, then functions)")
+    judge: str | None = _f(None, "a pairwise judge instead of rewards: 'module:function' / 'module:Class' (TRL's "
+                                 "BasePairwiseJudge.judge), or a causal LM (dir or hub id) asked which is better")
+    judge_prompt: str | None = _f(None, "the LLM judge's prompt with {prompt}, {response0}, {response1}, or a file "
+                                        "holding it (None: TRL's default pairwise prompt)")
+    judge_answer_tokens: tuple[str, ...] = _f(("0", "1"), "the LLM judge's answers naming completion 0 and 1 (one "
+                                                          "token each); read from their logits")
+    judge_both_orders: bool = _f(True, "the LLM judge reads each pair in both orders and averages (position bias)")
+    model_revision: str | None = _f(None, "hub revision (branch, tag or commit) of the policy")
+    # --- LoRA (TRL's ModelConfig names; docs/config.md)
+    use_peft: bool = _f(False, "train LoRA adapters on the frozen policy; the reference is the policy with them off")
+    lora_r: int = _f(16, "LoRA rank")
+    lora_alpha: int = _f(32, "LoRA alpha: the adapters' update is scaled by lora_alpha / lora_r")
+    lora_dropout: float = _f(0.05, "recorded in the PEFT export; no effect in training (TRL's disable_dropout zeroes it)")
+    lora_target_modules: tuple[str, ...] | None = _f(None, "HF module names to adapt (None: PEFT's default per model "
+                                                           "type; ['all-linear']: every projection)")
+    # --- data
+    dataset_name: str = _f("", "hub dataset id, or a local file/directory (json, jsonl, parquet, csv)")
+    dataset_config: str | None = _f(None, "the dataset's config (subset) name")
+    dataset_mixer: dict[str, float] | None = _f(None, "open-instruct's mixture in place of dataset_name: {dataset: "
+                                                     "fraction (<= 1) or row count (> 1)}, concatenated")
+    dataset_eval_mixer: dict[str, float] | None = _f(None, "the same for evaluation (dataset_test_split)")
+    dataset_train_split: str = _f("train", "split to train on")
+    dataset_test_split: str = _f("test", "split to evaluate on")
+    eval_dataset: str | None = _f(None, "evaluation dataset (default: dataset_name's dataset_test_split)")
+    max_eval_prompts: int = _f(64, "evaluation prompts used at each evaluation")
+    # --- batch and schedule
+    per_device_train_batch_size: int = _f(8, "prompts per device per micro-batch (num_generations completions each)")
+    per_device_eval_batch_size: int = _f(8, "prompts per device per evaluation batch")
+    gradient_accumulation_steps: int = _f(1, "micro-batches per optimizer step (gradients averaged)")
+    num_train_epochs: float = _f(3.0, "passes over the prompts (ignored when max_steps > 0)")
+    max_steps: int = _f(-1, "optimizer steps; > 0 overrides num_train_epochs")
+    async_mode: bool = _f(False, "open-instruct's asynchronous generation: a step samples with the policy from "
+                                 "before the previous update (one step off-policy; TRL: on-policy)")
+    num_generations: int = _f(2, "completions sampled per prompt, k >= 2 (TRL GRPO's name), from one decode sharing "
+                                 "the prompt's prefill; one pair per prompt is trained (pairing)")
+    pairing: str = _f("auto", "which pair of a prompt's k completions: best_worst (highest vs lowest score; all equal: "
+                              "no pair) | random (two of the k) | auto (random for k = 2: TRL's step; best_worst for "
+                              "k > 2)")
+    sync_steps: int = _f(1, "semi-online DPO (Lanchantin et al. 2025): the sampler holds the policy of the last "
+                            "multiple of sync_steps optimizer steps (1: on-policy, as TRL); combines with async_mode")
+    num_epochs: int = _f(1, "passes over each rollout batch (open-instruct; TRL: 1), the pairs shuffled at each")
+    num_mini_batches: int = _f(1, "optimizer steps per pass over a rollout batch (open-instruct); a rollout holds "
+                                  "num_mini_batches x gradient_accumulation_steps micro-batches")
+    total_episodes: int | None = _f(None, "the run's length in episodes (prompts, as the episode metric counts them): "
+                                          "total_episodes // the global batch steps (open-instruct)")
+    learning_rate: float = _f(5e-7, "AdamW peak learning rate")
+    lr_scheduler_type: str = _f("linear", "linear | cosine | constant | constant_with_warmup")
+    warmup_ratio: float = _f(0.0, "fraction of the steps spent warming up (used when warmup_steps is 0)")
+    warmup_steps: int = _f(0, "warm-up steps")
+    weight_decay: float = _f(0.0, "AdamW decoupled weight decay")
+    adam_beta1: float = _f(0.9, "AdamW beta1")
+    adam_beta2: float = _f(0.999, "AdamW beta2")
+    adam_epsilon: float = _f(1e-8, "AdamW epsilon")
+    max_grad_norm: float = _f(1.0, "clip gradients to this global norm (0: off)")
+    # --- generation
+    max_new_tokens: int = _f(64, "tokens sampled per completion")
+    max_length: int = _f(512, "prompt + completion tokens in the loss forward (the prompt is left-truncated)")
+    max_prompt_length: int = _f(512, "prompts longer than this are left-truncated")
+    temperature: float = _f(0.9, "sampling temperature (0: greedy)")
+    top_k: int = _f(0, "top-k filtering (0: off)")
+    top_p: float = _f(1.0, "nucleus filtering (1.0: off)")
+    min_p: float | None = _f(None, "min-p filtering relative to the top token (None: off)")
+    repetition_penalty: float = _f(1.0, "transformers' repetition penalty (1.0: off)")
+    stop_token: str | None = _f(None, "open-instruct's stop_token: eos (the default behaviour) | period (completions "
+                                      "also end at the first '.', and only it spares them the EOS penalties)")
+    temperature_scaled_logprobs: bool = _f(False, "the loss's log-probs from the logits divided by temperature, as "
+                                                   "open-instruct computes them (TRL: the raw logits)")
+    # --- loss
+    beta: float | tuple[float, ...] = _f(0.1, "KL strength; a list is indexed by epoch")
+    loss_type: str = _f("sigmoid", "sigmoid | ipo | hinge | robust | exo_pair | nca_pair | sppo_hard | apo_zero | "
+                                   "apo_down | discopop | rdpo | simpo (no reference model)")
+    label_smoothing: float = _f(0.0, "cDPO / robust / exo_pair label-flip rate")
+    ipo_length_normalized: bool = _f(False, "ipo on per-token averaged log-probs (TRL's offline DPO form)")
+    discopop_tau: float = _f(0.05, "discopop temperature")
+    simpo_gamma: float = _f(0.5, "simpo's target reward margin gamma (TRL CPOConfig)")
+    rdpo_alpha: float = _f(0.0, "rdpo's length coefficient alpha (R-DPO, Park et al. 2024; not TRL's rpo_alpha)")
+    ld_alpha: float | None = _f(None, "LD-DPO (TRL DPOConfig): weight of the log-probs past the shorter completion's "
+                                      "length, in [0, 1] (None: off)")
+    missing_eos_penalty: float | None = _f(None, "subtracted from the reward of completions without EOS (TRL)")
+    non_eos_penalty: bool = _f(False, "replace the reward of completions without EOS by penalty_reward_value")
+    penalty_reward_value: float = _f(-1.0, "the reward given by non_eos_penalty (open-instruct)")
+    # --- run
+    seed: int = _f(42, "seed of the data order, the sampling and any random initialisation")
+    output_dir: str = _f("trainer_output", "where metrics.jsonl, tensorboard/, config.json and checkpoints/ go")
+    logging_steps: int = _f(10, "log every this many optimizer steps")
+    report_to: str | tuple[str, ...] = _f("tensorboard", "trackers besides metrics.jsonl: tensorboard | wandb | a list "
+                                                       "of them | all | none (docs/tracking.md)")
+    run_name: str | None = _f(None, "the run's name in W&B (None: W&B picks one)")
+    save_steps: float = _f(500, "checkpoint every this many steps (< 1: a fraction of the run); the last is saved")
+    save_total_limit: int | None = _f(None, "checkpoints kept, the newest (None: all); from 2 on, the oldest is "
+                                            "deleted just before a save, so the disk never holds more")
+    eval_steps: int | None = _f(None, "evaluate every this many steps (None: only at the end if eval data exists)")
+    max_nonfinite_steps: int = _f(10, "stop the run after this many updates in a row skipped for a NaN/Inf loss or gradient")
+    num_sample_generations: int = _f(10, "times a table of sample completions is printed over the run")
+    bf16: bool = _f(True, "bfloat16 compute with float32 master weights and float32 log-softmax")
+    gradient_checkpointing: bool = _f(True, "rematerialise each layer in the backward pass")
+    deterministic: bool = _f(False, "deterministic GPU kernels (XLA's deterministic ops): bitwise resume on a GPU, "
+                                    "at some speed; CPUs and TPUs are deterministic anyway")
+    compilation_cache_dir: str | None = _f("auto", "persistent XLA compilation cache, so a restarted run skips its "
+                                                  "compiles (auto: $JAX_COMPILATION_CACHE_DIR if set, else "
+                                                  "$JODPO_CACHE/xla, default ~/.cache/jodpo/xla; None: off)")
+    matmul_precision: str = _f("highest", "float32 dots: highest (float32 on every backend, as torch) | high | default "
+                                          "(TF32 on GPUs, fewer bf16 passes on TPUs: faster); bf16 compute ignores it")
+    attn_implementation: str = _f("xla", "attention of the forwards and the prefill: xla (any backend) | cudnn "
+                                         "(cuDNN flash attention: an NVIDIA GPU and bf16 compute)")
+    # --- jodpo's own
+    remat: str = _f("auto", "auto (from gradient_checkpointing) | none | full | dots; in every mode the backward "
+                            "recomputes the norms and the MLP's activation from their inputs rather than keep float32 "
+                            "copies")
+    prompt_buckets: tuple[int, ...] = _f((), "padded prompt lengths (default: powers of two up to max_prompt_length)")
+    decode_chunk: int = _f(8, "decode steps between checks that every completion has ended")
+    # --- devices (docs/tpu.md)
+    mesh_data: int = _f(1, "mesh axis 'data': batch split, parameters replicated (-1: the devices left)")
+    mesh_fsdp: int = _f(-1, "mesh axis 'fsdp': batch split, parameters/gradients/optimizer state split (-1: the rest)")
+    mesh_tensor: int = _f(1, "mesh axis 'tensor': attention heads, MLP width and vocabulary split (-1: the rest)")
+    sampler_devices: int = _f(0, "devices of their own for sampling (the last ones; the mesh_* fields lay out the rest "
+                                 "for training); with async_mode the two overlap. 0: sample on the training mesh")
+    param_dtype: str = _f("float32", "the trained policy's parameters and optimizer state: float32 | bfloat16")
+    frozen_param_dtype: str = _f("float32", "the dtype the reference policy and reward model are read in: float32 | "
+                                            "bfloat16 (with bf16 compute they are kept in bf16, norms as read)")
+
+    def __post_init__(self):
+        _check(self)
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches of a step's rollout: gradient_accumulation_steps per optimizer step, num_mini_batches
+        optimizer steps per pass."""
+        return self.gradient_accumulation_steps * self.num_mini_batches
+
+    @property
+    def updates_per_step(self) -> int:
+        """Optimizer steps per step of the run (per rollout): num_epochs x num_mini_batches (1, as in TRL)."""
+        return self.num_epochs * self.num_mini_batches
+
+    def replace(self, **changes) -> "TrainConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+
+
+def _check(c: TrainConfig) -> None:
+    positive = ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
+                "num_epochs", "num_mini_batches",
+                "max_new_tokens", "max_length", "max_prompt_length", "logging_steps", "decode_chunk",
+                "max_nonfinite_steps", "sync_steps")
+    for name in positive:
+        if getattr(c, name) < 1:
+            raise ConfigError(f"{name} must be >= 1, got {getattr(c, name)}")
+    if not c.learning_rate > 0:
+        raise ConfigError(f"learning_rate must be > 0, got {c.learning_rate}")
+    if c.num_generations < 2:
+        raise ConfigError(f"num_generations must be >= 2 (a pair needs two completions of a prompt), got "
+                          f"{c.num_generations}")
+    if c.pairing not in PAIRINGS:
+        raise ConfigError(f"pairing must be one of {PAIRINGS}, got {c.pairing!r}")
+    if c.sync_steps > 1 and c.sync_steps % c.updates_per_step:
+        raise ConfigError(f"sync_steps={c.sync_steps} is not a multiple of the {c.updates_per_step} optimizer steps "
+                          "of a rollout (num_epochs x num_mini_batches): the sampler is refreshed between rollouts; "
+                          "use a multiple")
+    betas = c.beta if isinstance(c.beta, tuple) else (c.beta,)
+    if not betas or any(not b > 0 for b in betas):
+        raise ConfigError(f"beta must be > 0 (a number or a list of numbers), got {c.beta}")
+    if c.loss_type not in LOSSES:
+        raise ConfigError(f"unknown loss_type {c.loss_type!r}; choose one of {sorted(LOSSES)}")
+    try:
+        check_loss_options(c.loss_type, LossOptions(c.label_smoothing, c.discopop_tau, c.ipo_length_normalized,
+                                                     c.simpo_gamma, c.rdpo_alpha, c.ld_alpha))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    for name in ("param_dtype", "frozen_param_dtype"):
+        if getattr(c, name) not in ("float32", "bfloat16"):
+            raise ConfigError(f"{name} must be float32 or bfloat16, got {getattr(c, name)!r}")
+    sizes = (c.mesh_data, c.mesh_fsdp, c.mesh_tensor)
+    if sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):
+        raise ConfigError(f"mesh_data, mesh_fsdp, mesh_tensor must be >= 1, with at most one -1; got {sizes}")
+    if c.matmul_precision not in PRECISIONS:
+        raise ConfigError(f"matmul_precision must be one of {PRECISIONS}, got {c.matmul_precision!r}")
+    if c.attn_implementation not in ATTENTIONS:
+        raise ConfigError(f"attn_implementation must be one of {ATTENTIONS}, got {c.attn_implementation!r}")
+    if c.attn_implementation == "cudnn" and not c.bf16:
+        raise ConfigError("attn_implementation='cudnn' needs bf16=True (cuDNN's flash attention has no float32 "
+                          "kernel); use 'xla' for float32 compute")
+    if c.dataset_mixer is not None and c.dataset_name:
+        raise ConfigError("dataset_mixer and dataset_name are both set: the mixer replaces dataset_name; unset one")
+    if c.stop_token not in (None, "eos", "period"):
+        raise ConfigError(f"stop_token must be eos or period (open-instruct's), got {c.stop_token!r}")
+    if c.total_episodes is not None and (c.total_episodes < 1 or c.max_steps > 0):
+        raise ConfigError(f"total_episodes must be >= 1 and max_steps unset (both give the run's length); got "
+                          f"total_episodes={c.total_episodes}, max_steps={c.max_steps}")
+    if c.temperature_scaled_logprobs and not c.temperature > 0:
+        raise ConfigError("temperature_scaled_logprobs divides the loss's logits by temperature, which is "
+                          f"{c.temperature}; use a temperature > 0 or turn it off")
+    if c.use_peft and (c.lora_r < 1 or not c.lora_alpha > 0 or not 0 <= c.lora_dropout < 1):
+        raise ConfigError(f"use_peft needs lora_r >= 1, lora_alpha > 0 and 0 <= lora_dropout < 1; got lora_r="
+                          f"{c.lora_r}, lora_alpha={c.lora_alpha}, lora_dropout={c.lora_dropout}")
+    if c.judge is not None:
+        others = [n for n in ("reward_model_path", "reward_funcs", "reward_weights") if getattr(c, n)]
+        if others:
+            raise ConfigError(f"judge and {', '.join(others)} are both set: a run pairs its completions by a judge or "
+                              "by rewards (as TRL enforces); unset one")
+        if c.missing_eos_penalty is not None or c.non_eos_penalty:
+            raise ConfigError("missing_eos_penalty and non_eos_penalty change rewards, and a judge gives none (TRL "
+                              "applies them only with rewards); unset them, or use a reward model")
+        if len(c.judge_answer_tokens) != 2 or c.judge_answer_tokens[0] == c.judge_answer_tokens[1]:
+            raise ConfigError(f"judge_answer_tokens must be two different strings, got {c.judge_answer_tokens!r}")
+    if c.sampler_devices < 0:
+        raise ConfigError(f"sampler_devices must be >= 0 (0: sample on the training devices), got {c.sampler_devices}")
+    trackers(c.report_to)  # unknown names, and a tracker not installed, fail before the run starts
+    if c.remat not in ("auto", "none", "full", "dots"):
+        raise ConfigError(f"remat must be auto, none, full or dots, got {c.remat!r}")
+    if not c.save_steps > 0:
+        raise ConfigError(f"save_steps must be > 0 (a step count, or a fraction of the run below 1), got {c.save_steps}")
+    if c.max_new_tokens >= c.max_length:
+        warnings.warn(f"max_new_tokens ({c.max_new_tokens}) >= max_length ({c.max_length}): prompts will be truncated "
+                      "or removed in the loss forward; use max_length > max_new_tokens + the prompt length "
+                      "(as TRL warns).", stacklevel=3)
+
+
+# --------------------------------------------------------------------------------------------------
+# Config files and overrides
+# --------------------------------------------------------------------------------------------------
+
+
+def find_config_file(name: str) -> Path:
+    """A path, or a bare name found in ``configs/`` (with or without ``.py``)."""
+    candidates = [Path(name), CONFIGS_DIR / name, CONFIGS_DIR / f"{name}.py"]
+    for p in candidates:
+        if p.is_file():
+            return p
+    known = sorted(p.name for p in CONFIGS_DIR.glob("*.py") if p.name != "__init__.py")
+    raise ConfigError(f"config file {name!r} not found (looked at {', '.join(str(p) for p in candidates)}); "
+                      f"give a path or one of {known}")
+
+
+def load_config_file(name: str) -> TrainConfig:
+    path = find_config_file(name)
+    spec = importlib.util.spec_from_file_location(f"jodpo_config_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    with _config_file_errors(path):
+        spec.loader.exec_module(module)
+    if not hasattr(module, "get_config"):
+        raise ConfigError(f"{path} defines no get_config(); it must return a jodpo.program.config.TrainConfig "
+                          "or a dict")
+    with _config_file_errors(path):
+        cfg = module.get_config()
+    if isinstance(cfg, dict):
+        cfg = from_dict(cfg, source=str(path))
+    if not isinstance(cfg, TrainConfig):
+        raise ConfigError(f"{path}: get_config() returned {type(cfg).__name__}, not a TrainConfig or a dict")
+    return cfg
+
+
+@contextlib.contextmanager
+def _config_file_errors(path: Path):
+    """A config file that does not parse, or raises while it runs (a failed import, a typo): one line naming the
+    file and its line. ``ConfigError`` (a bad field value) passes as it is."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except SyntaxError as e:
+        raise ConfigError(f"config file {path}, line {e.lineno}: {type(e).__name__}: {e.msg}; fix the file") from None
+    except Exception as e:  # noqa: BLE001 - whatever the file raised, reported where it raised it
+        lines = [f.lineno for f in traceback.extract_tb(e.__traceback__)
+                 if Path(f.filename).resolve() == path.resolve()]
+        where = f", line {lines[-1]}" if lines else ""
+        fix = "fix the file"
+        if isinstance(e, ModuleNotFoundError) and e.name in MOVED:
+            fix = f"{e.name} is now {MOVED[e.name]} (a config file imports TrainConfig as `from jodpo import TrainConfig`)"
+        raise ConfigError(f"config file {path}{where}: {type(e).__name__}: {e}; {fix}") from None
+
+
+def from_dict(d: dict, source: str = "config") -> TrainConfig:
+    unknown = sorted(set(d) - set(FIELDS))
+    if unknown:
+        raise ConfigError(f"{source}: unknown field(s) {unknown}. {_did_you_mean(unknown[0])}"
+                          "Run `python -m jodpo.train --help` for the list.")
+    return TrainConfig(**{k: coerce(k, v) for k, v in d.items()})
+
+
+def _did_you_mean(name: str) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(name, FIELDS, n=1)
+    return f"Did you mean {close[0]!r}? " if close else ""
+
+
+def _types_of(annotation) -> tuple:
+    hint = typing.get_type_hints(TrainConfig)[annotation]
+    args = typing.get_args(hint)
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        return args
+    return (hint,)
+
+
+def coerce(name: str, value):
+    """``value`` checked against the field's type; lists become tuples, ints are accepted for floats."""
+    if name not in FIELDS:
+        raise ConfigError(f"unknown field {name!r}. {_did_you_mean(name)}Run `python -m jodpo.train --help`.")
+    for t in _types_of(name):
+        if t is type(None) and value is None:
+            return None
+        if t is bool and isinstance(value, bool):
+            return value
+        if t in (int, float, str) and isinstance(value, t) and not isinstance(value, bool):
+            return value
+        if t is float and isinstance(value, int) and not isinstance(value, bool):
+            return float(value)
+        if typing.get_origin(t) is dict and isinstance(value, dict):
+            bad = [k for k, v in value.items() if not isinstance(k, str) or isinstance(v, bool)
+                   or not isinstance(v, (int, float)) or v < 0]
+            if bad:
+                raise ConfigError(f"field {name!r} maps names to non-negative numbers; {bad[0]!r} does not")
+            return {k: float(v) for k, v in value.items()}
+        if typing.get_origin(t) is tuple and isinstance(value, (list, tuple)):
+            (elem, _) = typing.get_args(t)
+            try:
+                return tuple(coerce_elem(elem, v) for v in value)
+            except TypeError:
+                continue
+    want = " or ".join(getattr(t, "__name__", str(t)) for t in _types_of(name))
+    raise ConfigError(f"field {name!r} wants {want}, got {value!r} ({type(value).__name__})")
+
+
+def coerce_elem(t, v):
+    if t is float and isinstance(v, (int, float)) and not isinstance(v, bool):
+        return float(v)
+    if isinstance(v, t) and not isinstance(v, bool):
+        return v
+    raise TypeError
+
+
+def parse_override(arg: str) -> tuple[str, object]:
+    """``--config.FIELD=VALUE`` -> (FIELD, value). VALUE is a Python literal, or a bare string."""
+    body = arg[len("--config."):]
+    if "=" not in body:
+        raise ConfigError(f"{arg}: write overrides as --config.FIELD=VALUE")
+    name, text = body.split("=", 1)
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        value = text
+    kinds = _types_of(name) if name in FIELDS else ()
+    listed = isinstance(value, (list, tuple)) and any(typing.get_origin(t) is tuple for t in kinds)
+    if str in kinds and value is not None and not isinstance(value, str) and not listed:
+        value = text  # a string field given something that parses as a number: keep the text
+    return name, coerce(name, value)
+
+
+def help_text() -> str:
+    lines = ["Fields (--config.FIELD=VALUE):"]
+    for name, f in FIELDS.items():
+        lines.append(f"  {name:30s} {f.metadata['help']} (default: {f.default!r})")
+    return "\n".join(lines)
+
+
+def markdown_table() -> str:
+    """The field reference of docs/config.md (``python -m jodpo.program.config`` prints it)."""
+    rows = ["| field | default | meaning |", "| --- | --- | --- |"]
+    rows += [f"| `{n}` | `{f.default!r}` | {f.metadata['help'].replace('|', '/')} |" for n, f in FIELDS.items()]
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(markdown_table())

@@ -1,0 +1,116 @@
+"""Run output: ``metrics.jsonl``, the trackers of ``report_to`` (TensorBoard by tensorboardX, Weights & Biases:
+``jodpo.program.tracking``), a console progress bar, completion tables.
+
+Only the main process writes (``enabled=False`` elsewhere). Metric names are TRL's plus ``loss``,
+``grad_norm``, ``lr``, ``episode``, ``step``, ``epoch`` and ``eps`` (prompts per second of wall time over the
+logging interval, sampling, scoring and update included).
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from jodpo.program.tracking import WandbTracker, trackers
+
+
+def truncate_metrics(path: Path, last_step: int) -> None:
+    """Make ``metrics.jsonl`` what a run resumed from ``last_step`` appends to: each step's lines once, in step
+    order, none after ``last_step`` (the resumed run logs them again). A line torn by a kill is dropped, and a line
+    repeated (a step logged again by a run that crashed before its next save, or by two runs at once) is kept
+    once, as last written; a step's training and evaluation lines are different lines. Rewritten aside and
+    renamed, so a kill meanwhile leaves the old file."""
+    if not path.exists():
+        return
+    records: dict[tuple, dict] = {}
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int) or record["step"] > last_step:
+            continue
+        key = (record["step"], tuple(sorted(record)))
+        records[key] = record  # the last written, at the place of the first among its step's lines
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in sorted(records.values(), key=lambda r: r["step"])))
+    tmp.replace(path)
+
+
+class RunLogger:
+    """``report_to`` and ``run_name`` are the config's fields; ``config`` is the resolved config the trackers record
+    (W&B's run config)."""
+
+    def __init__(self, output_dir: Path, total_steps: int, start_step: int, enabled: bool = True,
+                 report_to: str | tuple[str, ...] = "tensorboard", run_name: str | None = None,
+                 config: dict | None = None):
+        self.enabled = enabled
+        if not enabled:
+            return
+        names = trackers(report_to)
+        truncate_metrics(output_dir / "metrics.jsonl", start_step)
+        self.jsonl = open(output_dir / "metrics.jsonl", "a")
+        self.tb = self.wandb = None
+        if "tensorboard" in names:
+            from tensorboardX import SummaryWriter
+
+            self.tb = SummaryWriter(str(output_dir / "tensorboard"), purge_step=start_step + 1 if start_step else None)
+        if "wandb" in names:
+            self.wandb = WandbTracker(output_dir, config or {}, run_name, start_step)
+        self.bar = tqdm(total=total_steps, initial=start_step, desc="online dpo", dynamic_ncols=True,
+                        bar_format="{desc} {n_fmt}/{total_fmt} [{elapsed}<{remaining}]{postfix}")
+
+    def log(self, metrics: dict) -> None:
+        """One logged step: a JSON line, the trackers' scalars, and the progress bar's postfix."""
+        if not self.enabled:
+            return
+        record = {k: (float(v) if not isinstance(v, int) else v) for k, v in metrics.items()}
+        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.flush()
+        if self.tb is not None:
+            for k, v in record.items():
+                if k != "step" and math.isfinite(v):
+                    self.tb.add_scalar(k, v, record["step"])
+        if self.wandb is not None:
+            self.wandb.log(record)
+        if "loss" in record:  # a training step (evaluation lines only go to the files)
+            score = record.get("objective/scores", record.get("rewards/margins", float("nan")))
+            self.bar.set_postfix_str(f"eps {record.get('eps', 0):.1f} | loss {record['loss']:.4f} | score {score:.3f}",
+                                     refresh=False)
+
+    def advance(self, steps: int = 1) -> None:
+        if self.enabled:
+            self.bar.update(steps)
+
+    def message(self, text: str) -> None:
+        if self.enabled:
+            self.bar.write(text)
+
+    def table(self, step: int, rows: list[tuple[str, str, float]], tag: str = "completions") -> None:
+        """Sample completions as a console table, a TensorBoard markdown table and a W&B table (``tag``, the full
+        texts; TRL's name is ``completions``)."""
+        if not self.enabled or not rows:
+            return
+        def clip(s, n, tail=False):  # prompts keep their end, completions their start
+            s = " ".join(str(s).split())
+            return s if len(s) <= n else ("..." + s[-(n - 3):] if tail else s[:n - 3] + "...")
+
+        lines = [f"step {step}: {tag}", f"{'prompt':40s} | {'completion':50s} | score"]
+        lines += [f"{clip(p, 40, True):40s} | {clip(c, 50):50s} | {s:.3f}" for p, c, s in rows]
+        self.bar.write("\n".join(lines))
+        md = ["| prompt | completion | score |", "| --- | --- | --- |"]
+        md += [f"| {clip(p, 200, True)} | {clip(c, 400)} | {s:.3f} |".replace("\n", " ") for p, c, s in rows]
+        if self.tb is not None:
+            self.tb.add_text(tag, "\n".join(md), step)
+        if self.wandb is not None:
+            self.wandb.table(step, rows, tag)
+
+    def close(self) -> None:
+        if self.enabled:
+            self.bar.close()
+            self.jsonl.close()
+            for tracker in (self.tb, self.wandb):
+                if tracker is not None:
+                    tracker.close()

@@ -1,0 +1,328 @@
+"""What the training loop needs, built once from the config: models (sharded over the mesh), data, rewards,
+the static step config, the batch and schedule arithmetic."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import threading
+import warnings
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from jodpo.errors import CheckpointError, ConfigError
+from jodpo.program import data as D
+from jodpo.parallel import sharding as S
+from jodpo import train_step as ts
+from jodpo import judges as J
+from jodpo.program.config import TrainConfig
+from jodpo.losses import LossOptions, needs_reference
+from jodpo.models import load_model, load_tokenizer
+from jodpo.models import lora
+from jodpo.models.loading import describe_model
+from jodpo.models.params import frozen_params, param_shapes
+from jodpo.program.rewards import RewardSet, check_shared_vocab
+from jodpo.program.user_code import import_judge, import_reward_function, is_import_path
+from jodpo.sampling import SamplingConfig
+
+
+@dataclasses.dataclass
+class Run:
+    """What the loop needs, built once from the config."""
+
+    cfg: TrainConfig
+    tokenizer: object
+    step_cfg: ts.StepConfig
+    mesh: Mesh
+    policy_params: dict | None  # the policy's starting parameters (the reference's own arrays when the dtypes agree),
+    # or with LoRA its fresh adapters (the reference is then the base they ride on); None while unread: in
+    # param_dtype apart from the reference (or with no reference at all), they are read when the run starts from
+    # them (``policy()``), never when it resumes from a checkpoint
+    ref_params: dict | None  # the frozen reference (with LoRA the base the adapters ride on); None with a
+    # reference-free loss (simpo) without LoRA: nothing of a second model is read or held
+    rewards: RewardSet | None  # None with a judge, and for offline DPO
+    judge: J.LLMJudge | J.CallableJudge | None
+    train: D.PromptData | D.PreferenceData
+    eval: D.PromptData | None
+    buckets: tuple[int, ...]
+    global_batch: int
+    steps_per_epoch: int
+    total_steps: int
+    save_every: int
+    steps: ts.JittedSteps | None = None  # set by ``train`` once the state's shardings are known
+    eval_reference_scores: np.ndarray | None = None  # rewards of the eval set's references, once per run
+    lora_targets: tuple[str, ...] = ()  # the adapted HF modules (use_peft)
+    sampler_mesh: Mesh | None = None  # sampler_devices: the devices that sample, apart from ``mesh``
+    sampler: object | None = None  # its ``jodpo.parallel.split_sampler.SplitSampler``, set by ``train``
+    eval_compile: threading.Thread | None = None  # the thread compiling the evaluation's programs (``compile_evaluation``)
+
+    def indices(self, step: int) -> np.ndarray:
+        """The training rows of step ``step`` (a fresh permutation every epoch, from the seed)."""
+        return D.batch_indices(len(self.train), self.global_batch, self.cfg.seed, step)
+
+    def prompts(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """i32[A, B, P] host ids and mask of the prompts of rows ``idx``, in the step's micro-batches."""
+        return D.prompt_batch([self.train.ids[i] for i in idx], self.cfg.micro_batches, self.buckets,
+                              self.step_cfg.sampling.pad_token_id)
+
+    def policy(self) -> dict:
+        """The policy's starting parameters, read in ``param_dtype`` now if ``build`` did not."""
+        if self.policy_params is None:
+            with named("model_name_or_path"):
+                _, self.policy_params = load_model(self.cfg.model_name_or_path, "causal_lm", self.cfg.param_dtype,
+                                                   revision=self.cfg.model_revision, place=S.placer(self.mesh))
+        return self.policy_params
+
+    def policy_shapes(self):
+        """What ``jax.eval_shape`` needs of ``policy()``, without reading anything: its arrays once read, else
+        their ShapeDtypeStructs."""
+        if self.policy_params is None:
+            return param_shapes(self.step_cfg.model, self.cfg.param_dtype)
+        return self.policy_params
+
+    def trainable_shardings(self):
+        """Shardings of what the optimizer trains: the policy's parameters, or its LoRA adapters."""
+        model = self.step_cfg.model
+        specs = lora.adapter_specs(model, self.lora_targets) if self.lora_targets else None
+        return S.param_shardings(model, self.mesh, specs)
+
+    def put(self, x: np.ndarray, mesh: Mesh | None = None) -> jax.Array:
+        """A batch array [A, B, ...] (the same on every process) placed with B split over data x fsdp of ``mesh``
+        (the training mesh by default)."""
+        mesh = self.mesh if mesh is None else mesh
+        dp = S.data_parallel_size(mesh)
+        if x.shape[1] % dp:
+            raise S.MeshError(f"a batch of {x.shape[1]} rows cannot be split over the {dp} data-parallel devices "
+                              "(mesh_data x mesh_fsdp); use a batch size that is a multiple of it")
+        return S.put(x, S.batch_sharding(mesh, x.ndim))
+
+    def decode(self, tokens: np.ndarray) -> list[str]:
+        """The texts of ``[..., T]`` token ids (special tokens left out)."""
+        return self.tokenizer.batch_decode(tokens.reshape(-1, tokens.shape[-1]), skip_special_tokens=True)
+
+    def score_on_host(self, data: D.PromptData, rows: list, tokens: np.ndarray, tmask: np.ndarray) -> np.ndarray:
+        """f32[N] rewards of N sampled completions ``[N, T]`` of the prompts ``rows``, on the host (functions, other
+        tokenizers, chat data); every process scores the whole batch, so every process holds the same rewards."""
+        prompts = [data.prompts[i] for i in rows]
+        columns = {k: [v[i] for i in rows] for k, v in data.columns.items()}
+        completion_ids = [t[m > 0].tolist() for t, m in zip(tokens, tmask)]
+        return self.rewards.score(prompts, self.decode(tokens), completion_ids, columns)
+
+
+@contextlib.contextmanager
+def named(field: str):
+    """A model or tokenizer that cannot be read, said with the config field that gave its path."""
+    try:
+        yield
+    except CheckpointError as e:
+        raise CheckpointError(f"{field}: {e}") from e
+
+
+def _same_tokenizer(a, b) -> bool:
+    return type(a).__name__ == type(b).__name__ and a.get_vocab() == b.get_vocab()
+
+
+def build(cfg: TrainConfig) -> Run:
+    if not cfg.model_name_or_path:
+        raise ConfigError("model_name_or_path is empty: give a local HF checkpoint directory or a hub id")
+    if cfg.attn_implementation == "cudnn" and jax.default_backend() != "gpu":
+        raise ConfigError(f"attn_implementation='cudnn' needs an NVIDIA GPU, and jax's backend is "
+                          f"{jax.default_backend()}: use 'xla'")
+    if cfg.temperature == 0 and (cfg.reward_model_path or cfg.reward_funcs or cfg.judge):  # online: it samples
+        raise ConfigError("temperature=0 decodes greedily, so both completions of a prompt are the same: every pair "
+                          "ties, the loss stays ln 2 and nothing is learned; use a temperature > 0 (TRL's default "
+                          "0.9). Greedy decoding is for evaluation (jodpo.sample with temperature=0)")
+    mesh, sampler_mesh = meshes(cfg)
+    dp = S.data_parallel_size(mesh)
+    with named("model_name_or_path"):
+        tokenizer = load_tokenizer(cfg.model_name_or_path, cfg.model_revision)
+        if needs_reference(cfg.loss_type) or cfg.use_peft:
+            model, ref_params = load_model(cfg.model_name_or_path, "causal_lm", cfg.frozen_param_dtype,
+                                           revision=cfg.model_revision, place=S.placer(mesh))
+        else:  # reference-free (simpo): only the policy, read in param_dtype when the run starts from it (Run.policy)
+            model = describe_model(cfg.model_name_or_path, "causal_lm", cfg.param_dtype, revision=cfg.model_revision)
+            ref_params = None
+    policy_params, targets = ref_params, ()
+    if cfg.use_peft:  # the policy is the frozen base plus adapters; nothing else is trained or copied
+        model = model.replace(lora_rank=cfg.lora_r, lora_alpha=float(cfg.lora_alpha))
+        try:
+            targets = lora.resolve_targets(model, cfg.lora_target_modules)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        policy_params = lora.init_adapters(model, targets, jax.random.fold_in(jax.random.PRNGKey(cfg.seed), 1),
+                                           cfg.param_dtype)
+    elif cfg.param_dtype != cfg.frozen_param_dtype:  # read again (so neither copy is rounded through the other)
+        policy_params = None  # when the run starts from it: Run.policy()
+    remat = cfg.remat if cfg.remat != "auto" else ("full" if cfg.gradient_checkpointing else "none")
+    model = model.replace(dtype="bfloat16" if cfg.bf16 else "float32", remat=remat, precision=cfg.matmul_precision,
+                          attention=cfg.attn_implementation)
+    # the reference as its bf16 forwards read it (the same numbers; with LoRA the base stays as loaded, since the
+    # adapters are merged into it in float32); the policy's own copy (policy_params) is untouched
+    ref_params = None if ref_params is None else frozen_params(model, ref_params)
+    eos = tuple(dict.fromkeys([*model.eos_token_ids, *([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None
+                                                       else [])]))
+    pad = tokenizer.pad_token_id
+    stop = stop_token_ids(cfg, tokenizer)
+    eos = tuple(dict.fromkeys([*eos, *stop]))
+
+    train_rows = load_split(cfg.dataset_mixer, cfg.dataset_name, cfg, cfg.dataset_train_split)
+    # A preference dataset (prompt/chosen/rejected) trains offline DPO, unless the run has a reward or a judge: then
+    # its prompts train online DPO, as TRL's and open-instruct's online trainers read only the prompts.
+    offline = D.is_preference(train_rows) and not (cfg.reward_model_path or cfg.reward_funcs or cfg.judge)
+    if offline:
+        train = D.prepare_preferences(train_rows, tokenizer, cfg.max_prompt_length, cfg.max_new_tokens)
+    else:
+        train = D.prepare_prompts(train_rows, tokenizer, cfg.max_prompt_length)
+    evaluation = None
+    if not offline and (cfg.eval_dataset or cfg.dataset_eval_mixer or cfg.eval_steps):
+        rows = load_split(cfg.dataset_eval_mixer or (None if cfg.eval_dataset else cfg.dataset_mixer),
+                     cfg.eval_dataset or cfg.dataset_name, cfg, cfg.dataset_test_split)
+        rows = rows.select(range(min(len(rows), cfg.max_eval_prompts)))
+        evaluation = D.prepare_prompts(rows, tokenizer, cfg.max_prompt_length)
+        if len(evaluation) < dp:  # an eval batch needs a prompt per data-parallel device
+            warnings.warn(f"the evaluation set has {len(evaluation)} prompts, fewer than the {dp} data-parallel "
+                          "devices (mesh_data x mesh_fsdp); evaluation is off. Raise max_eval_prompts or give more "
+                          "evaluation rows.", stacklevel=2)
+            evaluation = None
+
+    rewards, rm, judge = None, None, None
+    if not offline and cfg.judge:
+        judge = load_judge(cfg, model, mesh)
+        if evaluation is not None and evaluation.references is None:
+            warnings.warn("with a judge, evaluation needs reference completions to judge against (a 'completion' "
+                          "column); the evaluation set has none, so evaluation is off", stacklevel=2)
+            evaluation = None
+    elif not offline:
+        rewards = load_rewards(cfg, model, tokenizer, mesh, chat=isinstance(train.prompts[0], list))
+        rm = rewards.model
+
+    global_batch = cfg.per_device_train_batch_size * dp * cfg.micro_batches
+    updates = cfg.updates_per_step
+    if offline and (updates > 1 or cfg.async_mode or sampler_mesh is not None or cfg.num_generations != 2
+                    or cfg.pairing != "auto" or cfg.sync_steps != 1):
+        raise ConfigError("num_epochs, num_mini_batches, async_mode, sampler_devices, num_generations, pairing and "
+                          "sync_steps shape online rollouts; this dataset has chosen/rejected columns (offline DPO): "
+                          "leave them at their defaults")
+
+    spe = D.steps_per_epoch(len(train), global_batch)
+    total = run_length(cfg, global_batch, spe)
+    warmup = cfg.warmup_steps or math.ceil(total * updates * cfg.warmup_ratio)
+    sampling = SamplingConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
+                              top_p=cfg.top_p, min_p=cfg.min_p or 0.0, repetition_penalty=cfg.repetition_penalty,
+                              eos_token_ids=eos, pad_token_id=pad, chunk=cfg.decode_chunk)
+    opt = ts.OptimizerConfig(learning_rate=cfg.learning_rate, total_steps=total * updates, warmup_steps=warmup,
+                             lr_scheduler_type=cfg.lr_scheduler_type, weight_decay=cfg.weight_decay,
+                             adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_epsilon=cfg.adam_epsilon,
+                             max_grad_norm=cfg.max_grad_norm)
+    step_cfg = ts.StepConfig(
+        model=model, sampling=sampling, optimizer=opt, beta=cfg.beta, updates_per_epoch=spe * updates,
+        loss_type=cfg.loss_type,
+        loss_options=LossOptions(cfg.label_smoothing, cfg.discopop_tau, cfg.ipo_length_normalized, cfg.simpo_gamma,
+                                 cfg.rdpo_alpha, cfg.ld_alpha),
+        missing_eos_penalty=cfg.missing_eos_penalty,
+        penalty_reward_value=cfg.penalty_reward_value if cfg.non_eos_penalty else None, max_length=cfg.max_length,
+        reward_model=rm if rewards is not None and rewards.on_device else None, judged=judge is not None,
+        logprob_temperature=cfg.temperature if cfg.temperature_scaled_logprobs else None, stop_token_ids=stop,
+        async_mode=cfg.async_mode, num_generations=cfg.num_generations, pairing=cfg.pairing,
+        sync_steps=cfg.sync_steps)
+    save_every = int(cfg.save_steps) if cfg.save_steps >= 1 else max(1, math.ceil(total * cfg.save_steps))
+    return Run(cfg, tokenizer, step_cfg, mesh, policy_params, ref_params, rewards, judge, train, evaluation,
+               cfg.prompt_buckets or D.default_buckets(cfg.max_prompt_length), global_batch, spe, total, save_every,
+               lora_targets=targets, sampler_mesh=sampler_mesh)
+
+
+def load_rewards(cfg: TrainConfig, policy, tokenizer, mesh, chat: bool) -> RewardSet:
+    """The run's rewards: the reward model (frozen, in frozen_param_dtype, computing as the ``policy`` model does,
+    sharded over the mesh) and the reward functions, with their weights."""
+    rm, rm_params, rm_tok, shared = None, None, None, False
+    if cfg.reward_model_path:
+        with named("reward_model_path"):
+            rm, rm_params = load_model(cfg.reward_model_path, "reward", cfg.frozen_param_dtype, place=S.placer(mesh))
+            rm_tok = load_tokenizer(cfg.reward_model_path)
+        rm = rm.replace(dtype=policy.dtype, precision=policy.precision, attention=policy.attention)
+        rm_params = frozen_params(rm, rm_params)
+        rm_tok.padding_side = "right"
+        shared = _same_tokenizer(tokenizer, rm_tok)
+        if shared:
+            check_shared_vocab(policy, rm)
+    fns = [import_reward_function(s) for s in cfg.reward_funcs]
+    return RewardSet(rm, rm_params, rm_tok, fns, cfg.reward_weights, shared_tokenizer=shared, chat=chat)
+
+
+def meshes(cfg: TrainConfig) -> tuple[Mesh, Mesh | None]:
+    """The training mesh (mesh_data x mesh_fsdp x mesh_tensor), and with ``sampler_devices`` = k the sampler's mesh
+    on the last k devices, apart: data-parallel, with the training mesh's tensor split (the weights whole on each
+    sampler device otherwise: decoding gathers nothing)."""
+    devices = jax.devices()
+    k = cfg.sampler_devices
+    if not k:
+        return S.make_mesh(cfg.mesh_data, cfg.mesh_fsdp, cfg.mesh_tensor, devices), None
+    if jax.process_count() > 1:
+        raise ConfigError(f"sampler_devices={k} needs a single-process run: JAX moves arrays between disjoint sets of "
+                          "devices only within one process (one host's devices); leave it at 0 in a multi-process "
+                          "run")
+    if k >= len(devices):
+        raise ConfigError(f"sampler_devices={k} leaves none of the {len(devices)} devices to train on; use fewer "
+                          "(or 0 to sample on the training devices)")
+    mesh = S.make_mesh(cfg.mesh_data, cfg.mesh_fsdp, cfg.mesh_tensor, devices[:len(devices) - k])
+    tensor = mesh.shape["tensor"]
+    if k % tensor:
+        raise ConfigError(f"sampler_devices={k} is not a multiple of the training mesh's tensor size {tensor} (the "
+                          "sampler splits the weights the same way); choose a multiple")
+    sampler = S.make_mesh(-1, 1, tensor, devices[len(devices) - k:])
+    rows, dp = cfg.per_device_train_batch_size * S.data_parallel_size(mesh), S.data_parallel_size(sampler)
+    if rows % dp:
+        raise ConfigError(f"sampler_devices={k}: a micro-batch of {rows} prompts does not split over the sampler's "
+                          f"{dp} data-parallel devices; choose sampler_devices (or per_device_train_batch_size) so "
+                          "that it does")
+    return mesh, sampler
+
+
+def load_split(mixer: dict | None, name: str, cfg: TrainConfig, split: str):
+    """The rows of a split: a dataset_mixer's mixture when there is one, else the named dataset."""
+    if mixer:
+        return D.load_mixture(mixer, cfg.dataset_config, split)
+    return D.load_rows(name, cfg.dataset_config, split)
+
+
+def stop_token_ids(cfg: TrainConfig, tokenizer) -> tuple[int, ...]:
+    """open-instruct's ``stop_token``: None or ``"eos"``, completions end at the EOS (as in TRL; nothing to add);
+    ``"period"``, also at the first "." token, which alone then spares a completion the EOS penalties."""
+    if cfg.stop_token in (None, "eos"):
+        return ()
+    ids = tokenizer.encode(".", add_special_tokens=False)
+    if len(ids) != 1:
+        raise ConfigError(f"stop_token='period': '.' is {len(ids)} tokens for this tokenizer, not one")
+    return (ids[0],)
+
+
+def run_length(cfg: TrainConfig, global_batch: int, steps_per_epoch: int) -> int:
+    """Optimizer steps of the run: ``max_steps``, or ``total_episodes // global_batch`` (open-instruct's run length;
+    the prompts are reshuffled at each pass, as open-instruct retrains on them), or ``num_train_epochs`` passes."""
+    if cfg.max_steps > 0:
+        return cfg.max_steps
+    if cfg.total_episodes is not None:
+        if cfg.total_episodes < global_batch:
+            raise ConfigError(f"total_episodes={cfg.total_episodes} is less than one step's {global_batch} prompts "
+                              "(per_device_train_batch_size x data-parallel devices x gradient_accumulation_steps)")
+        return cfg.total_episodes // global_batch
+    return math.ceil(cfg.num_train_epochs * steps_per_epoch)
+
+
+def load_judge(cfg: TrainConfig, policy, mesh) -> J.LLMJudge | J.CallableJudge:
+    """A callable judge from its import path, or a causal LM as an LLM judge: frozen, in frozen_param_dtype, computing
+    as the policy does, its parameters sharded over the mesh like the reward model's."""
+    if is_import_path(cfg.judge):
+        return import_judge(cfg.judge)
+    with named("judge"):
+        model, params = load_model(cfg.judge, "causal_lm", cfg.frozen_param_dtype, place=S.placer(mesh))
+        tokenizer = load_tokenizer(cfg.judge)
+    model = model.replace(dtype=policy.dtype, precision=policy.precision, attention=policy.attention)
+    params = frozen_params(model, params)
+    try:
+        return J.LLMJudge(model, params, tokenizer, J.read_template(cfg.judge_prompt),
+                          cfg.judge_answer_tokens, cfg.judge_both_orders)
+    except J.JudgeError as e:
+        raise ConfigError(f"judge {cfg.judge!r}: {e}") from None

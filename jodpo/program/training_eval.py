@@ -1,0 +1,169 @@
+"""Evaluation during training: one completion per evaluation prompt, scored as training scores (the reward
+model on the device, reward functions on the host, or a judge against the references), and the win rate
+against the dataset's reference completions when it has them.
+
+``compile_evaluation`` compiles the evaluation's programs in a background thread once the run's first step is
+dispatched, so that the first evaluation costs what the later ones cost: on an accelerator the host's cores idle
+while the step runs.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jodpo.program import data as D
+from jodpo import judges as J
+from jodpo.program import rewards as R
+from jodpo.parallel import sharding as S
+from jodpo.program.run import Run
+
+log = logging.getLogger("jodpo")
+
+
+def _eval_batches(run: Run):
+    """Index arrays of the evaluation batches: as many whole multiples of the data-parallel size as the set has
+    (build() turns evaluation off for a set smaller than the data-parallel size)."""
+    dp = S.data_parallel_size(run.mesh)
+    B = min(run.cfg.per_device_eval_batch_size * dp, len(run.eval) // dp * dp)
+    return [np.arange(start, start + B) for start in range(0, len(run.eval) - B + 1, B)]
+
+
+def _eval_prompts(run: Run, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """i32[1, B, P] host ids and mask of the evaluation prompts ``idx``, in the training buckets' shapes (so each
+    shape compiles once for the whole run)."""
+    return D.prompt_batch([run.eval.ids[i] for i in idx], 1, run.buckets, run.step_cfg.sampling.pad_token_id)
+
+
+def _eval_state(state):
+    """The state the evaluation samples with. Every evaluation draws with the same key (step -1, never a training
+    step): scores at different steps differ by the policy, not by the draw. With async_mode it evaluates the
+    current policy, not the lagging sampler."""
+    eval_state = state.replace(step=jnp.int32(-1))
+    if eval_state.sampler_params is not None:
+        eval_state = eval_state.replace(sampler_params=state.params)
+    return eval_state
+
+
+def _reference_scores(run: Run, batches) -> np.ndarray | None:
+    """The rewards of the evaluation set's reference completions: the rewards are frozen, so they are computed
+    at the first evaluation and kept for the run."""
+    data = run.eval
+    if data.references is None:
+        return None
+    if run.eval_reference_scores is None:
+        run.eval_reference_scores = np.concatenate([
+            run.rewards.score([data.prompts[i] for i in idx], [data.references[i] for i in idx], None,
+                              {k: [v[i] for i in idx] for k, v in data.columns.items()}) for idx in batches])
+    return run.eval_reference_scores
+
+
+def _reference_batches(run: Run) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The reward model's inputs (ids, mask) of the reference completions, one per distinct shape, when the first
+    evaluation will score them with the reward model (``_reference_scores``); else none."""
+    data = run.eval
+    if run.judge is not None or data.references is None or run.rewards.model is None or \
+            run.eval_reference_scores is not None:
+        return []
+    shapes = {}
+    for idx in _eval_batches(run):
+        ids, mask = R.text_batch(run.rewards.model, run.rewards.tokenizer, [data.prompts[i] for i in idx],
+                                 [data.references[i] for i in idx])
+        shapes.setdefault(ids.shape, (ids, mask))
+    return list(shapes.values())
+
+
+def judge_against(judge, prompts: list, references: list[str], completions: list[str]) -> np.ndarray:
+    """f32[B]: the judge's probability that ``references[b]`` (the dataset's, or a baseline's) beats the policy's
+    ``completions[b]`` (TRL's judge_tldr puts the reference first too); NaN: no verdict. Chat prompts: both as the
+    assistant's messages. The in-run evaluation and ``python -m jodpo.evaluate`` judge through it."""
+    if isinstance(prompts[0], list):
+        references, completions = D.assistant_messages(references), D.assistant_messages(completions)
+    return judge.preferences(prompts, references, completions)
+
+
+def _judge_against_references(run: Run, idx: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    data = run.eval
+    return judge_against(run.judge, [data.prompts[i] for i in idx], [data.references[i] for i in idx],
+                         run.decode(tokens))
+
+
+def eval_samples(run: Run, state):
+    """Yields ``(idx, ids, mask, samples)`` per evaluation batch: one completion per prompt (dispatched, not
+    waited for)."""
+    if run.eval_compile is not None:  # its programs, compiled in the background: wait rather than compile twice
+        run.eval_compile.join()
+        run.eval_compile = None
+    eval_state = _eval_state(state)
+    for idx in _eval_batches(run):
+        ids, mask = map(run.put, _eval_prompts(run, idx))
+        yield idx, ids, mask, run.steps.sample_completions(run.step_cfg, eval_state, ids, mask, 1, run.ref_params)
+
+
+def _scored_on_device(run: Run) -> bool:
+    return run.judge is None and run.rewards.on_device
+
+
+def evaluate(run: Run, state) -> dict:
+    """One completion per evaluation prompt (``eval_samples``), scored; with reference completions, the win rate
+    against them (by the rewards, or by the judge: then the win rate is all there is)."""
+    scores = []
+    for idx, ids, mask, samples in eval_samples(run, state):
+        if run.judge is not None:  # the chance that the reference is the better one
+            s = _judge_against_references(run, idx, S.to_host(samples.tokens)[0])
+        elif _scored_on_device(run):  # as in training: the reward model reads the token ids on the device
+            s = S.to_host(run.steps.score_completions(run.step_cfg, run.rewards.params, ids, mask, samples))[0]
+        else:
+            s = run.score_on_host(run.eval, list(idx), S.to_host(samples.tokens)[0], S.to_host(samples.mask)[0])
+        scores.append(np.asarray(s, np.float32))
+    if not scores:
+        return {}
+    scores = np.concatenate(scores)
+    if run.judge is not None:
+        return {"eval/win_rate": J.win_rate(scores)}
+    out = {"eval/objective/scores": float(np.mean(scores))}
+    references = _reference_scores(run, _eval_batches(run))
+    if references is not None:
+        out["eval/win_rate"] = float(np.mean(scores > references))
+    return out
+
+
+def compile_evaluation(run: Run, state) -> threading.Thread | None:
+    """Start compiling the evaluation's programs (its sampling and, with the reward model on the device, its
+    scoring; once per prompt shape; and the reward model's scoring of the reference completions, once per run)
+    in a background thread, with the exact arguments ``evaluate`` passes, so that its calls find them compiled;
+    sets ``run.eval_compile`` (``eval_samples`` waits for it). A failure only logs: the evaluation then compiles
+    when it first runs. None when the run does not evaluate. The thread only compiles: it runs nothing on the
+    devices (a multi-process run must launch its programs in the same order on every process)."""
+    if run.eval is None or run.steps is None:
+        return None
+    # Shapes and shardings only: the step donates the state's buffers while this thread works.
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    eval_state = _eval_state(abstract)
+    shapes = {}
+    for idx in _eval_batches(run):
+        ids, mask = _eval_prompts(run, idx)
+        shapes.setdefault(ids.shape, (ids, mask))
+    references = _reference_batches(run)  # tokenized here: the tokenizer is not used from two threads
+
+    def work():
+        try:
+            for host_ids, host_mask in shapes.values():
+                ids, mask = run.put(host_ids), run.put(host_mask)
+                sample = run.steps.sample_completions.lower(run.step_cfg, eval_state, ids, mask, 1,
+                                                            run.ref_params).compile()
+                if _scored_on_device(run):
+                    run.steps.score_completions.lower(run.step_cfg, run.rewards.params, ids, mask,
+                                                      sample.out_info).compile()
+            for ids, mask in references:
+                R.jit_reward_scores.lower(run.rewards.model, run.rewards.params, ids, mask).compile()
+        except Exception as e:  # noqa: BLE001 - only a head start: the evaluation compiles as usual without it
+            log.warning("compiling the evaluation in the background failed (%s: %s); it compiles at the first "
+                        "evaluation instead", type(e).__name__, e)
+
+    run.eval_compile = threading.Thread(target=work, name="jodpo-eval-compile", daemon=True)
+    run.eval_compile.start()
+    return run.eval_compile

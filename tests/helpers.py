@@ -1,0 +1,70 @@
+"""Helpers shared by the test files (fixtures are in conftest.py; HF checkpoints in hf_fixtures.py; subprocesses in
+subproc.py; references that run TRL, transformers or peft in references.py)."""
+import math
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jodpo
+from jodpo import train_step as ts
+from tests import hf_fixtures
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def step_cfg(model, **kw):
+    opt = ts.OptimizerConfig(**{"learning_rate": 1e-3, "total_steps": 10, **kw.pop("opt", {})})
+    sampling = jodpo.SamplingConfig(max_new_tokens=6, temperature=1.0, eos_token_ids=model.eos_token_ids,
+                                    pad_token_id=model.pad_token_id)
+    return ts.StepConfig(model=model, sampling=sampling, optimizer=opt, **kw)
+
+
+def prompt_batch(model, A, B, seed=0):
+    rng = np.random.default_rng(seed)
+    ids, mask = hf_fixtures.padded_batch(rng, list(rng.integers(2, 8, A * B)), model.pad_token_id, "left")
+    return ids.reshape(A, B, -1), mask.reshape(A, B, -1)
+
+
+def close_params(a, b, lr: float, updates: int):
+    """Parameters after the same updates computed in another order: equal to float noise, except where a gradient
+    entry is itself float noise (a key bias's is 0 in exact arithmetic, a rare token's head row nearly): there
+    Adam's normalised step turns the noise into up to +-lr per update. So: no entry further apart than Adam can
+    move it, and all but a thousandth of each array within 1e-4 relative (the key bias, noise throughout, aside)."""
+    for (path, x), y in zip(jax.tree.leaves_with_path(a), jax.tree.leaves(b)):
+        x, y, name = np.asarray(x), np.asarray(y), jax.tree_util.keystr(path)
+        diff = np.abs(x - y)
+        assert diff.max() <= 2 * lr * updates, name
+        assert "k_bias" in name or (diff > 1e-6 + 1e-4 * np.abs(y)).mean() < 1e-3, name
+
+
+def jaxpr_eqns(jaxpr, inside=False):
+    """Every equation of ``jaxpr`` and of the jaxprs nested in it, depth first, each with whether it runs inside a
+    while loop (``inside``: the whole of ``jaxpr`` does)."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    for eqn in jaxpr.eqns:
+        yield eqn, inside
+        for v in eqn.params.values():
+            for sub in (v if isinstance(v, (tuple, list)) else (v,)):
+                if hasattr(sub, "eqns") or hasattr(getattr(sub, "jaxpr", None), "eqns"):
+                    yield from jaxpr_eqns(sub, inside or eqn.primitive.name == "while")
+
+
+def loop_converts(jaxpr, inside=False) -> list:
+    """Shapes of the float32 -> other-dtype converts of 2-D or larger arrays inside while loops of ``jaxpr``."""
+    return [eqn.invars[0].aval.shape for eqn, looped in jaxpr_eqns(jaxpr, inside)
+            if looped and eqn.primitive.name == "convert_element_type" and eqn.invars[0].aval.dtype == jnp.float32
+            and eqn.invars[0].aval.ndim >= 2 and eqn.params["new_dtype"] != jnp.float32]
+
+
+def resumable_copy(src: Path, dst: Path) -> Path:
+    """A copy of the run ``src`` without its last checkpoint (3), to resume from checkpoint 2."""
+    shutil.copytree(src, dst)
+    shutil.rmtree(dst / "checkpoints" / "3")
+    return dst
+
+
+def positive(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
