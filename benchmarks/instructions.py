@@ -46,7 +46,7 @@ def variant_config(base, name: str, seed: int, steps: int, out: Path):
     if overrides.pop("batch_divisor", None):
         overrides["per_device_train_batch_size"] = base.per_device_train_batch_size // 2
     return base.replace(seed=seed, max_steps=steps, save_steps=steps, output_dir=str(out), report_to="none",
-                        num_sample_generations=0, **overrides)
+                        **overrides)
 
 
 def hf_model(base, out: Path) -> Path:
