@@ -77,7 +77,8 @@ def train_trl(cfg, model_dir: Path, out: Path) -> None:
         output_dir=str(out / "trl"), per_device_train_batch_size=cfg.per_device_train_batch_size,
         gradient_accumulation_steps=cfg.gradient_accumulation_steps, max_steps=cfg.max_steps,
         learning_rate=cfg.learning_rate, beta=cfg.beta,
-        warmup_steps=cfg.warmup_steps or math.ceil(cfg.max_steps * cfg.warmup_ratio),  # as jodpo.run counts them loss_type=cfg.loss_type,
+        loss_type=cfg.loss_type,
+        warmup_steps=cfg.warmup_steps or math.ceil(cfg.max_steps * cfg.warmup_ratio),  # as jodpo.run counts them
         max_new_tokens=cfg.max_new_tokens, max_length=cfg.max_length, temperature=cfg.temperature,
         missing_eos_penalty=cfg.missing_eos_penalty, seed=cfg.seed, bf16=False, fp16=False,
         gradient_checkpointing=False, use_cpu=True, report_to=[], logging_steps=1, save_strategy="no",
@@ -98,7 +99,8 @@ def evaluate(model: str, cfg, eval_dir: Path, n: int, out: Path) -> dict:
     summaries = {}
     for name, file in SETS.items():
         args = [model, "--pointwise", "--out", str(out / name), "--dataset_name", str(eval_dir / file),
-                "--dataset_test_split", "train", "--max_prompts", str(n), "--reward_funcs", repr(list(cfg.reward_funcs)),
+                "--dataset_test_split", "train", "--max_prompts", str(n),
+                "--reward_funcs", repr(list(cfg.reward_funcs)),
                 "--max_new_tokens", str(cfg.max_new_tokens), "--temperature", str(cfg.temperature),
                 "--max_prompt_length", str(cfg.max_prompt_length), "--bf16", "False", "--seed", "0",
                 "--per_device_eval_batch_size", str(cfg.per_device_eval_batch_size)]
@@ -159,8 +161,8 @@ def table(results: list[dict], before: dict, out: Path) -> str:
     lines = ["| variant | seeds | " + " | ".join(f"{k}: rate (each seed [95% Wilson])" for k in SETS)
              + " | " + " | ".join(f"{k}: after - before [95% bootstrap]" for k in SETS)
              + " | KL (last 5 steps) | tokens (held-out) | train min (each) |", "|" + " --- |" * (5 + 2 * len(SETS))]
-    lines.append("| start (SmolLM2-135M-Instruct) | - | " + " | ".join(cell(before[k]) for k in SETS) + " | - | - | 0 | "
-                 f"{before['train_types_tokens']:.1f} | - |")
+    lines.append("| start (SmolLM2-135M-Instruct) | - | " + " | ".join(cell(before[k]) for k in SETS)
+                 + f" | - | - | 0 | {before['train_types_tokens']:.1f} | - |")
     by_variant = {}
     for r in results:
         by_variant.setdefault(r["variant"], []).append(r)
@@ -225,7 +227,8 @@ def main(argv=None) -> int:
         t = time.perf_counter()
         summ = evaluate(base.model_name_or_path, base, eval_dir, a.eval_prompts, a.out / "start" / "eval")
         before = {**{k: {"mean": s["mean"], "ci95": s["ci95"], "n": s["n"]} for k, s in summ.items()},
-                  **{f"{k}_tokens": s["mean_tokens"]["model"] for k, s in summ.items()}, "eval_s": time.perf_counter() - t}
+                  **{f"{k}_tokens": s["mean_tokens"]["model"] for k, s in summ.items()},
+                  "eval_s": time.perf_counter() - t}
         start.write_text(json.dumps(before, indent=2) + "\n")
     results = [run_one(base, name, seed, a, a.out, eval_dir) for name in a.variants for seed in a.seeds]
     (a.out / "results.json").write_text(json.dumps({"start": before, "runs": results}, indent=2) + "\n")

@@ -52,7 +52,8 @@ def test_pointwise_means_and_intervals_by_hand():
     x = np.arange(400) % 7 * 0.5
     lo, hi = E.mean_summary(list(x))["ci95"]
     half = 1.959964 * x.std() / math.sqrt(400)
-    assert lo == pytest.approx(x.mean() - half, abs=0.05 * half) and hi == pytest.approx(x.mean() + half, abs=0.05 * half)
+    assert lo == pytest.approx(x.mean() - half, abs=0.05 * half)
+    assert hi == pytest.approx(x.mean() + half, abs=0.05 * half)
 
 
 @pytest.fixture(scope="module")

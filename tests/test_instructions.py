@@ -68,7 +68,8 @@ def test_prompt_sets_keep_held_out_types_out_of_training():
     assert seen <= set(I.TRAIN_TYPES) and len(seen) > 3 and {len(r["instruction_id_list"]) for r in train} == {1, 2}
     for r in train:
         if len(r["instruction_id_list"]) == 2:
-            assert set(r["instruction_id_list"]) != {"detectable_format:title", "startend:quotation"}  # IFEval's conflict
+            # IFEval's registry marks these two as conflicting
+            assert set(r["instruction_id_list"]) != {"detectable_format:title", "startend:quotation"}
     for split, types in (("eval", I.TRAIN_TYPES), ("eval_held_out", I.HELD_OUT_TYPES)):
         rows = I.build_rows(items, split)
         assert [r["instruction_id_list"] for r in rows] == [[sorted(types)[n % len(types)]] for n in range(24)]
