@@ -129,6 +129,8 @@ def run_one(base, name: str, seed: int, a, out: Path, eval_dir: Path) -> dict:
     if done.exists():
         return json.loads(done.read_text())
     cfg = variant_config(base, name, seed, a.steps, run)
+    # a run finished before this call (by hand, or a session before): its training time is not this call's
+    before = (run / "checkpoints" / str(a.steps)).is_dir() or (run / "model" / "config.json").exists()
     t0 = time.perf_counter()
     if name == "trl":
         if not (run / "model" / "config.json").exists():
@@ -141,8 +143,9 @@ def run_one(base, name: str, seed: int, a, out: Path, eval_dir: Path) -> dict:
     t1 = time.perf_counter()
     summaries = evaluate(model, cfg, eval_dir, a.eval_prompts, run / "eval")
     t2 = time.perf_counter()
-    result = {"variant": name, "seed": seed, "steps": a.steps, "train_s": t1 - t0, "eval_s": t2 - t1,
-              "episodes_per_s": cfg.per_device_train_batch_size * a.steps / (t1 - t0),
+    result = {"variant": name, "seed": seed, "steps": a.steps, "train_s": None if before else t1 - t0,
+              "eval_s": t2 - t1,
+              "episodes_per_s": None if before else cfg.per_device_train_batch_size * a.steps / (t1 - t0),
               "kl": last_mean(run / "metrics.jsonl", "objective/kl"),
               **{f"{k}_tokens": s["mean_tokens"]["model"] for k, s in summaries.items()},
               **{k: {"mean": s["mean"], "ci95": s["ci95"], "n": s["n"]} for k, s in summaries.items()}}
@@ -150,7 +153,17 @@ def run_one(base, name: str, seed: int, a, out: Path, eval_dir: Path) -> dict:
     return result
 
 
-def table(results: list[dict], before: dict, out: Path) -> str:
+def by_type(where: Path, eval_dir: Path, rate: bool = False) -> dict:
+    """Per instruction type of both held-out sets: the prompts (or, ``rate``, the share followed) of a scored run."""
+    out = {}
+    for key, file in SETS.items():
+        prompts = [json.loads(x) for x in (eval_dir / file).read_text().splitlines()]
+        for p, s in zip(prompts, scores(where / "eval", key)):
+            out.setdefault(p["instruction_id_list"][0], []).append(s)
+    return {t: (statistics.mean(v) if rate else len(v)) for t, v in sorted(out.items())}
+
+
+def table(results: list[dict], before: dict, out: Path, eval_dir: Path) -> str:
     """The markdown table: per variant, the rate on each held-out set (mean over seeds, each seed's rate and
     interval), the paired difference to the start, KL and completion length; then TRL against jodpo's k2."""
     from jodpo.evaluate import mean_summary
@@ -178,7 +191,15 @@ def table(results: list[dict], before: dict, out: Path) -> str:
         lines.append(f"| {name} | {len(runs)} | " + " | ".join(f"**{m:.3f}**: {c}" for m, c in zip(mean_rates, rates))
                      + " | " + " | ".join(diffs) + f" | {statistics.mean(r['kl'] for r in runs):.2f} | "
                      f"{statistics.mean(r['train_types_tokens'] for r in runs):.1f} | "
-                     + ", ".join(f"{r['train_s'] / 60:.1f}" for r in runs) + " |")
+                     + ", ".join("-" if r["train_s"] is None else f"{r['train_s'] / 60:.1f}" for r in runs) + " |")
+    lines += ["", "Rate by instruction type (mean over seeds; n prompts per seed):", "",
+              "| variant | " + " | ".join(f"{t} (n={n})" for t, n in by_type(out / "start", eval_dir).items()) + " |",
+              "|" + " --- |" * (1 + len(by_type(out / "start", eval_dir)))]
+    for name, where in [("start", [out / "start"])] + [(v, [out / f"{v}-seed{r['seed']}" for r in rs])
+                                                        for v, rs in by_variant.items()]:
+        rates = [by_type(w, eval_dir, rate=True) for w in where]
+        means = [statistics.mean(r[t] for r in rates) for t in rates[0]]
+        lines.append(f"| {name} | " + " | ".join(f"{m:.2f}" for m in means) + " |")
     if "trl" in by_variant and "k2" in by_variant:
         lines += ["", two_sample(by_variant["k2"], by_variant["trl"])]
     return "\n".join(lines)
@@ -197,8 +218,10 @@ def two_sample(jodpo_runs: list[dict], trl_runs: list[dict]) -> str:
             "no test: fewer than 2 seeds a side"
         out.append(f"{k}: jodpo k2 {statistics.mean(a):.3f} (seeds {a}) vs TRL {statistics.mean(b):.3f} (seeds {b}); "
                    f"{test}")
-    speed = [statistics.mean(r["episodes_per_s"] for r in rs) for rs in (jodpo_runs, trl_runs)]
-    out.append(f"episodes/s (training, compilation included): jodpo {speed[0]:.3f}, TRL {speed[1]:.3f}")
+    speed = [[r["episodes_per_s"] for r in rs if r["episodes_per_s"] is not None] for rs in (jodpo_runs, trl_runs)]
+    out.append("episodes/s (training, compilation included): " + ", ".join(
+        f"{side} {statistics.mean(v):.3f}" if v else f"{side} not timed here"
+        for side, v in zip(("jodpo", "TRL"), speed)))
     return "\n\n".join(out)
 
 
@@ -232,7 +255,7 @@ def main(argv=None) -> int:
         start.write_text(json.dumps(before, indent=2) + "\n")
     results = [run_one(base, name, seed, a, a.out, eval_dir) for name in a.variants for seed in a.seeds]
     (a.out / "results.json").write_text(json.dumps({"start": before, "runs": results}, indent=2) + "\n")
-    text = table(results, before, a.out)
+    text = table(results, before, a.out, eval_dir)
     (a.out / "table.md").write_text(text + "\n")
     print(text)
     return 0
