@@ -13,6 +13,10 @@ DIR gets ``completions.jsonl`` (and ``baseline.jsonl``), ``judged.jsonl`` (one r
 verdict, the probability that the model's completion is the better one) and ``summary.json``; the win rate (ties
 count half), its 95% Wilson score interval and both sides' mean lengths are printed. Every file is written a batch
 at a time and continued by a rerun of the same command.
+
+``--pointwise``: no comparison with references; the model's mean reward on the prompts with its 95% interval (Wilson
+for 0/1 rewards, an accuracy; else a percentile bootstrap), and with ``--baseline`` the baseline's too and the mean
+of the paired differences (model - baseline, prompt by prompt) with its bootstrap interval (``scored.jsonl``).
 """
 from __future__ import annotations
 
@@ -64,6 +68,37 @@ def summarize(verdicts: list[str | None]) -> dict:
             "win_rate": rate, "ci95": [lo, hi], "interval": "Wilson score, 95%, ties counted as half a win"}
 
 
+BOOTSTRAP_RESAMPLES = 10_000
+
+
+def bootstrap_interval(values, resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0) -> tuple[float, float]:
+    """The 95% percentile-bootstrap interval of the mean of ``values`` (the 2.5% and 97.5% quantiles of the means
+    of ``resamples`` resamples with replacement, drawn from ``seed``); (nan, nan) for no values."""
+    x = np.asarray(values, np.float64)
+    if x.size == 0:
+        return math.nan, math.nan
+    rng, means = np.random.default_rng(seed), []
+    for start in range(0, resamples, 1000):  # 1,000 resamples at a time: n x 1,000 indices in memory
+        idx = rng.integers(0, x.size, (min(1000, resamples - start), x.size))
+        means.append(x[idx].mean(axis=1))
+    lo, hi = np.quantile(np.concatenate(means), [0.025, 0.975])
+    return float(lo), float(hi)
+
+
+def mean_summary(values, paired: bool = False) -> dict:
+    """``mean``, ``ci95`` and ``n`` of the finite ``values`` (rewards without a value are left out, counted in
+    ``no_score``), and which interval: Wilson's score interval when every value is 0 or 1 (the mean is a proportion)
+    and they are not paired differences, else the percentile bootstrap of the mean."""
+    x = np.asarray([v for v in values if v is not None and math.isfinite(v)], np.float64)
+    n = int(x.size)
+    if not paired and n and np.isin(x, (0.0, 1.0)).all():
+        ci, how = wilson_interval(float(x.sum()), n), "Wilson score, 95% (every value 0 or 1: a proportion)"
+    else:
+        ci, how = bootstrap_interval(x), f"percentile bootstrap of the mean, 95%, {BOOTSTRAP_RESAMPLES} resamples"
+    return {"mean": float(x.mean()) if n else math.nan, "ci95": list(ci), "n": n, "no_score": len(values) - n,
+            "interval": how}
+
+
 class Comparison:
     """A judge or rewards, applied to (prompts, baseline completions, model completions) a batch at a time. Checked
     when made (a callable is imported, a model's path resolved), loaded when first used: after the completions are
@@ -99,6 +134,12 @@ class Comparison:
     def settings(self) -> dict:
         return json.loads(json.dumps({k: getattr(self.cfg, k) for k in COMPARISON_FIELDS}))
 
+    def scores(self, prompts: list, completions: list[str], columns: dict) -> list[float | None]:
+        """The rewards of ``completions`` (pointwise: no judge); None where a reward gives no value."""
+        self.load()
+        return [float(s) if math.isfinite(s) else None for s in
+                self.rewards.score(prompts, completions, None, columns).tolist()]
+
     def rows(self, prompts: list, baseline: list[str], completions: list[str], columns: dict) -> list[dict]:
         self.load()
         if self.judge is not None:
@@ -114,10 +155,20 @@ class Comparison:
             out.append({"verdict": v, "probability": None if math.isnan(p) else p, "score": s, "baseline_score": b})
         return out
 
+    def pointwise_rows(self, prompts: list, baseline: list[str] | None, completions: list[str],
+                       columns: dict) -> list[dict]:
+        """Each completion's reward (and its baseline's, when there is one)."""
+        out = [{"score": s} for s in self.scores(prompts, completions, columns)]
+        if baseline is not None:
+            for row, b in zip(out, self.scores(prompts, baseline, columns)):
+                row["baseline_score"] = b
+        return out
 
-def judge_rows(comparison: Comparison, data: D.PromptData, completions: list[dict], baseline: list[str],
-               out: Path, settings: dict, batch: int, overwrite: bool) -> list[dict]:
-    """Every prompt's verdict in ``out`` (continuing the rows already there), a batch at a time."""
+
+def judge_rows(comparison: Comparison, data: D.PromptData, completions: list[dict], baseline: list[str] | None,
+               out: Path, settings: dict, batch: int, overwrite: bool, pointwise: bool = False) -> list[dict]:
+    """Every prompt's verdict (``pointwise``: its scores) in ``out`` (continuing the rows already there), a batch at
+    a time."""
     from tqdm.auto import tqdm
 
     G.check_settings(out, settings, overwrite)
@@ -129,9 +180,10 @@ def judge_rows(comparison: Comparison, data: D.PromptData, completions: list[dic
             prompts = [data.prompts[i] for i in idx]
             texts = [completions[i]["completion"] for i in idx]
             columns = {k: [v[i] for i in idx] for k, v in data.columns.items()}
-            judged = comparison.rows(prompts, [baseline[i] for i in idx], texts, columns)
+            other = None if baseline is None else [baseline[i] for i in idx]
+            judged = (comparison.pointwise_rows if pointwise else comparison.rows)(prompts, other, texts, columns)
             new = [{"index": i, "prompt": data.prompts[i], "completion": completions[i]["completion"],
-                    "baseline": baseline[i], **j} for i, j in zip(idx, judged)]
+                    **({} if baseline is None else {"baseline": baseline[i]}), **j} for i, j in zip(idx, judged)]
             if write:
                 G.append_rows(out, new)
             rows += new
@@ -153,8 +205,11 @@ def evaluate(args) -> dict:
     if compare:  # given on the command line: it replaces a run's own judge or rewards
         compare = {"judge": None, "reward_model_path": None, "reward_funcs": (), "reward_weights": None, **compare}
     cfg = policy.cfg.replace(**compare)
+    if args.pointwise and cfg.judge:
+        raise G.GenerateError("--pointwise scores each completion by rewards, and a judge only compares two: give "
+                              "--reward_model_path or --reward_funcs")
     data = G.load_prompts(policy, args.max_prompts)
-    if args.baseline is None and data.references is None:
+    if args.baseline is None and data.references is None and not args.pointwise:
         raise G.GenerateError("the dataset has no 'completion' column to compare with; give one (reference "
                               "completions), or --baseline MODEL to compare with a second model's completions")
     comparison = Comparison(cfg, policy, chat=isinstance(data.prompts[0], list))
@@ -175,26 +230,66 @@ def evaluate(args) -> dict:
         tokens["baseline"] = _mean(r["completion_tokens"] for r in base_rows)
         base_name = f"{args.baseline}" + (f" (step {base_policy.step})" if base_policy.step is not None else "")
         base_policy.params = None
+    elif args.pointwise:
+        baseline, base_name = None, None
     else:
         baseline = data.references
         tokens["baseline"] = _mean(len(x) for x in policy.tokenizer(baseline, add_special_tokens=False)["input_ids"])
         base_name = "the dataset's reference completions"
     settings = {"completions": gen_settings, "baseline": args.baseline, "baseline_step": args.baseline_step,
                 "baseline_seed": args.baseline_seed, **comparison.settings()}
-    rows = judge_rows(comparison, data, model_rows, baseline, out_dir / "judged.jsonl", settings, policy.batch_size,
-                      args.overwrite)
-    summary = {"model": args.model, "step": gen_settings["step"], "baseline": base_name, "comparison": comparison.name,
-               "prompts": len(rows), **summarize([r["verdict"] for r in rows]),
-               "mean_tokens": tokens,
-               "mean_words": {"model": _mean(len(r["completion"].split()) for r in rows),
-                              "baseline": _mean(len(r["baseline"].split()) for r in rows)}}
+    rows = judge_rows(comparison, data, model_rows, baseline, out_dir / ("scored.jsonl" if args.pointwise else
+                      "judged.jsonl"), settings, policy.batch_size, args.overwrite, args.pointwise)
+    if args.pointwise:
+        summary = pointwise_summary(args, gen_settings["step"], base_name, comparison.name, rows, tokens)
+    else:
+            summary = {"model": args.model, "step": gen_settings["step"], "baseline": base_name,
+                   "comparison": comparison.name,
+                   "prompts": len(rows), **summarize([r["verdict"] for r in rows]),
+                   "mean_tokens": tokens,
+                   "mean_words": {"model": _mean(len(r["completion"].split()) for r in rows),
+                                  "baseline": _mean(len(r["baseline"].split()) for r in rows)}}
     if jax.process_index() == 0:
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
 
+def pointwise_summary(args, step, base_name, rewards: str, rows: list[dict], tokens: dict) -> dict:
+    """The model's mean score with its interval; with a baseline, the baseline's and the paired difference's."""
+    summary = {"model": args.model, "step": step, "baseline": base_name, "comparison": rewards, "prompts": len(rows),
+               **mean_summary([r["score"] for r in rows]), "mean_tokens": tokens,
+               "mean_words": {"model": _mean(len(r["completion"].split()) for r in rows)}}
+    if base_name is not None:
+        summary["baseline_scores"] = mean_summary([r["baseline_score"] for r in rows])
+        summary["difference"] = mean_summary([r["score"] - r["baseline_score"] for r in rows
+                                              if r["score"] is not None and r["baseline_score"] is not None], True)
+        summary["mean_words"]["baseline"] = _mean(len(r["baseline"].split()) for r in rows)
+    return summary
+
+
+def _interval(s: dict) -> str:
+    return f"95% interval [{s['ci95'][0]:.3f}, {s['ci95'][1]:.3f}] ({s['interval'].split(',')[0]})"
+
+
+def report_pointwise(s: dict, out_dir: Path) -> str:
+    step = f" (step {s['step']})" if s["step"] is not None else ""
+    unscored = f"; {s['no_score']} without a score" if s["no_score"] else ""
+    lines = [f"model {s['model']}{step}, {s['prompts']} prompts, by {s['comparison']}",
+             f"mean score {s['mean']:.3f} of {s['n']} scored{unscored}, {_interval(s)}"]
+    length = f"mean length: model {s['mean_tokens']['model']:.1f} tokens, {s['mean_words']['model']:.1f} words"
+    if s["baseline"] is not None:
+        b, d = s["baseline_scores"], s["difference"]
+        lines += [f"baseline {s['baseline']}: mean score {b['mean']:.3f} of {b['n']}, {_interval(b)}",
+                  f"paired difference (model - baseline) {d['mean']:+.3f} over {d['n']} prompts, {_interval(d)}"]
+        length += (f"; baseline {s['mean_tokens']['baseline']:.1f} tokens, {s['mean_words']['baseline']:.1f} "
+                   "words")
+    return "\n".join([*lines, length, f"rows in {out_dir / 'scored.jsonl'}, summary in {out_dir / 'summary.json'}"])
+
+
 def report(summary: dict, out_dir: Path) -> str:
     s = summary
+    if "mean" in s:
+        return report_pointwise(s, out_dir)
     step = f" (step {s['step']})" if s["step"] is not None else ""
     lo, hi = s["ci95"]
     t, w = s["mean_tokens"], s["mean_words"]
@@ -217,6 +312,9 @@ def main(argv: list[str] | None = None) -> int:
     group.add_argument("--baseline", default=None, help="a second model (as MODEL), sampled with the same settings")
     group.add_argument("--baseline_step", type=int, default=None, help="the baseline run's checkpoint step")
     group.add_argument("--baseline_seed", type=int, default=None, help="the baseline's seed (default: seed)")
+    group.add_argument("--pointwise", action="store_true",
+                       help="the mean reward with its interval instead of a win rate; with --baseline, the paired "
+                            "difference too")
     G.add_field_arguments(p, COMPARISON_FIELDS, "the comparison (training's fields; a run's own by default)")
     args = p.parse_args(argv)
     try:

@@ -107,16 +107,24 @@ def padded_batch(rng: np.random.Generator, lengths, pad_id: int, side: str, low:
     return ids, mask
 
 
-def prompt_dataset(root: Path, chat: bool = False, preference: bool = False) -> Path:
+def prompt_dataset(root: Path, chat: bool = False, preference: bool = False, instructions: bool = False) -> Path:
     """A local prompt dataset (train.jsonl: 16 rows, test.jsonl: 8) with reference completions (``preference``:
-    with chosen/rejected columns too, as open-instruct's TL;DR dataset has)."""
+    with chosen/rejected columns too, as open-instruct's TL;DR dataset has; ``instructions``: chat prompts with
+    IFEval instructions and their columns, as jodpo.tasks.instructions writes them)."""
     rng = np.random.default_rng(0)
     words = " ".join(CORPUS[:5]).split()
     root.mkdir()
     for split, n in (("train", 16), ("test", 8)):
         rows = []
-        for _ in range(n):
+        for i in range(n):
             text = " ".join(rng.choice(words, rng.integers(3, 9)))
+            if instructions:
+                from jodpo.tasks.instructions import build_rows
+
+                passage = " ".join(rng.choice(words, 10))
+                [row] = build_rows([(f"fixture-{i}", passage)], "train" if split == "train" else "eval", seed=i)
+                rows.append(row | {"completion": " " + " ".join(rng.choice(words, 4))})
+                continue
             prompt = [{"role": "user", "content": text}] if chat else f"SUBREDDIT: r/test POST: {text} TL;DR:"
             rows.append({"prompt": prompt, "completion": " " + " ".join(rng.choice(words, 4))})
             if preference:

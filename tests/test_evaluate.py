@@ -39,6 +39,25 @@ def test_win_rate_and_wilson_interval_by_hand():
     assert [E.verdict(p) for p in (0.9, 0.5, 0.1, math.nan)] == ["win", "tie", "loss", None]
 
 
+def test_pointwise_means_and_intervals_by_hand():
+    s = E.mean_summary([1.0, 0.0, 1.0, 1.0, None])  # 0/1 rewards: a proportion, Wilson's interval
+    assert (s["mean"], s["n"], s["no_score"]) == (0.75, 4, 1) and s["ci95"] == list(E.wilson_interval(3, 4))
+    assert s["interval"].startswith("Wilson")
+    # two values 0 and 1 resampled: the mean is 0, 0.5 or 1 with chances 1/4, 1/2, 1/4, so its 2.5% and 97.5%
+    # quantiles are 0 and 1; paired differences always get the bootstrap, even when they are 0 or 1
+    d = E.mean_summary([0.0, 1.0], paired=True)
+    assert d["mean"] == 0.5 and d["ci95"] == [0.0, 1.0] and d["interval"].startswith("percentile bootstrap")
+    assert E.bootstrap_interval([0.3] * 5) == pytest.approx((0.3, 0.3), abs=1e-12)  # nothing varies
+    assert all(math.isnan(v) for v in E.bootstrap_interval([]))
+    # 400 values: the percentile bootstrap is the normal interval mean +- 1.96 sd / sqrt(n) (sd with 1/n, as the
+    # bootstrap's), up to the Monte-Carlo error of 10,000 resamples (about 1.5% of the half-width)
+    x = np.arange(400) % 7 * 0.5
+    lo, hi = E.mean_summary(list(x))["ci95"]
+    half = 1.959964 * x.std() / math.sqrt(400)
+    assert lo == pytest.approx(x.mean() - half, abs=0.05 * half)
+    assert hi == pytest.approx(x.mean() + half, abs=0.05 * half)
+
+
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
     """16 of the tiny world's evaluation prompts with reference completions, some positive, some negative."""
@@ -133,6 +152,50 @@ def test_a_model_against_itself_wins_half(against_itself, tmp_path):
     assert E.main([*args, "--out", str(same)]) == 0
     s = json.loads((same / "summary.json").read_text())
     assert s["ties"] == 64 and s["win_rate"] == 0.5
+
+
+def positive(prompts, completions, **_):
+    """A 0/1 reward: the completion's sentiment is above 0."""
+    return [float(r > 0) for r in toy.sentiment_reward(prompts, completions)]
+
+
+def test_pointwise_scores_are_the_rewards_and_their_paired_difference(against_itself, tmp_path, capsys):
+    """The same completions as the win-rate evaluation (its files are continued, not drawn again), each scored
+    alone: the mean, the baseline's mean and the mean of the paired differences are those of the rewards by hand."""
+    import shutil
+
+    args, judged = against_itself
+    out = tmp_path / "pointwise"
+    shutil.copytree(judged, out)
+    assert E.main([*args, "--out", str(out), "--baseline_seed", "1", "--pointwise"]) == 0
+    assert (out / "completions.jsonl").read_bytes() == (judged / "completions.jsonl").read_bytes()
+    rows = [json.loads(x) for x in (out / "scored.jsonl").read_text().splitlines()]
+    pairs = [json.loads(x) for x in (judged / "judged.jsonl").read_text().splitlines()]
+    score = toy.sentiment_reward(None, [r["completion"] for r in rows])
+    base = toy.sentiment_reward(None, [r["baseline"] for r in rows])
+    assert [r["score"] for r in rows] == pytest.approx(score) == [p["score"] for p in pairs]
+    assert [r["baseline_score"] for r in rows] == pytest.approx(base) == [p["baseline_score"] for p in pairs]
+    s = json.loads((out / "summary.json").read_text())
+    diff = np.asarray(score) - np.asarray(base)
+    tol = 1e-6  # the rewards pass through float32, as in training (values in [-1, 1]: float32's 6e-8 and sums)
+    assert s["n"] == s["difference"]["n"] == 64 and s["mean"] == pytest.approx(np.mean(score), abs=tol)
+    assert s["baseline_scores"]["mean"] == pytest.approx(np.mean(base), abs=tol)
+    assert s["difference"]["mean"] == pytest.approx(diff.mean(), abs=tol)
+    assert s["difference"]["ci95"] == pytest.approx(E.bootstrap_interval(diff), abs=tol)
+    assert s["difference"]["ci95"][0] < 0 < s["difference"]["ci95"][1]  # a model against itself: no difference
+    assert "paired difference (model - baseline)" in capsys.readouterr().out
+    # a 0/1 reward, no baseline: the rate of positive completions, with Wilson's interval
+    i = args.index("--reward_funcs")
+    rate = tmp_path / "rate"
+    shutil.copytree(judged, rate)
+    assert E.main([*args[:i], *args[i + 2:], "--out", str(rate), "--baseline_seed", "1", "--pointwise",
+                   "--reward_funcs", "tests.test_evaluate:positive"]) == 0
+    s = json.loads((rate / "summary.json").read_text())
+    k = sum(v > 0 for v in score)
+    assert (s["mean"], s["n"], s["ci95"]) == (k / 64, 64, list(E.wilson_interval(k, 64)))
+    assert E.main([*args[:i], *args[i + 2:], "--out", str(tmp_path / "j"), "--pointwise", "--judge",
+                   "tests.test_evaluate:sentiment_judge"]) == 2
+    assert "--pointwise scores each completion by rewards" in capsys.readouterr().err
 
 
 def sentiment_judge(prompts, pairs):

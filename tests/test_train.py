@@ -141,17 +141,21 @@ def test_every_config_runs_two_steps_on_local_stand_ins(name, checkpoints, tmp_p
     family = "qwen2" if "qwen" in cfg.model_name_or_path.lower() else "neox"
     chat = "ultrafeedback" in cfg.dataset_name
     # open-instruct's recipe reads a preference dataset's prompts (online, since the run has a reward model)
-    data = str(hf_fixtures.prompt_dataset(tmp_path / "data", chat, preference=cfg.dataset_mixer is not None))
+    # a reward reading the instruction columns (smollm2_ifeval.py) gets prompts carrying them
+    instructions = any("instructions" in f for f in cfg.reward_funcs)
+    data = str(hf_fixtures.prompt_dataset(tmp_path / "data", chat, preference=cfg.dataset_mixer is not None,
+                                          instructions=instructions))
     source = {"dataset_mixer": {data: 1.0}, "dataset_eval_mixer": {data: 1.0}, "dataset_test_split": "test"} \
         if cfg.dataset_mixer else {"dataset_name": data, "eval_dataset": None, "dataset_test_split": "test"}
+    P = 320 if instructions else 96  # the instructions' text is ~300 tokens of the tiny character-level tokenizer
     # a judge recipe is judged by a tiny causal LM, any other one scored by a tiny reward model
     scorer = {"judge": str(checkpoints["llama"]["causal_lm"])} if cfg.judge else {
         "reward_model_path": str(checkpoints[family]["reward"])}
     cfg = cfg.replace(model_name_or_path=str(checkpoints[family]["causal_lm"]), **scorer, **source,
                       output_dir=str(tmp_path / "out"), total_episodes=None, max_steps=2, per_device_train_batch_size=2,
-                      max_new_tokens=6, max_length=120, max_prompt_length=96, eval_steps=2, max_eval_prompts=4,
+                      max_new_tokens=6, max_length=P + 24, max_prompt_length=P, eval_steps=2, max_eval_prompts=4,
                       per_device_eval_batch_size=2, logging_steps=1,
-                      prompt_buckets=(96,))  # one prompt shape: each program compiles once (the prompts straddle 64)
+                      prompt_buckets=(P,))  # one prompt shape: each program compiles once (the prompts straddle 64)
     last = loop.train(cfg)
     lines = _metrics(tmp_path / "out")
     assert [m["step"] for m in lines if "loss" in m] == [1, 2]
