@@ -13,6 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from jodpo.errors import CheckpointError
+from jodpo.models.loading import describe_model
 import jodpo
 from tests import subproc
 
@@ -151,3 +152,11 @@ def test_loading_streams_within_twice_the_model_size(tmp_path):
     grown = int(subprocess.run([*python, "-c", script], check=True, capture_output=True, text=True,
                                env=env).stdout.split()[-1])
     assert grown < 2.3 * nbytes, f"loading grew RSS by {grown / nbytes:.2f}x the model size"
+
+
+def test_every_eos_id_of_the_generation_config_is_taken(checkpoints, tmp_path):
+    """Qwen3's generation_config.json lists two EOS ids (<|im_end|>, <|endoftext|>): the model stops at either."""
+    shutil.copytree(checkpoints["qwen3"]["causal_lm"], tmp_path / "m")
+    eos = jodpo.load_model(str(tmp_path / "m"))[0].eos_token_ids[0]
+    (tmp_path / "m" / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos, 7], "pad_token_id": 1}))
+    assert describe_model(str(tmp_path / "m")).eos_token_ids == (eos, 7)

@@ -22,12 +22,17 @@ import export_hf  # noqa: E402
 
 
 @pytest.mark.parametrize("family,targets", [("neox", None), ("neox", ["all-linear"]), ("llama", ["all-linear"]),
-                                            ("qwen2", ["q_proj", "v_proj", "down_proj"])])
+                                            ("qwen2", ["q_proj", "v_proj", "down_proj"]), ("qwen3", None),
+                                            ("gemma2", ["all-linear"]), ("gemma3", None)])
 def test_adapters_are_the_base_at_start_and_equal_peft(checkpoints, tmp_path, family, targets):
     path = checkpoints[family]["causal_lm"]
     base_model, base = jodpo.load_model(str(path))
     model = base_model.replace(lora_rank=4, lora_alpha=8.0)
     names = lora.resolve_targets(model, targets)
+    if targets is None:  # PEFT's default target_modules for this model type
+        from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_DEFAULTS
+
+        assert list(names) == PEFT_DEFAULTS[json.loads(model.hf_config)["model_type"]]
     adapters = lora.init_adapters(model, names, jax.random.PRNGKey(0))
     ids, mask = hf_fixtures.padded_batch(np.random.default_rng(0), [7, 5], model.pad_token_id, "right")
     plain = np.asarray(jodpo.logits(base_model, base, ids, mask))

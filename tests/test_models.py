@@ -1,4 +1,6 @@
 """jodpo's decoders against transformers (fp32, eager attention) for every family variant."""
+import json
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -8,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 import jodpo
-from jodpo.models import decoder, heads
+from jodpo.models import decoder, heads, layers
 from jodpo.models import params as mparams
 from tests import hf_fixtures
 
@@ -118,13 +120,13 @@ def test_forward_attention_equals_jodpos_own(dtype, tol):
     assert not attend[0, 0].any()
 
     def own(q, k, v):
-        return decoder._attention(model, q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), attend)
+        return layers.attention(model, q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), attend)
 
     def fused(q, k, v):
-        return decoder._forward_attention(model, q, k, v, attend)
+        return layers.forward_attention(model, q, k, v, attend)
 
     def library(q, k, v):
-        return decoder._library_attention(model, q, k, v, attend, "xla")
+        return layers.library_attention(model, q, k, v, attend, "xla")
 
     want = own(q, k, v)
     f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731
@@ -212,3 +214,78 @@ def test_a_differentiated_layer_keeps_no_float32_copy_of_its_activations(checkpo
     kept = [x for x in jax.tree.leaves(backward) if x.ndim >= 3 and x.shape[-3:-1] == ids.shape]  # activations
     assert not [x.shape for x in kept if x.dtype == jnp.float32 and x.shape[-1] == D]
     assert [x.shape for x in kept if x.shape[-1] == F] == [(model.num_layers, *ids.shape, F)]
+
+
+def test_gemma3_multimodal_checkpoint_loads_its_language_model(checkpoints, tmp_path):
+    """A Gemma3ForConditionalGeneration (4B-27B's class; here a tiny one with a one-layer vision tower) loads as its
+    text model, saying in one line that the vision tower is left out: its logits on text equal the multimodal
+    model's, and its export is a Gemma3ForCausalLM that transformers reads back to the same logits."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig
+
+    text = AutoModelForCausalLM.from_pretrained(checkpoints["gemma3"]["causal_lm"]).config
+    vision = SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=28, patch_size=14)
+    cfg = Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
+                       image_token_index=text.vocab_size - 1, boi_token_index=text.vocab_size - 3,
+                       eoi_token_index=text.vocab_size - 2)
+    torch.manual_seed(0)
+    hf = Gemma3ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    hf.save_pretrained(tmp_path / "mm")
+    with pytest.warns(UserWarning, match=r"its language model loads as a text gemma3 model and its vision tower "
+                                         r"\(\d+ tensors\) is left out"):
+        model, params = jodpo.load_model(str(tmp_path / "mm"))
+    assert model.family == "gemma3" and model.local_inv_freq and model.tie_embeddings
+    ids, mask = hf_fixtures.padded_batch(np.random.default_rng(6), [9, 4], model.pad_token_id, "left", high=200)
+    ours = np.asarray(jodpo.logits(model, params, ids, mask))
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask),
+                 position_ids=torch.tensor(_positions(mask), dtype=torch.long)).logits.numpy()
+    real = mask.astype(bool)
+    np.testing.assert_allclose(ours[real], ref[real], rtol=1e-5, atol=1e-5 * np.abs(ref[real]).max())
+    out = jodpo.save_hf(model, params, tmp_path / "text")
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["Gemma3ForCausalLM"]
+    with torch.no_grad():
+        back = _hf(AutoModelForCausalLM, out)(
+            input_ids=torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask),
+            position_ids=torch.tensor(_positions(mask), dtype=torch.long)).logits.numpy()
+    np.testing.assert_allclose(back[real], ref[real], rtol=1e-5, atol=1e-5 * np.abs(ref[real]).max())
+
+
+def test_cudnn_attention_cannot_soft_cap_so_a_gemma2_runs_its_own(checkpoints):
+    """cuDNN's flash attention has no soft-capping: a Gemma 2 asked for it computes jodpo's own attention (on a CPU,
+    where cuDNN would fail, the logits equal the XLA path's exactly) and ``attention_note`` says so in one line."""
+    from jodpo.models.model import attention_note
+
+    model, params = jodpo.load_model(str(checkpoints["gemma2"]["causal_lm"]))
+    ids, mask = hf_fixtures.padded_batch(np.random.default_rng(7), [6, 3], model.pad_token_id, "left")
+    cudnn = model.replace(attention="cudnn")
+    np.testing.assert_array_equal(np.asarray(jodpo.logits(cudnn, params, ids, mask)),
+                                  np.asarray(jodpo.logits(model, params, ids, mask)))
+    assert attention_note(cudnn) == ("attn_implementation='cudnn' cannot soft-cap attention scores (this gemma2 model "
+                                     "caps them at 1): its attention runs on jodpo's own XLA path instead")
+    assert attention_note(model) is None
+    assert attention_note(jodpo.load_model(str(checkpoints["gemma3"]["causal_lm"]))[0].replace(attention="cudnn")) is None
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma2", "gemma3"])
+def test_bfloat16_forward_matches_transformers_in_bfloat16(checkpoints, family):
+    """bf16 weights and compute against transformers' bf16 model: Gemma's (1 + w) norms in float32, its embedding
+    scale rounded to bf16 (sqrt(64) = 8 is exact; the scale is checked at a width where it is not, below). The
+    tolerance is bf16's: a few units of its 2^-8 relative precision on the largest logit, over two layers."""
+    path = checkpoints[family]["causal_lm"]
+    model, params = jodpo.load_model(str(path), dtype=jnp.bfloat16)
+    ids, mask = hf_fixtures.padded_batch(np.random.default_rng(8), LENGTHS, model.pad_token_id, "left")
+    ours = np.asarray(jodpo.logits(model, params, ids, mask))
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="eager").eval()
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask),
+                 position_ids=torch.tensor(_positions(mask), dtype=torch.long)).logits.float().numpy()
+    real = mask.astype(bool)
+    scale = np.abs(ref[real]).max()
+    np.testing.assert_allclose(ours[real], ref[real], rtol=0, atol=8 * 2.0 ** -8 * scale)
+    # the embedding scale as transformers rounds it: its float32 value, then bf16 (sqrt(3072) = 55.43 -> 55.5)
+    x = layers.embed(model.replace(embed_scale=3072 ** 0.5), {"embed": jnp.ones((1, 2), jnp.bfloat16)}, jnp.zeros(1, int))
+    assert float(x[0, 0]) == 55.5

@@ -275,3 +275,38 @@ def test_two_processes_of_four_devices_equal_the_1_device_run(runs, checkpoints)
     assert "jodpo.train: compilation cache off: a multi-process job on CPUs" in logs[0]
     _assert_same_run(root / "one", out)
     assert (out / "checkpoints" / "3" / "state" / "ocdbt.process_1").exists()  # both processes wrote their part
+
+
+def test_qwen3_and_gemma_parameters_split_over_8_devices_equal_one(checkpoints):
+    """Qwen3's and Gemma 3's q/k norms, Gemma's four norms a layer, its local RoPE and Gemma 2's soft-capping, with
+    every parameter split by its logical axes over (data, fsdp, tensor) = (2, 2, 2) (the norms' head_dim never split):
+    the completions' log-probs and their gradient equal one device's."""
+    code = (
+        "import sys, jax, jax.numpy as jnp, numpy as np\n"
+        "import jodpo\n"
+        "from jodpo.parallel import sharding as S\n"
+        "assert jax.device_count() == 8\n"
+        "mesh = S.make_mesh(2, 2, 2)\n"
+        "rng = np.random.default_rng(0)\n"
+        "for path in sys.argv[1:]:\n"
+        "    model, one = jodpo.load_model(path)\n"
+        "    _, split = jodpo.load_model(path, place=S.placer(mesh))\n"
+        "    assert not split['layers']['attn']['q'].sharding.is_fully_replicated\n"
+        "    if 'q_norm' in one['layers']['attn']:\n"
+        "        assert split['layers']['attn']['q_norm']['scale'].sharding.is_fully_replicated\n"
+        "    prompt = rng.integers(3, 290, (4, 7)).astype(np.int32); pmask = np.ones_like(prompt); pmask[1, :3] = 0\n"
+        "    comp = rng.integers(3, 290, (8, 5)).astype(np.int32); cmask = np.ones_like(comp); cmask[2, 3:] = 0\n"
+        "    def f(p):\n"
+        "        lp = jodpo.completion_logprobs(model, p, prompt, pmask, comp, cmask)\n"
+        "        return jnp.sum(lp * jnp.arange(1, 6)), lp\n"
+        "    (_, a), ga = jax.jit(jax.value_and_grad(f, has_aux=True))(one)\n"
+        "    (_, b), gb = jax.jit(jax.value_and_grad(f, has_aux=True))(split)\n"
+        "    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-5)\n"
+        "    for (k, x), y in zip(jax.tree.leaves_with_path(ga), jax.tree.leaves(gb)):\n"
+        "        np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-4,\n"
+        "                                   atol=1e-5 * float(np.abs(np.asarray(x)).max() or 1), err_msg=jax.tree_util.keystr(k))\n"
+        "print('SPLIT OK')\n")
+    python, env = subproc.without_torch(subproc.cpu_env(8))
+    paths = [str(checkpoints[f]["causal_lm"]) for f in ("qwen3", "gemma2", "gemma3")]
+    done = subprocess.run([*python, "-c", code, *paths], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0 and "SPLIT OK" in done.stdout, done.stderr[-3000:]

@@ -9,9 +9,14 @@ from jodpo.models.decoder import Model, Params, einsum, hidden_states, prefixed_
 
 
 def lm_head(model: Model, params: Params, h_BXD: jax.Array) -> jax.Array:
-    """Float32 logits of hidden states of any leading shape ``[..., D] -> [..., V]``."""
+    """Float32 logits of hidden states of any leading shape ``[..., D] -> [..., V]``, soft-capped as
+    ``cap * tanh(logits / cap)`` where the model does (Gemma 2's final_logit_softcapping): every logit of jodpo (the
+    losses, the sampler's prefill and decode steps, the LLM judge) comes from here."""
     w_VD = params["embed"] if model.tie_embeddings else params["lm_head"]
-    return einsum(model, "...d,vd->...v", h_BXD, w_VD.astype(h_BXD.dtype), preferred_element_type=jnp.float32)
+    logits = einsum(model, "...d,vd->...v", h_BXD, w_VD.astype(h_BXD.dtype), preferred_element_type=jnp.float32)
+    if model.final_softcap:
+        logits = jnp.tanh(logits / model.final_softcap) * model.final_softcap
+    return logits
 
 
 def logits(model: Model, params: Params, input_ids: jax.Array, attention_mask: jax.Array) -> jax.Array:

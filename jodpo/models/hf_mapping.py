@@ -32,6 +32,15 @@ class Family:
     lora_defaults: tuple[str, ...]  # PEFT's default target_modules for this model type
     prefix: str  # where the decoder sits in a HF state dict ("model.", "gpt_neox.")
     lora_paths: dict[str, str]  # HF module name -> its submodule in a layer ("q_proj" -> "self_attn")
+    # transformers classes besides the prefixes' ForCausalLM / ForSequenceClassification: class name -> task
+    # (Gemma3ForConditionalGeneration -> "causal_lm")
+    more_classes: dict[str, str] = dataclasses.field(default_factory=dict)
+    # the class an export writes for (model_type, task) where it is not the prefix's
+    export_classes: dict[tuple[str, str], str] = dataclasses.field(default_factory=dict)
+    # checkpoint tensor-name prefixes read as another (a multimodal model's language model: "model.language_model."
+    # -> "model."), and prefixes of tensors left out (its vision tower)
+    renames: tuple[tuple[str, str], ...] = ()
+    skipped: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

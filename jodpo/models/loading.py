@@ -141,8 +141,12 @@ def iter_tensors(path: Path) -> Iterator[tuple[str, np.ndarray]]:
 
 
 def _strip_prefix(name: str, model: Model) -> str:
+    family = families.family_of(model)
+    for old, new in family.renames:  # a multimodal checkpoint's language model
+        if name.startswith(old):
+            return new + name[len(old):]
     # Some checkpoints (e.g. a base model saved without the head class) lack the "model."/"gpt_neox." prefix.
-    base = families.family_of(model).prefix
+    base = family.prefix
     if not name.startswith((base, "lm_head.", "embed_out.", "score.")):
         return base + name
     return name
@@ -206,7 +210,11 @@ def load_params(model: Model, path: Path, dtype=jnp.float32, place=None, tensors
     done: dict[tuple[str, ...], jax.Array] = {}
     pending: dict[tuple[int, int | None], dict[int, np.ndarray]] = {}
     seen: set[str] = set()
+    skipped = 0
     for name, tensor in iter_tensors(path) if tensors is None else tensors:
+        if name.startswith(families.family_of(model).skipped):
+            skipped += 1
+            continue
         name = _strip_prefix(name, model)
         if name not in slots:
             if name.endswith(families.IGNORED_SUFFIXES) or (name == "lm_head.weight" and model.task == "causal_lm"):
@@ -231,6 +239,11 @@ def load_params(model: Model, path: Path, dtype=jnp.float32, place=None, tensors
             need[leaf] -= 1
             if need[leaf] == 0:
                 done[leaf] = place(leaf, leaves.pop(leaf)) if place else jnp.asarray(leaves.pop(leaf))
+    if skipped:
+        import warnings
+
+        warnings.warn(f"{path}: a multimodal checkpoint; its language model loads as a text {model.family} model and "
+                      f"its vision tower ({skipped} tensors) is left out")
     missing = sorted(set(slots) - seen)
     if missing:
         hint = (" A reward model needs score.weight (a *ForSequenceClassification checkpoint)."

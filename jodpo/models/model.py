@@ -19,7 +19,7 @@ Cache = dict[str, jax.Array]
 class Model:
     """Static architecture of a decoder (and its head). Hashable; holds no arrays."""
 
-    family: str  # "gpt_neox" | "llama" | "qwen2" (Mistral and SmolLM load as "llama")
+    family: str  # "gpt_neox" | "llama" | "qwen2" | "qwen3" | "gemma2" | "gemma3" (Mistral, SmolLM load as "llama")
     task: str  # "causal_lm" (LM head) | "reward" (score head, num_labels=1)
     vocab_size: int
     hidden_size: int
@@ -40,6 +40,18 @@ class Model:
     inv_freq: tuple[float, ...]  # RoPE inverse frequencies, scaling (linear, llama3) already applied
     tie_embeddings: bool
     sliding_windows: tuple[int, ...] = ()  # per layer, 0 = full attention; () = all full
+    # RoPE inverse frequencies of the sliding-window layers where they differ (Gemma 3's local base 10k, its global
+    # layers 1M and scaled); () = every layer uses inv_freq
+    local_inv_freq: tuple[float, ...] = ()
+    qk_norm: bool = False  # RMSNorm over each head's queries and keys after the projection, before RoPE (Qwen3, Gemma 3)
+    # RMSNorm as x * (norm_offset + w), the product in float32 before the cast back (Gemma: 1.0); 0.0 is Llama's
+    # (normalise in float32, cast, then scale by w)
+    norm_offset: float = 0.0
+    post_norms: bool = False  # Gemma's four norms a layer: the attention's and the MLP's outputs are normed too
+    embed_scale: float = 1.0  # embeddings times this, rounded to the compute dtype (Gemma: sqrt(hidden_size))
+    query_scale: float | None = None  # attention scores' scale (Gemma: query_pre_attn_scalar**-0.5); None: head_dim**-0.5
+    attn_softcap: float = 0.0  # attention scores soft-capped as cap * tanh(s / cap) (Gemma 2); 0 = off
+    final_softcap: float = 0.0  # logits soft-capped likewise (Gemma 2); 0 = off
     pad_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     dtype: str = "float32"  # compute dtype; log-softmax and attention softmax stay in float32
@@ -49,7 +61,8 @@ class Model:
     precision: str = "highest"
     # Attention of the cache-free forwards (training, scoring, reference) and the prefill: "xla" (jodpo's einsum
     # attention, any backend) or "cudnn" (cuDNN flash attention through jax.nn.dot_product_attention: NVIDIA GPUs,
-    # bf16/fp16 compute). The decode steps' attention over the cache is always jodpo's own (bandwidth-bound).
+    # bf16/fp16 compute). The decode steps' attention over the cache is always jodpo's own (bandwidth-bound). cuDNN
+    # cannot soft-cap: a model with attn_softcap runs jodpo's own attention whatever this says (attention_note).
     attention: str = "xla"
     # LoRA (jodpo.models.lora): adapters in params["layers"]["lora"], when there, add lora_alpha / lora_rank * a.b to
     # their weights (PEFT's scaling); params without them (the reference: the adapters off) run the base model.
@@ -68,6 +81,20 @@ class Model:
 
     def replace(self, **changes) -> "Model":
         return dataclasses.replace(self, **changes)
+
+    @property
+    def attention_scale(self) -> float:
+        """The attention scores' scale."""
+        return self.head_dim ** -0.5 if self.query_scale is None else self.query_scale
+
+
+def attention_note(model: Model) -> str | None:
+    """One line when ``model.attention`` asks for a kernel that cannot compute this model's attention (cuDNN's flash
+    attention has no soft-capping), saying which path runs instead; None when the kernel can."""
+    if model.attention == "cudnn" and model.attn_softcap:
+        return (f"attn_implementation='cudnn' cannot soft-cap attention scores (this {model.family} model caps them at "
+                f"{model.attn_softcap:g}): its attention runs on jodpo's own XLA path instead")
+    return None
 
 
 # jax's names for the precision of float32 dots; "highest" = "float32", "high" = "tensorfloat32" (TF32 on GPUs,

@@ -32,6 +32,9 @@ def param_specs(model: Model) -> dict:
         "v": ((N, D, K, Dh), ("layers", "embed", "kv_heads", "head_dim")),
         "o": ((N, H, Dh, D), ("layers", "heads", "head_dim", "embed")),
     }
+    if model.qk_norm:  # one scale per head dim, shared by the heads (never split)
+        attn["q_norm"] = {"scale": ((N, Dh), ("layers", "head_dim"))}
+        attn["k_norm"] = {"scale": ((N, Dh), ("layers", "head_dim"))}
     if model.qkv_bias:
         attn["q_bias"] = ((N, H, Dh), ("layers", "heads", "head_dim"))
         attn["k_bias"] = ((N, K, Dh), ("layers", "kv_heads", "head_dim"))
@@ -47,11 +50,10 @@ def param_specs(model: Model) -> dict:
         if model.gated_mlp:
             mlp["gate_bias"] = ((N, F), ("layers", "mlp"))
     final = {k: (shape[1:], axes[1:]) for k, (shape, axes) in norm().items()}
-    specs = {
-        "embed": ((V, D), ("vocab", "embed")),
-        "layers": {"ln1": norm(), "ln2": norm(), "attn": attn, "mlp": mlp},
-        "final_norm": final,
-    }
+    layers = {"ln1": norm(), "ln2": norm(), "attn": attn, "mlp": mlp}
+    if model.post_norms:  # Gemma: the attention's and the MLP's outputs normed before their residuals
+        layers |= {"post_attn": norm(), "post_mlp": norm()}
+    specs = {"embed": ((V, D), ("vocab", "embed")), "layers": layers, "final_norm": final}
     if model.task == "causal_lm" and not model.tie_embeddings:
         specs["lm_head"] = ((V, D), ("vocab", "embed"))  # HF's layout; also the faster one for decode dots
     if model.task == "reward":
@@ -74,7 +76,8 @@ def param_shapes(model: Model, dtype=jnp.float32) -> dict:
 
 
 def init_params(model: Model, rng: jax.Array, dtype=jnp.float32, std: float = 0.02) -> Params:
-    """Random parameters (normal(0, std) weights, unit norm scales, zero biases), as HF initialises."""
+    """Random parameters (normal(0, std) weights, zero biases, norm scales of 1: ones, or zeros where the norm
+    adds 1 itself as Gemma's does), as HF initialises."""
     specs = param_specs(model)
     leaves, treedef = jax.tree.flatten_with_path(specs, is_leaf=_is_spec)
     keys = jax.random.split(rng, len(leaves))
@@ -84,13 +87,13 @@ def init_params(model: Model, rng: jax.Array, dtype=jnp.float32, std: float = 0.
         if "bias" in name:
             out.append(jnp.zeros(shape, dtype))
         elif "scale" in name:
-            out.append(jnp.ones(shape, dtype))
+            out.append(jnp.full(shape, 1.0 - model.norm_offset, dtype))
         else:
             out.append((std * jax.random.normal(key, shape, jnp.float32)).astype(dtype))
     return jax.tree.unflatten(treedef, out)
 
 
-_NORMS = ("ln1", "ln2", "final_norm")
+_NORMS = ("ln1", "ln2", "final_norm", "post_attn", "post_mlp", "q_norm", "k_norm")
 
 
 def compute_params(model: Model, params: Params) -> Params:

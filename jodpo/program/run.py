@@ -22,6 +22,7 @@ from jodpo.losses import LossOptions, needs_reference
 from jodpo.models import load_model, load_tokenizer
 from jodpo.models import lora
 from jodpo.models.loading import describe_model
+from jodpo.models.model import attention_note
 from jodpo.models.params import frozen_params, param_shapes
 from jodpo.program.rewards import RewardSet, check_shared_vocab
 from jodpo.program.user_code import import_judge, import_reward_function, is_import_path
@@ -124,6 +125,13 @@ def _same_tokenizer(a, b) -> bool:
     return type(a).__name__ == type(b).__name__ and a.get_vocab() == b.get_vocab()
 
 
+def _say_attention(model, field: str) -> None:
+    """One line when the attention kernel asked for cannot compute this model's (cuDNN and Gemma 2's soft-capping)."""
+    note = attention_note(model)
+    if note:
+        warnings.warn(f"{field}: {note}")
+
+
 def build(cfg: TrainConfig) -> Run:
     if not cfg.model_name_or_path:
         raise ConfigError("model_name_or_path is empty: give a local HF checkpoint directory or a hub id")
@@ -158,6 +166,7 @@ def build(cfg: TrainConfig) -> Run:
     remat = cfg.remat if cfg.remat != "auto" else ("full" if cfg.gradient_checkpointing else "none")
     model = model.replace(dtype="bfloat16" if cfg.bf16 else "float32", remat=remat, precision=cfg.matmul_precision,
                           attention=cfg.attn_implementation)
+    _say_attention(model, "model_name_or_path")
     # the reference as its bf16 forwards read it (the same numbers; with LoRA the base stays as loaded, since the
     # adapters are merged into it in float32); the policy's own copy (policy_params) is untouched
     ref_params = None if ref_params is None else frozen_params(model, ref_params)
@@ -242,6 +251,7 @@ def load_rewards(cfg: TrainConfig, policy, tokenizer, mesh, chat: bool) -> Rewar
             rm, rm_params = load_model(cfg.reward_model_path, "reward", cfg.frozen_param_dtype, place=S.placer(mesh))
             rm_tok = load_tokenizer(cfg.reward_model_path)
         rm = rm.replace(dtype=policy.dtype, precision=policy.precision, attention=policy.attention)
+        _say_attention(rm, "reward_model_path")
         rm_params = frozen_params(rm, rm_params)
         rm_tok.padding_side = "right"
         shared = _same_tokenizer(tokenizer, rm_tok)
@@ -320,6 +330,7 @@ def load_judge(cfg: TrainConfig, policy, mesh) -> J.LLMJudge | J.CallableJudge:
         model, params = load_model(cfg.judge, "causal_lm", cfg.frozen_param_dtype, place=S.placer(mesh))
         tokenizer = load_tokenizer(cfg.judge)
     model = model.replace(dtype=policy.dtype, precision=policy.precision, attention=policy.attention)
+    _say_attention(model, "judge")
     params = frozen_params(model, params)
     try:
         return J.LLMJudge(model, params, tokenizer, J.read_template(cfg.judge_prompt),

@@ -1,5 +1,5 @@
-"""Every family jodpo implements, one module each (``gpt_neox``, ``llama``, ``qwen2``): a transformers config ->
-``Model``, and HF tensor names <-> jodpo parameters (``jodpo.models.hf_mapping``).
+"""Every family jodpo implements, one module each (``gpt_neox``, ``llama``, ``qwen2``, ``qwen3``, ``gemma2``,
+``gemma3``): a transformers config -> ``Model``, and HF tensor names <-> jodpo parameters (``jodpo.models.hf_mapping``).
 
 A new family is a new module here defining ``FAMILY`` (a ``Family``) and one line in ``FAMILIES``; where its
 forward differs from the shared decoder, a field of ``Model`` says so (``jodpo.models.decoder``).
@@ -9,18 +9,21 @@ from __future__ import annotations
 import json
 
 from jodpo.errors import UnsupportedModelError
-from jodpo.models.decoder import ACTIVATIONS
-from jodpo.models.families import gpt_neox, llama, qwen2
+from jodpo.models.families import gemma2, gemma3, gpt_neox, llama, qwen2, qwen3
 from jodpo.models.hf_mapping import Family, Rule, rope_inv_freq
+from jodpo.models.layers import ACTIVATIONS
 from jodpo.models.model import Model
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (gpt_neox.FAMILY, llama.FAMILY, qwen2.FAMILY)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (gpt_neox.FAMILY, llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY,
+                                                   gemma2.FAMILY, gemma3.FAMILY)}
 # HF model_type -> the family that implements it
 MODEL_TYPES = {model_type: f.name for f in FAMILIES.values() for model_type in f.classes}
 # architecture name in config.json -> (family, task)
 ARCHITECTURES = {prefix + suffix: (f.name, task) for f in FAMILIES.values() for prefix in f.classes.values()
                  for suffix, task in (("ForCausalLM", "causal_lm"), ("ForSequenceClassification", "reward"))}
-SUPPORTED = "GPT-NeoX/Pythia (gpt_neox), Llama 2/3, Mistral, SmolLM, TinyLlama (llama, mistral), Qwen2 (qwen2)"
+ARCHITECTURES |= {name: (f.name, task) for f in FAMILIES.values() for name, task in f.more_classes.items()}
+SUPPORTED = ("GPT-NeoX/Pythia (gpt_neox), Llama 2/3, Mistral, SmolLM, TinyLlama (llama, mistral), Qwen2 (qwen2), "
+             "Qwen3 (qwen3), Gemma 2 (gemma2), Gemma 3 (gemma3_text, and gemma3's language model)")
 # HF tensors that carry no parameters (buffers some checkpoints include).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "attention.bias", "attention.masked_bias")
 
@@ -31,21 +34,30 @@ def family_of(model: Model) -> Family:
 
 def hf_architecture(model: Model) -> str:
     """The transformers class name that a jodpo model exports as."""
+    family = family_of(model)
     model_type = json.loads(model.hf_config).get("model_type", model.family)
-    prefix = family_of(model).classes.get(model_type) or next(iter(family_of(model).classes.values()))
+    if (model_type, model.task) in family.export_classes:
+        return family.export_classes[(model_type, model.task)]
+    prefix = family.classes.get(model_type) or next(iter(family.classes.values()))
     return prefix + ("ForCausalLM" if model.task == "causal_lm" else "ForSequenceClassification")
 
 
 def model_from_hf_config(cfg, task: str, dtype: str = "float32", eos_token_ids=()) -> Model:
-    """Build the static ``Model`` from a ``transformers.PretrainedConfig`` of a supported family."""
+    """Build the static ``Model`` from a ``transformers.PretrainedConfig`` of a supported family (a multimodal
+    config: its text model's)."""
     family = MODEL_TYPES.get(cfg.model_type)
     if family is None:
         raise UnsupportedModelError(f"model_type {cfg.model_type!r} is not supported; jodpo supports {SUPPORTED}")
-    if cfg.hidden_act not in ACTIVATIONS:
-        raise UnsupportedModelError(f"hidden_act {cfg.hidden_act!r} is not supported (supported: {ACTIVATIONS})")
+    cfg = cfg.get_text_config()  # the config itself, but for a multimodal model's (Gemma 3 4B-27B)
+    fields = FAMILIES[family].model_fields(cfg)  # the family's own, which may set any of the shared ones below
+    activation = fields.pop("activation", None) or cfg.hidden_act
+    if activation not in ACTIVATIONS:
+        raise UnsupportedModelError(f"hidden_act {activation!r} is not supported (supported: {ACTIVATIONS})")
     num_heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
-    inv_freq, rotary_dim = rope_inv_freq(dict(cfg.rope_parameters), head_dim, cfg.max_position_embeddings)
+    if "inv_freq" not in fields:
+        inv_freq, fields["rotary_dim"] = rope_inv_freq(dict(cfg.rope_parameters), head_dim, cfg.max_position_embeddings)
+        fields["inv_freq"] = tuple(float(f) for f in inv_freq)
     windows: tuple[int, ...] = ()
     if getattr(cfg, "sliding_window", None):
         layer_types = getattr(cfg, "layer_types", None) or ["sliding_attention"] * cfg.num_hidden_layers
@@ -55,10 +67,9 @@ def model_from_hf_config(cfg, task: str, dtype: str = "float32", eos_token_ids=(
     return Model(
         family=family, task=task, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
         num_layers=cfg.num_hidden_layers, num_heads=num_heads, head_dim=head_dim, mlp_dim=cfg.intermediate_size,
-        activation=cfg.hidden_act, rotary_dim=rotary_dim, inv_freq=tuple(float(f) for f in inv_freq),
-        tie_embeddings=bool(cfg.tie_word_embeddings) and task == "causal_lm", sliding_windows=windows,
-        pad_token_id=cfg.pad_token_id, eos_token_ids=eos_ids, dtype=dtype, hf_config=cfg.to_json_string(),
-        **FAMILIES[family].model_fields(cfg))
+        activation=activation, tie_embeddings=bool(cfg.tie_word_embeddings) and task == "causal_lm",
+        sliding_windows=windows, pad_token_id=cfg.pad_token_id, eos_token_ids=eos_ids, dtype=dtype,
+        hf_config=cfg.to_json_string(), **fields)
 
 
 def weight_rules(model: Model) -> list[Rule]:

@@ -1,6 +1,7 @@
 """Llama 2/3 (and Mistral, SmolLM, TinyLlama, which load as Llama): RMSNorm, SwiGLU, grouped-query attention with
 separate q/k/v projections, optional attention and MLP biases, RoPE with linear or llama3 scaling, a sliding
-window where the config sets one. Its rules are the base of the families that share this layout (Qwen2, Qwen3)."""
+window where the config sets one. Its rules are the base of the families that share this layout (Qwen2, Qwen3,
+Gemma 2 and 3): q/k norms and Gemma's four norms a layer are there too, read from the ``Model``."""
 from __future__ import annotations
 
 from jodpo.models.hf_mapping import Family, Rule, head_bias, in_heads, linear, norm_rules, out_heads, same
@@ -28,12 +29,20 @@ def rules(model: Model) -> list[Rule]:
                 head_bias(attn + ("v_bias",), L + "self_attn.v_proj.bias", K, Dh)]
     if model.out_bias:
         out.append(same(attn + ("o_bias",), L + "self_attn.o_proj.bias"))
+    if model.qk_norm:
+        out += [same(attn + ("q_norm", "scale"), L + "self_attn.q_norm.weight"),
+                same(attn + ("k_norm", "scale"), L + "self_attn.k_norm.weight")]
     for ours, theirs in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
         out.append(linear(mlp + (ours,), L + f"mlp.{theirs}.weight"))
         if model.mlp_bias:
             out.append(same(mlp + (ours + "_bias",), L + f"mlp.{theirs}.bias"))
     out += norm_rules(model, ("layers", "ln1"), L + "input_layernorm")
-    out += norm_rules(model, ("layers", "ln2"), L + "post_attention_layernorm")
+    if model.post_norms:  # Gemma: post_attention_layernorm norms the attention's output; the MLP's input has its own
+        out += norm_rules(model, ("layers", "post_attn"), L + "post_attention_layernorm")
+        out += norm_rules(model, ("layers", "ln2"), L + "pre_feedforward_layernorm")
+        out += norm_rules(model, ("layers", "post_mlp"), L + "post_feedforward_layernorm")
+    else:
+        out += norm_rules(model, ("layers", "ln2"), L + "post_attention_layernorm")
     out += norm_rules(model, ("final_norm",), "model.norm", per_layer=False)
     out.append(same(("embed",), "model.embed_tokens.weight", per_layer=False))
     if model.task == "causal_lm" and not model.tie_embeddings:

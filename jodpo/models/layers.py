@@ -1,0 +1,183 @@
+"""The pieces of a decoder layer, as pure functions of ``(model, params, ...)``: norms, RoPE, the MLP, the attention
+projections and the attention itself. ``jodpo.models.decoder`` puts them together into layers, the layer stack and
+the KV cache.
+
+What differs between families is a field of ``Model`` read here, never the family's name:
+  norm, norm_offset      LayerNorm (NeoX); RMSNorm as Llama computes it; x * (1 + w) in float32 (Gemma)
+  activation, gated_mlp  GELU (NeoX), SwiGLU (Llama, Qwen), GeGLU with tanh-approximated GELU (Gemma)
+  qkv_bias, qk_norm      biases on q, k, v (Qwen2); an RMSNorm over each head's queries and keys (Qwen3, Gemma 3)
+  rotary_dim, inv_freq   partial rotary (NeoX); the sliding-window layers' own RoPE base (local_inv_freq, Gemma 3)
+  query_scale            the scores' scale (Gemma's query_pre_attn_scalar)
+  attn_softcap           cap * tanh(scores / cap) before the mask (Gemma 2)
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jodpo.models.model import Model, Params, einsum
+
+_ACTIVATIONS = {
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_fast": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "silu": jax.nn.silu,
+    "swish": jax.nn.silu,
+    "relu": jax.nn.relu,
+}
+ACTIVATIONS = tuple(_ACTIVATIONS)
+FULL_WINDOW = np.iinfo(np.int32).max  # a full-attention layer's window
+
+
+def recomputed(f):
+    """``f`` differentiated from its inputs alone: its backward recomputes what it needs instead of keeping it from the
+    forward. For the cheap elementwise pieces of a layer whose autodiff residuals outweigh their inputs: a LayerNorm
+    keeps three float32 copies of its input (an input in bf16: 12x its bytes), an exact GELU four copies of the MLP's
+    widest activation. A forward that is not differentiated (sampling, scoring) runs ``f`` as it is."""
+    return jax.checkpoint(f, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
+
+
+def norm(model: Model, p: Params, x: jax.Array) -> jax.Array:
+    """The model's norm over the last axis of ``x`` (hidden states ``[..., D]``, or a head's ``[..., Dh]``)."""
+    return recomputed(functools.partial(_normalise, model))(p, x)
+
+
+def _normalise(model: Model, p: Params, x_BLD: jax.Array) -> jax.Array:
+    x = x_BLD.astype(jnp.float32)
+    if model.norm == "rmsnorm":
+        y = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + model.norm_eps)
+        if model.norm_offset:
+            # As Gemma's RMSNorm: x * (1 + w) in float32 (w as the compute dtype holds it), then the cast.
+            w = p["scale"].astype(x_BLD.dtype).astype(jnp.float32)
+            return (y * (model.norm_offset + w)).astype(x_BLD.dtype)
+        # As transformers' LlamaRMSNorm: normalise in float32, cast back, then scale.
+        return p["scale"].astype(x_BLD.dtype) * y.astype(x_BLD.dtype)
+    mean = jnp.mean(x, -1, keepdims=True)
+    var = jnp.mean(jnp.square(x - mean), -1, keepdims=True)
+    y = (x - mean) * jax.lax.rsqrt(var + model.norm_eps) * p["scale"].astype(jnp.float32) + p["bias"].astype(jnp.float32)
+    return y.astype(x_BLD.dtype)
+
+
+def embed(model: Model, params: Params, tokens: jax.Array) -> jax.Array:
+    """Token embeddings in the compute dtype, times ``model.embed_scale`` rounded to that dtype (Gemma's sqrt(D),
+    as transformers' ScaledWordEmbedding rounds its float32 buffer to the weights' dtype)."""
+    dt = jnp.dtype(model.dtype)
+    x = jnp.take(params["embed"], tokens, axis=0).astype(dt)
+    if model.embed_scale != 1.0:
+        x = x * jnp.asarray(np.float32(model.embed_scale)).astype(dt)
+    return x
+
+
+def rope(model: Model, x_BLHD: jax.Array, cos_BLR: jax.Array, sin_BLR: jax.Array) -> jax.Array:
+    """Rotary embedding on the first ``rotary_dim`` dims, rotate-half convention (HF, NeoX and Llama)."""
+    r = model.rotary_dim
+    x_rot, x_pass = x_BLHD[..., :r], x_BLHD[..., r:]
+    x1, x2 = x_rot[..., : r // 2], x_rot[..., r // 2:]
+    rotated = jnp.concatenate([-x2, x1], -1)
+    cos, sin = cos_BLR[:, :, None, :].astype(x_BLHD.dtype), sin_BLR[:, :, None, :].astype(x_BLHD.dtype)
+    return jnp.concatenate([x_rot * cos + rotated * sin, x_pass], -1)
+
+
+def _tables(inv_freq, positions_BL):
+    freqs = positions_BL.astype(jnp.float32)[..., None] * jnp.asarray(np.asarray(inv_freq, np.float32))
+    emb = jnp.concatenate([freqs, freqs], -1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def rope_tables(model: Model, positions_BL: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(cos, sin)`` of the positions, ``[B, L, R]``; with ``local_inv_freq`` the global layers' and the local
+    layers' stacked, ``[2, B, L, R]`` (``layer_rope`` picks a layer's)."""
+    if not model.local_inv_freq:
+        return _tables(model.inv_freq, positions_BL)
+    (cos, sin), (cos_local, sin_local) = _tables(model.inv_freq, positions_BL), _tables(model.local_inv_freq,
+                                                                                       positions_BL)
+    return jnp.stack([cos, cos_local]), jnp.stack([sin, sin_local])
+
+
+def layer_rope(model: Model, tables, window) -> tuple[jax.Array, jax.Array]:
+    """One layer's ``(cos, sin)`` out of ``rope_tables``: the local ones on a sliding-window layer (``window``, an int
+    or a traced scalar, below ``FULL_WINDOW``) of a model that has them."""
+    if not model.local_inv_freq:
+        return tables
+    local = jnp.asarray(window) < FULL_WINDOW
+    return tuple(jnp.where(local, t[1], t[0]) for t in tables)
+
+
+def mlp(model: Model, p: Params, x_BLD: jax.Array) -> jax.Array:
+    dt = x_BLD.dtype
+    act = _ACTIVATIONS[model.activation]
+    up = einsum(model, "bld,df->blf", x_BLD, p["up"].astype(dt))
+    if model.mlp_bias:
+        up = up + p["up_bias"].astype(dt)
+    gate = None
+    if model.gated_mlp:
+        gate = einsum(model, "bld,df->blf", x_BLD, p["gate"].astype(dt))
+        if model.mlp_bias:
+            gate = gate + p["gate_bias"].astype(dt)
+
+    def down(gate, up, w):  # the backward keeps only the projections' outputs and recomputes the activation
+        h = act(gate) * up if model.gated_mlp else act(up)
+        return einsum(model, "blf,fd->bld", h, w)
+
+    out = recomputed(down)(gate, up, p["down"].astype(dt))
+    if model.mlp_bias:
+        out = out + p["down_bias"].astype(dt)
+    return out
+
+
+def qkv(model: Model, p: Params, x_BLD, cos, sin):
+    """Rotated queries [B, L, H, Dh] and keys, values [B, L, K, Dh] of the new tokens."""
+    dt = x_BLD.dtype
+    q = einsum(model, "bld,dhk->blhk", x_BLD, p["q"].astype(dt))
+    k = einsum(model, "bld,dhk->blhk", x_BLD, p["k"].astype(dt))
+    v = einsum(model, "bld,dhk->blhk", x_BLD, p["v"].astype(dt))
+    if model.qkv_bias:
+        q, k, v = q + p["q_bias"].astype(dt), k + p["k_bias"].astype(dt), v + p["v_bias"].astype(dt)
+    if model.qk_norm:
+        q, k = norm(model, p["q_norm"], q), norm(model, p["k_norm"], k)
+    return rope(model, q, cos, sin), rope(model, k, cos, sin), v
+
+
+def attention(model: Model, q_BLHD, k_BKSD, v_BKSD, attend_BLS) -> jax.Array:
+    """Softmax attention of L queries over S key slots (float32 scores): ``[B, L, H, Dh]``, before the output
+    projection. Keys and values are head-major ``[B, K, S, Dh]`` (the cache's layout), so the batched dots read
+    them in place rather than transposing a whole cache slab every decode step."""
+    dt = q_BLHD.dtype
+    B, L, H, Dh = q_BLHD.shape
+    K = model.num_kv_heads
+    q_BLKGD = q_BLHD.reshape(B, L, K, H // K, Dh)  # head h reads kv head h // G, as transformers' repeat_kv
+    scores = einsum(model, "blkgd,bksd->bkgls", q_BLKGD, k_BKSD.astype(dt), preferred_element_type=jnp.float32)
+    scores = scores * model.attention_scale
+    if model.attn_softcap:  # as transformers: after the scale, before the mask
+        scores = jnp.tanh(scores / model.attn_softcap) * model.attn_softcap
+    scores = jnp.where(attend_BLS[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+    return einsum(model, "bkgls,bksd->blkgd", probs, v_BKSD.astype(dt)).reshape(B, L, H, Dh)
+
+
+def forward_attention(model: Model, q_BLHD, k_BSKD, v_BSKD, attend_BLS) -> jax.Array:
+    """The attention of the cache-free forwards and the prefill, keys and values token-major ``[B, S, K, Dh]``
+    (as the projections make them). ``model.attention``: ``"xla"``, jodpo's einsum attention (the decode steps'
+    own; on a CPU it is 5% faster in a forward+backward than ``jax.nn.dot_product_attention``'s XLA version);
+    ``"cudnn"``, cuDNN's flash attention through ``jax.nn.dot_product_attention`` (``library_attention``), except
+    for a model that soft-caps its scores, which cuDNN cannot do (``jodpo.models.model.attention_note`` says so)."""
+    if model.attention == "cudnn" and not model.attn_softcap:
+        return library_attention(model, q_BLHD, k_BSKD, v_BSKD, attend_BLS, "cudnn")
+    return attention(model, q_BLHD, k_BSKD.transpose(0, 2, 1, 3), v_BSKD.transpose(0, 2, 1, 3), attend_BLS)
+
+
+def library_attention(model: Model, q_BLHD, k_BSKD, v_BSKD, attend_BLS, implementation: str) -> jax.Array:
+    """``attention`` through ``jax.nn.dot_product_attention(implementation=...)``. The boolean mask carries left
+    padding, causality, sliding windows and the shared-prompt layout (cuDNN takes it as a bias); a query that sees
+    no key (a pad slot) gets a finite, ignored value, as in ``attention``. float32 dots get ``model.precision``
+    (jax reads the default precision when it traces them, the backward's too). The ``"xla"`` implementation is
+    the CPU-testable twin of the ``"cudnn"`` call: same arguments, same mask. No soft-capping."""
+    dt = q_BLHD.dtype
+    scale = None if model.query_scale is None else model.query_scale  # None: jax's own 1/sqrt(head_dim)
+    with jax.default_matmul_precision(model.precision if dt == jnp.float32 else None):
+        return jax.nn.dot_product_attention(q_BLHD, k_BSKD.astype(dt), v_BSKD.astype(dt), mask=attend_BLS[:, None],
+                                            scale=scale, implementation=implementation)
