@@ -141,11 +141,11 @@ def completion_rows(policy: Policy, data: D.PromptData, start: int, stop: int) -
     tokens, mask = sample_batch(policy, seqs)
     texts = policy.tokenizer.batch_decode(tokens, skip_special_tokens=True)
     eos = np.asarray(policy.sampling.eos_token_ids or (-1,))
-    rows = []
+    rows, kwargs = [], data.columns.get("chat_template_kwargs")
     for k, i in enumerate(idx):
         real = tokens[k][mask[k] > 0]
-        rows.append({"index": i, "prompt": data.prompts[i], "prompt_text": D.render_prompt(policy.tokenizer,
-                                                                                           data.prompts[i]),
+        text = D.render_prompt(policy.tokenizer, data.prompts[i], kwargs[i] if kwargs else None)
+        rows.append({"index": i, "prompt": data.prompts[i], "prompt_text": text,
                      "completion": texts[k], "completion_tokens": int(len(real)),
                      "eos": bool(np.isin(real, eos).any())})
     return rows

@@ -50,3 +50,24 @@ def test_empty_prompts_warn_with_their_count(tokenizer_dir):
     assert len(data) == 4 and len(data.ids[1]) == 0
     chat = datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": c}]} for c in ("hi", "")])
     assert D._is_empty(chat[1]["prompt"]) and not D._is_empty(chat[0]["prompt"])
+
+
+def test_a_rows_chat_template_kwargs_reach_the_template_as_in_trl(tokenizer_dir):
+    """TRL's maybe_apply_chat_template passes a row's ``chat_template_kwargs`` (Qwen3's ``enable_thinking``) to
+    ``apply_chat_template``."""
+    import datasets
+    from trl.data_utils import maybe_apply_chat_template
+
+    from jodpo.models import load_tokenizer
+
+    tok = load_tokenizer(str(tokenizer_dir))
+    tok.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
+                         "{% if add_generation_prompt %}<|assistant|>{% if enable_thinking is defined and not "
+                         "enable_thinking %}<think></think>{% endif %}{% endif %}")
+    chat = [{"role": "user", "content": "hi"}]
+    ds = datasets.Dataset.from_list([{"prompt": chat, "chat_template_kwargs": {"enable_thinking": False}},
+                                     {"prompt": chat, "chat_template_kwargs": {"enable_thinking": True}}])
+    data = D.prepare_prompts(ds, tok, 256)
+    texts = [tok.decode(ids) for ids in data.ids]
+    assert texts == [maybe_apply_chat_template(r, tok)["prompt"] for r in ds]
+    assert texts[0].endswith("<think></think>") and not texts[1].endswith("</think>")

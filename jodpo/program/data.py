@@ -84,9 +84,13 @@ def is_preference(ds) -> bool:
     return {"chosen", "rejected"} <= set(ds.column_names)
 
 
-def render_prompt(tokenizer, prompt) -> str:
+def render_prompt(tokenizer, prompt, template_kwargs: dict | None = None) -> str:
+    """A prompt as the policy reads it: text as it is, chat messages through the tokenizer's chat template with the
+    generation prompt; ``template_kwargs`` (a row's ``chat_template_kwargs`` column, as TRL reads it: Qwen3's
+    ``{"enable_thinking": False}``, say) go to the template."""
     if isinstance(prompt, list):  # chat messages
-        return tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+        return tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False,
+                                             **(template_kwargs or {}))
     if not isinstance(prompt, str):
         raise DataError(f"a prompt must be text or a list of chat messages, got {type(prompt).__name__}")
     return prompt
@@ -133,8 +137,9 @@ def prepare_prompts(ds, tokenizer, max_prompt_length: int) -> PromptData:
 
         warnings.warn(f"{empty} of {len(prompts)} prompts are empty; they train on completions of nothing (the "
                       "model's text from its start); drop those rows if that is not meant", stacklevel=2)
-    ids = _truncate_left(_tokenize(tokenizer, [render_prompt(tokenizer, p) for p in prompts]), max_prompt_length,
-                         "prompts")
+    kwargs = list(ds["chat_template_kwargs"]) if "chat_template_kwargs" in ds.column_names else [None] * len(prompts)
+    ids = _truncate_left(_tokenize(tokenizer, [render_prompt(tokenizer, p, k) for p, k in zip(prompts, kwargs)]),
+                         max_prompt_length, "prompts")
     columns = {c: list(ds[c]) for c in ds.column_names if c != "prompt"}
     refs = columns.get("completion")
     return PromptData(prompts, ids, columns, [_reference_text(r) for r in refs] if refs is not None else None)
