@@ -8,6 +8,8 @@ name is told the new one).
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -35,6 +37,8 @@ def import_object(spec: str, what: str = "reward function"):
     module, _, name = spec.partition(":")
     if not module or not name:
         raise ValueError(f"{what} {spec!r}: write it as 'module.path:name'")
+    if os.getcwd() not in sys.path and "" not in sys.path:  # a module beside the user imports, as in a TRL script
+        sys.path.append(os.getcwd())
     try:
         return getattr(importlib.import_module(MOVED.get(module, module)), name)
     except (ImportError, AttributeError) as e:
