@@ -56,7 +56,8 @@ def _reference_scores(run: Run, batches) -> np.ndarray | None:
         return None
     if run.eval_reference_scores is None:
         run.eval_reference_scores = np.concatenate([
-            run.rewards.score([data.prompts[i] for i in idx], [data.references[i] for i in idx], None,
+            run.rewards.score([data.prompts[i] for i in idx], [data.references[i] for i in idx],
+                              run.tokenizer([data.references[i] for i in idx], add_special_tokens=False)["input_ids"],
                               {k: [v[i] for i in idx] for k, v in data.columns.items()}) for idx in batches])
     return run.eval_reference_scores
 
