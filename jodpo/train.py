@@ -16,7 +16,7 @@ from jodpo.errors import (BackendError, CheckpointError, ConfigError, DataError,
 from jodpo.program import backend
 from jodpo.program import flags as F
 from jodpo.program.config import FIELDS, TrainConfig
-from jodpo.program.loop import train
+from jodpo.program.trainer import OnlineDPOTrainer
 
 
 def parse_args(argv: list[str]) -> tuple[TrainConfig, argparse.Namespace]:
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         said = backend.cache_for_this_job()
         if said and jax.process_index() == 0:
             print(f"jodpo.train: {said}", flush=True)
-        train(cfg, allow_config_change=args.allow_config_change)
+        OnlineDPOTrainer(args=cfg).train(allow_config_change=args.allow_config_change)  # the program
     except Stopped as e:
         print(f"jodpo.train: {e}", file=sys.stderr)
         return 0

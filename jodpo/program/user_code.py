@@ -53,13 +53,17 @@ def import_reward_function(spec: str) -> RewardFn:
 def import_judge(spec: str) -> CallableJudge:
     """``'module:function'``, ``'module:Class'`` (instantiated without arguments; its ``judge`` method is called) or
     ``'module:instance'`` -> a ``CallableJudge``."""
-    obj = import_object(spec, "judge")
+    return judge_object(import_object(spec, "judge"), spec)
+
+
+def judge_object(obj, name: str) -> CallableJudge:
+    """A function, a class (instantiated without arguments), or an object with TRL's ``judge`` method, as a judge."""
     if isinstance(obj, type):
         obj = obj()
     fn = getattr(obj, "judge", obj)
     if not callable(fn):
-        raise JudgeError(f"judge {spec!r} is neither a function nor an object with a judge() method")
-    return CallableJudge(fn, spec)
+        raise JudgeError(f"judge {name!r} is neither a function nor an object with a judge() method")
+    return CallableJudge(fn, name)
 
 
 def is_import_path(spec: str) -> bool:
