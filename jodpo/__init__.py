@@ -10,6 +10,18 @@ from jodpo.program.config import TrainConfig
 from jodpo.sampling import Samples, SamplingConfig, sample
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    """TRL's trainer API (``OnlineDPOConfig``, ``OnlineDPOTrainer``), imported when first used: the training
+    program's modules (Orbax, the trackers) load only for code that trains."""
+    if name in ("OnlineDPOConfig", "OnlineDPOTrainer"):
+        from jodpo.program import trainer
+
+        return getattr(trainer, name)
+    raise AttributeError(f"module 'jodpo' has no attribute {name!r}")
+
+
 __all__ = ["LOSSES", "CheckpointError", "LossOptions", "Model", "Samples", "SamplingConfig", "completion_logprobs",
            "dpo_loss", "init_cache", "init_params", "load_model", "load_tokenizer", "logits", "online_dpo_loss",
-           "param_axes", "reward_scores", "sample", "save_hf", "TrainConfig"]
+           "param_axes", "reward_scores", "sample", "save_hf", "TrainConfig", "OnlineDPOConfig", "OnlineDPOTrainer"]

@@ -31,6 +31,7 @@ import numpy as np
 from jodpo.program import backend
 from jodpo.program import data as D
 from jodpo import generate as G
+from jodpo.program import flags as F
 from jodpo import judges as J
 from jodpo.program.training_eval import judge_against
 from jodpo.models.loading import resolve_path
@@ -315,14 +316,14 @@ def main(argv: list[str] | None = None) -> int:
     group.add_argument("--pointwise", action="store_true",
                        help="the mean reward with its interval instead of a win rate; with --baseline, the paired "
                             "difference too")
-    G.add_field_arguments(p, COMPARISON_FIELDS, "the comparison (training's fields; a run's own by default)")
-    args = p.parse_args(argv)
+    F.add_field_flags(p, COMPARISON_FIELDS, "the comparison (training's fields; a run's own by default)")
     try:
+        args = G.parse(p, argv, (*G.DATA_FIELDS, *G.SAMPLING_FIELDS, *COMPARISON_FIELDS))
         if args.max_prompts is not None and args.max_prompts < 1:
             raise G.GenerateError(f"--max_prompts must be >= 1, got {args.max_prompts}")
         summary = evaluate(args)
     except (*G.ERRORS, J.JudgeError) as e:
-        if args.debug:
+        if G.argv_debug(argv):
             raise
         print(f"jodpo.evaluate: error: {e}", file=sys.stderr)
         return 2

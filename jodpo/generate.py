@@ -30,7 +30,8 @@ from jodpo.errors import CheckpointError, ConfigError, GenerateError
 from jodpo.program import backend
 from jodpo.program import data as D
 from jodpo.parallel import sharding as S
-from jodpo.program.config import FIELDS, TrainConfig, from_dict, parse_override
+from jodpo.program import flags as F
+from jodpo.program.config import FIELDS, TrainConfig, from_dict
 from jodpo.models import Model, load_model, load_tokenizer
 from jodpo.program.trained_policy import is_run_dir, load_run_policy
 from jodpo.sampling import SamplingConfig, sample
@@ -243,36 +244,21 @@ def generate(policy: Policy, data: D.PromptData, out: Path, settings: dict, over
 # --------------------------------------------------------------------------------------------------
 
 
-def add_field_arguments(parser: argparse.ArgumentParser, names, title: str) -> None:
-    """``--FIELD VALUE`` for training config fields (a Python literal or a bare string, as ``--config.FIELD``)."""
-    group = parser.add_argument_group(title)
-    for name in names:
-        f = FIELDS[name]
-        group.add_argument(f"--{name}", metavar="VALUE", default=None,
-                           help=f"{f.metadata['help']} (training's default: {f.default!r})".replace("%", "%%"))
-
-
 def field_overrides(args: argparse.Namespace, names) -> dict:
-    out = {}
-    for n in names:
-        text = getattr(args, n)
-        if text is None:
-            continue
-        if n == "reward_funcs" and not text.lstrip().startswith(("[", "(")):
-            text = repr([text])  # one function: module:function without the list around it
-        out.update([parse_override(f"--config.{n}={text}")])
-    return out
+    """The training fields given as ``--FIELD VALUE`` (TRL's style) or ``--config.FIELD=VALUE``."""
+    return F.given_fields(args, names) | {k: v for k, v in args.dotted.items() if k in names}
 
 
 def parser(prog: str, description: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=description)
+    p = F.Parser(prog=prog, description=description,
+                 epilog="Each field is also --config.FIELD=VALUE (a Python literal), as the training command takes it.")
     p.add_argument("model", help="a training output_dir, an exported transformers directory, a .gguf file or a hub id")
     p.add_argument("--step", type=int, default=None, help="a run's checkpoint step (default: its newest)")
     p.add_argument("--max_prompts", type=int, default=None, help="only the dataset's first N prompts")
     p.add_argument("--overwrite", action="store_true", help="start the output again instead of continuing it")
     p.add_argument("--debug", action="store_true", help="show tracebacks for errors")
-    add_field_arguments(p, DATA_FIELDS, "prompts (a run's evaluation set by default)")
-    add_field_arguments(p, SAMPLING_FIELDS, "sampling (the training config's fields; a run's own by default)")
+    F.add_field_flags(p, DATA_FIELDS, "prompts (a run's evaluation set by default)")
+    F.add_field_flags(p, SAMPLING_FIELDS, "sampling (the training config's fields; a run's own by default)")
     return p
 
 
@@ -286,12 +272,23 @@ def data_overrides(overrides: dict) -> dict:
     return overrides
 
 
+def parse(p: argparse.ArgumentParser, argv: list[str] | None, names) -> argparse.Namespace:
+    """The command's arguments, its ``--config.FIELD=VALUE`` ones (fields among ``names``) in ``dotted``."""
+    args, rest = p.parse_known_args(argv)
+    args.dotted = F.dotted_overrides(rest, names)
+    return args
+
+
+def argv_debug(argv: list[str] | None) -> bool:
+    return "--debug" in (sys.argv[1:] if argv is None else argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     backend.start_command()
     p = parser("python -m jodpo.generate", __doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="the JSONL file to write (continued if it exists)")
-    args = p.parse_args(argv)
     try:
+        args = parse(p, argv, (*DATA_FIELDS, *SAMPLING_FIELDS))
         if args.max_prompts is not None and args.max_prompts < 1:
             raise GenerateError(f"--max_prompts must be >= 1, got {args.max_prompts}")
         overrides = data_overrides(field_overrides(args, (*DATA_FIELDS, *SAMPLING_FIELDS)))
@@ -300,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.out)
         rows = generate(policy, data, out, settings_of(policy, args.max_prompts), args.overwrite)
     except ERRORS as e:
-        if args.debug:
+        if argv_debug(argv):
             raise
         print(f"jodpo.generate: error: {e}", file=sys.stderr)
         return 2

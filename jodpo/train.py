@@ -1,4 +1,4 @@
-"""``python -m jodpo.train --config tldr.py [--config.FIELD=VALUE ...]``: the training command.
+"""``python -m jodpo.train --config tldr.py [--FIELD VALUE ...] [--config.FIELD=VALUE ...]``: the training command.
 
 It reads the config and the command line, sets up XLA and joins a multi-process job, then runs the training
 program (``jodpo.program.loop.train``) and turns what ends it into one line and an exit code.
@@ -14,14 +14,20 @@ import jax
 from jodpo.errors import (BackendError, CheckpointError, ConfigError, DataError, Diverged, SaveError,  # noqa: F401
                           Stopped)
 from jodpo.program import backend
-from jodpo.program.config import TrainConfig, help_text, load_config_file, parse_override
-from jodpo.program.loop import train
+from jodpo.program import flags as F
+from jodpo.program.config import FIELDS, TrainConfig
+from jodpo.program.trainer import OnlineDPOTrainer
 
 
 def parse_args(argv: list[str]) -> tuple[TrainConfig, argparse.Namespace]:
-    parser = argparse.ArgumentParser(prog="python -m jodpo.train", description="Online DPO (and DPO) in JAX.",
-                                     epilog=help_text(), formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", required=True, help="a config file (path, or a name in configs/)")
+    """The config (the recipe, then TRL's ``--FIELD VALUE`` flags, then ``--config.FIELD=VALUE``) and the command's
+    own flags. Mistakes are ``ConfigError``s."""
+    parser = F.Parser(prog="python -m jodpo.train", description="Online DPO (and DPO) in JAX.",
+                      formatter_class=argparse.RawDescriptionHelpFormatter,
+                      epilog="Every field is also --config.FIELD=VALUE (a Python literal). docs/config.md lists them.")
+    parser.add_argument("--config", help="the recipe: a Python config file, a YAML file of TRL field names, or a "
+                                          "bundled config by name (tiny.py, tldr.py, ...); without it every field "
+                                          "starts at its TRL default")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     parser.add_argument("--allow_config_change", action="store_true",
                         help="resume an output_dir whose saved config.json differs from this config")
@@ -32,14 +38,10 @@ def parse_args(argv: list[str]) -> tuple[TrainConfig, argparse.Namespace]:
     group.add_argument("--coordinator_address", help="host:port of process 0, for any other cluster")
     group.add_argument("--num_processes", type=int, help="processes in the job (with --coordinator_address)")
     group.add_argument("--process_id", type=int, help="this process's index, 0 .. num_processes-1")
+    F.add_field_flags(parser, FIELDS, "fields (TRL's names: --FIELD VALUE, or --config.FIELD=VALUE)")
     args, rest = parser.parse_known_args(argv)
-    overrides = {}
-    for arg in rest:
-        if not arg.startswith("--config."):
-            raise ConfigError(f"unknown argument {arg!r}; fields are set with --config.FIELD=VALUE")
-        name, value = parse_override(arg)
-        overrides[name] = value
-    cfg = load_config_file(args.config)
+    overrides = F.given_fields(args, FIELDS) | F.dotted_overrides(rest)
+    cfg = F.load_recipe(args.config)
     return (cfg.replace(**overrides) if overrides else cfg), args
 
 
@@ -69,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         said = backend.cache_for_this_job()
         if said and jax.process_index() == 0:
             print(f"jodpo.train: {said}", flush=True)
-        train(cfg, allow_config_change=args.allow_config_change)
+        OnlineDPOTrainer(args=cfg).train(allow_config_change=args.allow_config_change)  # the program
     except Stopped as e:
         print(f"jodpo.train: {e}", file=sys.stderr)
         return 0

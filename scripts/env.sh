@@ -4,8 +4,9 @@
 # JODPO_EXTRAS=test also installs the test references (pytest, torch CPU, trl).
 # JODPO_NO_INSTALL=1 runs the command in the current environment instead (nothing created or installed).
 set -euo pipefail
+# The command runs where it was called from (relative paths are the caller's: output_dir, datasets, config files,
+# reward modules); only the environment is the repository's.
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$root"
 if [ "${JODPO_NO_INSTALL:-}" = 1 ]; then
   # Use the Python environment already on PATH as it is (e.g. a GPU machine whose jax has CUDA; docs/gpu.md).
   exec "$@"
@@ -20,14 +21,14 @@ stamp="$venv/.jodpo-installed${extras:+-$extras}"
 # and transformers' modules that nothing here imports); Python writes the bytecode of what is imported, the first
 # time it is imported, under the environment's own pycache directory, and reads it from there afterwards (also
 # where PYTHONDONTWRITEBYTECODE is set, which would otherwise compile every import of every process anew).
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+if [ ! -f "$stamp" ] || [ "$root/pyproject.toml" -nt "$stamp" ]; then
   echo "[jodpo] installing into $venv (once)" >&2
   "$venv/bin/python" -m pip install -q --no-compile --upgrade pip
   if [ "$extras" = test ]; then
     # The CPU build of torch, before anything that depends on torch can pull the multi-GB CUDA wheels.
     "$venv/bin/python" -m pip install -q --no-compile "torch==2.13.0"
   fi
-  "$venv/bin/python" -m pip install -q --no-compile -e ".${extras:+[$extras]}"
+  "$venv/bin/python" -m pip install -q --no-compile -e "$root${extras:+[$extras]}"
   touch "$stamp"
 fi
 unset PYTHONDONTWRITEBYTECODE

@@ -35,6 +35,7 @@ import jax  # noqa: E402
 from jodpo.errors import CheckpointError, ExportMismatch
 from jodpo.models.export import DTYPES, check_output_dir, save_hf, verify_export  # noqa: E402
 from jodpo.models import lora  # noqa: E402
+from jodpo.program import backend  # noqa: E402
 from jodpo.models.loading import load_tokenizer, model_from_dir, resolve_path  # noqa: E402
 from jodpo.program.trained_policy import (check_fits, lora_parts, restore_newest, run_config, source_model_dir,  # noqa: E402
                               step_dir_of)
@@ -152,6 +153,7 @@ def verify_peft(lora_model, base, adapters, base_path: str, out_dir: Path, rtol:
 
 
 def main(argv: list[str] | None = None) -> int:
+    backend.start_command()  # no "PyTorch was not found" from transformers where torch is not installed
     parser = argparse.ArgumentParser(prog="python scripts/export_hf.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", required=True, help="a training output_dir, or one checkpoints/<step> dir")
     parser.add_argument("--out", required=True, help="directory to write (must be empty unless --overwrite)")

@@ -1,4 +1,6 @@
 """The config: TRL's names and defaults, config files, --config.FIELD=VALUE overrides, --help, docs."""
+import os
+import re
 from pathlib import Path
 
 import pytest
@@ -121,7 +123,7 @@ def test_help_lists_every_field_and_docs_document_them(capsys):
     out = capsys.readouterr().out
     doc = (Path(__file__).parent.parent / "docs" / "config.md").read_text()
     for name, f in C.FIELDS.items():
-        assert f"  {name} " in out and f.metadata["help"][:30] in out
+        assert f"  --{name} " in out and " ".join(f.metadata["help"][:30].split()) in " ".join(out.split())
         assert f"`{name}`" in doc, f"docs/config.md does not document {name}"
 
 
@@ -139,3 +141,43 @@ def test_a_config_file_that_fails_is_named_with_its_line(body, line, phrase, tmp
     err = capsys.readouterr().err
     assert err.startswith(f"jodpo.train: error: config file {f}, line {line}: {phrase}"), err
     assert len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def test_trl_style_flags_as_trls_parser_reads_them(tmp_path):
+    """TRL's ``--FIELD VALUE`` (HfArgumentParser: booleans bare, as a word, or --no_FIELD; lists as several words;
+    dict fields as JSON) beside --config.FIELD=VALUE, which is applied last; mistakes are one ConfigError."""
+    cfg, _ = train.parse_args(["--config", "tldr.py", "--beta", "0.2", "--learning_rate", "5e-7", "--bf16", "false",
+                               "--reward_funcs", "a:f", "b:g", "--reward_model_path", "None", "--config.max_steps=3"])
+    assert (cfg.beta, cfg.learning_rate, cfg.bf16, cfg.reward_funcs, cfg.reward_model_path, cfg.max_steps) == \
+        (0.2, 5e-7, False, ("a:f", "b:g"), None, 3)
+    cfg, _ = train.parse_args(["--config", "tldr.py", "--bf16", "--beta", "0.1", "0.05", "--no_gradient_checkpointing",
+                               "--dataset_name", "", "--dataset_mixer", '{"a.jsonl": 2}', "--beta=0.3",
+                               "--config.beta=[0.4, 0.5]"])
+    assert (cfg.bf16, cfg.gradient_checkpointing, cfg.dataset_mixer, cfg.beta) == (True, False, {"a.jsonl": 2.0},
+                                                                                    (0.4, 0.5))
+    cfg, _ = train.parse_args(["--model_name_or_path", "m", "--max_steps", "5"])  # no recipe: TRL's defaults
+    assert cfg == C.TrainConfig(model_name_or_path="m", max_steps=5)
+    for argv, phrase in ((["--betta", "0.1"], "unknown argument '--betta'. Did you mean '--beta'?"),
+                         (["--max_steps", "1.5"], "argument --max_steps: '1.5'"),
+                         (["--bf16", "maybe"], "'maybe' is not a boolean"),
+                         (["--config.reward_funcs=1"], "a list is written --reward_funcs A B"),
+                         (["--max_steps"], "expected one argument")):
+        with pytest.raises(C.ConfigError, match=re.escape(phrase)):
+            train.parse_args(["--config", "tldr.py", *argv])
+    assert C.parse_override("--config.reward_funcs=my_rewards:concise") == ("reward_funcs", ("my_rewards:concise",))
+
+
+def test_a_yaml_recipe_of_trl_field_names(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    Path("recipe.yaml").write_text("model_name_or_path: m\nbeta: [0.2]\nbf16: false\nreward_funcs: [a:f]\n"
+                                   "env:\n  JODPO_TEST_RECIPE_ENV: '1'\n")
+    monkeypatch.delenv("JODPO_TEST_RECIPE_ENV", raising=False)
+    cfg, _ = train.parse_args(["--config", "recipe.yaml", "--learning_rate", "1e-6"])
+    assert (cfg.model_name_or_path, cfg.beta, cfg.bf16, cfg.reward_funcs, cfg.learning_rate) == \
+        ("m", 0.2, False, ("a:f",), 1e-6)
+    assert os.environ["JODPO_TEST_RECIPE_ENV"] == "1"  # TrlParser's env mapping
+    Path("bad.yaml").write_text("model_name_or_path: m\nlearnin_rate: 1\n")
+    with pytest.raises(C.ConfigError, match="bad.yaml: unknown field.*Did you mean 'learning_rate'"):
+        train.parse_args(["--config", "bad.yaml"])
+    with pytest.raises(C.ConfigError, match="no/such.yaml not found"):
+        train.parse_args(["--config", "no/such.yaml"])

@@ -98,7 +98,7 @@ CASES = {  # name: (argv after --config CFG, the phrase the one-line message mus
     "LoRA target not in the model": (["--config.use_peft=True", "--config.lora_target_modules=['q_proj']"],
                                      "lora_target_modules ['q_proj'] are not modules of this gpt_neox model"),
     "corrupt safetensors": (["--config.model_name_or_path={bad}/truncated"], "corrupt or truncated safetensors file"),
-    "missing dataset": (["--config.dataset_name=/no/such/data.jsonl"], "dataset '/no/such/data.jsonl' not found"),
+    "missing dataset": (["--config.dataset_name=/no/such/data.jsonl"], "dataset '/no/such/data.jsonl': no such file or directory (looked at "),
     "no prompt column": (["--config.dataset_name={bad}/no_prompt.jsonl"], "the dataset has no 'prompt' column"),
     "empty dataset": (["--config.dataset_name={bad}/empty.jsonl"], "is empty"),
     "prompts all too long": (["--config.max_prompt_length=2"], "are longer than max_prompt_length=2 tokens"),
@@ -168,7 +168,7 @@ def test_batch_not_divisible_by_the_data_parallel_size():
         shape = {"data": 2, "fsdp": 2, "tensor": 1}
 
     run = loop.Run.__new__(loop.Run)
-    run.mesh = FakeMesh()
+    object.__setattr__(run, "mesh", FakeMesh())  # a frozen Run with only its mesh
     with pytest.raises(S.MeshError, match="a batch of 6 rows cannot be split over the 4 data-parallel devices"):
         run.put(np.zeros((1, 6, 3), np.int32))
 

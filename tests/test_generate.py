@@ -104,7 +104,9 @@ def test_bad_input_is_one_line_and_exit_status_2(tiny_run, tmp_path, capsys):
     out = tmp_path / "x.jsonl"
     cases = [(["--step", "7"], f"{tiny_run} has no checkpoint of step 7; it has steps [100, 200]"),
              (["--top_p", "2"], "top_p must be in (0, 1], got 2.0"),
-             (["--dataset_name", str(tmp_path / "none.jsonl")], "none.jsonl' not found"),
+             (["--dataset_name", str(tmp_path / "none.jsonl")], "none.jsonl': no such file or directory"),
+             (["--config.temperature=0.5", "--config.beta=1"], "this command does not take 'beta'"),
+             (["--temprature", "1"], "unknown argument '--temprature'. Did you mean '--temperature'?"),
              (["--max_prompts", "0"], "--max_prompts must be >= 1, got 0")]
     model = str(toy.world_dir() / "model")
     for extra, message in cases:

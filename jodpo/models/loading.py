@@ -190,6 +190,43 @@ def model_from_dir(path: Path, task: str, dtype) -> Model:
         raise CheckpointError(f"{path}: {e}") from e
 
 
+def is_model_object(x) -> bool:
+    """A transformers (torch) model object rather than a path: it has a config and a state_dict."""
+    return hasattr(x, "config") and hasattr(x, "state_dict") and not isinstance(x, (str, Path))
+
+
+def _object_name(obj) -> str:
+    return f"the {type(obj).__name__} object ({getattr(obj, 'name_or_path', '') or 'built in code'})"
+
+
+def model_from_object(obj, task: str, dtype) -> Model:
+    """The static ``Model`` of a transformers model object (its config and generation config), as
+    ``model_from_dir`` reads a directory's."""
+    name, cfg = _object_name(obj), obj.config
+    arch = type(obj).__name__
+    kind = families.ARCHITECTURES.get(arch, (None, None))[1]
+    if kind is not None and kind != task:
+        want = "a *ForSequenceClassification model with num_labels=1" if task == "reward" else "a *ForCausalLM model"
+        raise CheckpointError(f"{name}: is a {arch}; this place takes {want}.")
+    if task == "reward" and getattr(cfg, "num_labels", 1) != 1:
+        raise CheckpointError(f"{name}: sequence classifier with {cfg.num_labels} labels; a reward model needs "
+                              "num_labels=1.")
+    gen = getattr(obj, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None) if gen is not None else None
+    eos = [] if eos is None else eos if isinstance(eos, list) else [eos]
+    try:
+        return families.model_from_hf_config(cfg, task, dtype=jnp.dtype(dtype).name, eos_token_ids=eos)
+    except UnsupportedModelError as e:
+        raise CheckpointError(f"{name}: {e}") from e
+
+
+def _object_tensors(obj) -> Iterator[tuple[str, np.ndarray]]:
+    """A model object's tensors as float32 numpy arrays (numpy has no bfloat16; float32 holds bf16 and fp16
+    exactly), one at a time: torch is used through the tensors' own methods, never imported."""
+    for name, t in obj.state_dict().items():
+        yield name, t.detach().to("cpu").float().numpy()
+
+
 def load_params(model: Model, path: Path, dtype=jnp.float32, place=None, tensors=None) -> Params:
     """Stream the checkpoint's tensors into layer-stacked host arrays; each leaf goes to the device (and
     its host copy is freed) as soon as all its layers are in, so the peak stays near twice the model.
@@ -278,6 +315,10 @@ def load_model(path_or_hub_id: str, task: str = "causal_lm", dtype=jnp.float32, 
         every backend, as torch computes; ``"high"`` or ``"default"`` let a GPU use TF32 (faster, ~1e-3
         relative) and a TPU fewer bf16 passes. ``model.replace(precision=...)`` changes it later.
     """
+    if is_model_object(path_or_hub_id):  # a transformers model a script already built: read once, from memory
+        model = model_from_object(path_or_hub_id, task, dtype).replace(precision=precision)
+        put = None if place is None else place(model, jnp.dtype(dtype))
+        return model, load_params(model, _object_name(path_or_hub_id), dtype, put, _object_tensors(path_or_hub_id))
     path = resolve_path(path_or_hub_id, revision)
     gguf_file, tensors = gguf.find(path), None
     if gguf_file is not None:
@@ -308,7 +349,9 @@ def _gguf_model(file: Path, task: str, dtype):
 def describe_model(path_or_hub_id: str, task: str = "causal_lm", dtype=jnp.float32, *,
                    revision: str | None = None) -> Model:
     """The static ``Model`` that ``load_model`` would return, without reading the weights (a transformers
-    directory's config.json, or a GGUF file's metadata)."""
+    directory's config.json, or a GGUF file's metadata, or a transformers model object's config)."""
+    if is_model_object(path_or_hub_id):
+        return model_from_object(path_or_hub_id, task, dtype)
     path = resolve_path(path_or_hub_id, revision)
     gguf_file = gguf.find(path)
     return _gguf_model(gguf_file, task, dtype)[0] if gguf_file else model_from_dir(path, task, dtype)
@@ -327,12 +370,17 @@ def load_tokenizer(path_or_hub_id: str, revision: str | None = None):
         tok = gguf.tokenizer(gguf_file) if gguf_file else AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path}: no usable tokenizer ({e}). Save one with tokenizer.save_pretrained(...).") from e
+    return ready_tokenizer(tok, str(path))
+
+
+def ready_tokenizer(tok, name: str):
+    """A tokenizer as jodpo uses it: left-padding, with a pad token (EOS, with a warning, as TRL does)."""
     tok.padding_side = "left"
     if tok.pad_token is None:
         if tok.eos_token is None:
-            raise CheckpointError(f"{path}: the tokenizer has neither a pad token nor an EOS token; add one.")
+            raise CheckpointError(f"{name}: the tokenizer has neither a pad token nor an EOS token; add one.")
         import warnings
 
-        warnings.warn(f"{path}: tokenizer has no pad token; using its EOS token {tok.eos_token!r} as pad (as TRL does).")
+        warnings.warn(f"{name}: tokenizer has no pad token; using its EOS token {tok.eos_token!r} as pad (as TRL does).")
         tok.pad_token = tok.eos_token
     return tok

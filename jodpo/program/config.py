@@ -330,7 +330,7 @@ def _did_you_mean(name: str) -> str:
     return f"Did you mean {close[0]!r}? " if close else ""
 
 
-def _types_of(annotation) -> tuple:
+def field_types(annotation) -> tuple:
     hint = typing.get_type_hints(TrainConfig)[annotation]
     args = typing.get_args(hint)
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
@@ -342,7 +342,7 @@ def coerce(name: str, value):
     """``value`` checked against the field's type; lists become tuples, ints are accepted for floats."""
     if name not in FIELDS:
         raise ConfigError(f"unknown field {name!r}. {_did_you_mean(name)}Run `python -m jodpo.train --help`.")
-    for t in _types_of(name):
+    for t in field_types(name):
         if t is type(None) and value is None:
             return None
         if t is bool and isinstance(value, bool):
@@ -363,8 +363,10 @@ def coerce(name: str, value):
                 return tuple(coerce_elem(elem, v) for v in value)
             except TypeError:
                 continue
-    want = " or ".join(getattr(t, "__name__", str(t)) for t in _types_of(name))
-    raise ConfigError(f"field {name!r} wants {want}, got {value!r} ({type(value).__name__})")
+    want = " or ".join(getattr(t, "__name__", str(t)) for t in field_types(name))
+    listed = any(typing.get_origin(t) is tuple for t in field_types(name))
+    how = f"; a list is written --{name} A B (TRL's style) or --config.{name}=\"['A', 'B']\"" if listed else ""
+    raise ConfigError(f"field {name!r} wants {want}, got {value!r} ({type(value).__name__}){how}")
 
 
 def coerce_elem(t, v):
@@ -385,18 +387,13 @@ def parse_override(arg: str) -> tuple[str, object]:
         value = ast.literal_eval(text)
     except (ValueError, SyntaxError):
         value = text
-    kinds = _types_of(name) if name in FIELDS else ()
+    kinds = field_types(name) if name in FIELDS else ()
     listed = isinstance(value, (list, tuple)) and any(typing.get_origin(t) is tuple for t in kinds)
     if str in kinds and value is not None and not isinstance(value, str) and not listed:
         value = text  # a string field given something that parses as a number: keep the text
+    if isinstance(value, str) and str not in kinds and any(typing.get_origin(t) is tuple for t in kinds):
+        value = (value,)  # one item of a list field: --config.reward_funcs=my_rewards:concise
     return name, coerce(name, value)
-
-
-def help_text() -> str:
-    lines = ["Fields (--config.FIELD=VALUE):"]
-    for name, f in FIELDS.items():
-        lines.append(f"  {name:30s} {f.metadata['help']} (default: {f.default!r})")
-    return "\n".join(lines)
 
 
 def markdown_table() -> str:

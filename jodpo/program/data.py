@@ -10,6 +10,7 @@ permutation of epoch ``k // steps_per_epoch``, so a resumed run sees exactly the
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -38,9 +39,15 @@ def load_rows(name: str, config: str | None = None, split: str = "train"):
                 raise DataError(f"{path}: unknown file type {path.suffix!r}; use one of {sorted(LOCAL_FORMATS)}")
             if path.stat().st_size == 0:
                 raise DataError(f"the dataset {path} is empty (0 bytes); give a file with rows")
-            return datasets.load_dataset(kind, data_files={split: str(path)}, split=split)
+            with _quiet(datasets):
+                return datasets.load_dataset(kind, data_files={split: str(path)}, split=split)
         if path.is_dir():
-            return datasets.load_dataset(str(path), config, split=split)
+            with _quiet(datasets):
+                return datasets.load_dataset(str(path), config, split=split)
+        if looks_local(name):  # never asked of the Hub: a file the user meant, missing
+            raise DataError(f"dataset {name!r}: no such file or directory (looked at {path.resolve()}); give an "
+                            "existing local file or directory (relative paths are taken from the current directory), "
+                            "or a hub id like 'org/name'")
         return datasets.load_dataset(name, config, split=split)
     except DataError:
         raise
@@ -53,6 +60,24 @@ def load_rows(name: str, config: str | None = None, split: str = "train"):
                         f"is cached. ({type(e).__name__}: {e})") from e
     except Exception as e:  # datasets raises its own DatasetNotFoundError and friends
         raise DataError(f"dataset {name!r} could not be loaded: {type(e).__name__}: {e}") from e
+
+
+@contextlib.contextmanager
+def _quiet(datasets):
+    """No "Generating train split" bars for a local file (read in a moment; the run's own bar follows)."""
+    was = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if was:
+            datasets.enable_progress_bars()
+
+
+def looks_local(name: str) -> bool:
+    """A dataset name that can only be a local path: a file suffix jodpo reads, or a path that starts at the root, the
+    home or the current directory (a hub id is 'org/name')."""
+    return Path(name).suffix in LOCAL_FORMATS or name.startswith(("/", "./", "../", "~")) or name.count("/") > 1
 
 
 def load_mixture(mixer: dict, config: str | None = None, split: str = "train"):

@@ -24,10 +24,10 @@ from jodpo.parallel import sharding as S
 from jodpo import train_step as ts
 from jodpo.program.checkpoint import Checkpointer
 from jodpo.program.config import TrainConfig
-from jodpo.program.training_eval import compile_evaluation, evaluate
+from jodpo.program.training_eval import Evaluation
 from jodpo.program.metrics_log import RunLogger
 from jodpo.program.preemption import StopSignals
-from jodpo.program.run import Run, build
+from jodpo.program.run import Given, Run, build
 from jodpo.parallel.split_sampler import SplitSampler
 
 # --------------------------------------------------------------------------------------------------
@@ -41,13 +41,14 @@ def _repeat_per_micro_batch(items: list, A: int, k: int) -> list:
     return [x for a in range(A) for x in items[a * B:(a + 1) * B] * k]
 
 
-def online_iteration(run: Run, state, step: int):
+def online_iteration(run: Run, state, step: int, sampler: SplitSampler | None = None):
     """One optimizer step of online DPO as the program runs it: the window's prompts, sampled, scored (on the
-    device, on the host, or by a judge), and the update; returns ``(state, metrics, (idx, samples, raw, rows))``."""
+    device, on the host, or by a judge), and the update; returns ``(state, metrics, (idx, samples, raw, rows))``.
+    ``sampler``: sampler_devices' sampler, which then samples."""
     idx = run.indices(step)
     ids, mask = map(run.put, run.prompts(idx))
-    if run.sampler is not None:  # sampled on the sampler's own devices (sampler_devices)
-        samples = run.sampler.samples(state, step)
+    if sampler is not None:  # sampled on the sampler's own devices (sampler_devices)
+        samples = sampler.samples(state, step)
     elif run.rewards is not None and run.rewards.on_device and run.cfg.updates_per_step == 1:  # one fused call
         state, metrics, samples, raw = run.steps.online_step(run.step_cfg, state, run.ref_params, run.rewards.params,
                                                              ids, mask)
@@ -142,30 +143,14 @@ def offline_iteration(run: Run, state, step: int):
 # --------------------------------------------------------------------------------------------------
 
 
-def state_layout(run: Run):
-    """The run's first ``TrainState`` as ShapeDtypeStructs laid out as the step's outputs are (shapes, dtypes,
-    shardings; nothing computed or allocated), and ``run.steps`` jitted for that layout: what a checkpoint is
-    restored into, and what ``initial_state`` fills."""
-    init = functools.partial(ts.init_state, run.step_cfg)
-    shapes = jax.eval_shape(init, run.policy_shapes(), jax.random.PRNGKey(run.cfg.seed))
-    sharding = S.like_params(shapes, run.trainable_shardings(), run.mesh)
-    run.steps = ts.jit_steps(sharding, S.replicated(run.mesh))
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, sharding)
-
-
-def initial_state(run: Run, layout=None):
-    """The run's first ``TrainState`` (from ``cfg.seed``), laid out as ``layout`` (``state_layout(run)`` by
-    default, which also jits ``run.steps``). The state holds the policy from then on: ``run.policy_params`` is
-    dropped."""
-    layout = state_layout(run) if layout is None else layout
+def initial_state(run: Run):
+    """The run's first ``TrainState`` (from ``cfg.seed``), laid out as ``run.layout``."""
     init = jax.jit(functools.partial(ts.init_state, run.step_cfg),
-                   out_shardings=jax.tree.map(lambda x: x.sharding, layout))
-    state = init(run.policy(), jax.random.PRNGKey(run.cfg.seed))
-    run.policy_params = None
-    return state
+                   out_shardings=jax.tree.map(lambda x: x.sharding, run.layout))
+    return init(run.policy(), jax.random.PRNGKey(run.cfg.seed))
 
 
-def train(cfg: TrainConfig, allow_config_change: bool = False) -> dict:
+def train(cfg: TrainConfig, allow_config_change: bool = False, given: Given = Given(), on_log=None) -> dict:
     """Run (or resume) training as configured; returns the last logged metrics.
 
     Resuming (``output_dir`` has a checkpoint) with a config that differs from the saved ``config.json`` is
@@ -174,21 +159,22 @@ def train(cfg: TrainConfig, allow_config_change: bool = False) -> dict:
     (disk full, non-finite state) raises ``SaveError``. None of them touches the checkpoints already saved.
     ``output_dir`` is locked for the call (``output_dir``): a second run there meanwhile raises ``RunDirError``; so does
     an ``output_dir`` that cannot be made. A checkpoint whose arrays do not fit the configured model, or a dataset
-    other than the checkpoint's, raises ``ConfigError`` before anything is written."""
+    other than the checkpoint's, raises ``ConfigError`` before anything is written. ``given``: objects in place of
+    what the config names (``OnlineDPOTrainer``); ``on_log(metrics)`` is called with each logged line."""
     out = output_dir.prepare(cfg.output_dir)
     lock = output_dir.lock_for_job(out)  # held until train returns or raises, whatever ends it
     try:
         if jax.process_index() == 0:
             print(f"jodpo.train: writing to {out}", flush=True)
-        return _train(cfg, out, allow_config_change)
+        return _train(cfg, out, allow_config_change, given, on_log)
     finally:
         if lock is not None:
             lock.release()
 
 
-def _train(cfg: TrainConfig, out: Path, allow_config_change: bool) -> dict:
-    run = build(cfg)
-    layout = state_layout(run)
+def _train(cfg: TrainConfig, out: Path, allow_config_change: bool, given: Given, on_log) -> dict:
+    run = build(cfg, given)
+    layout = run.layout
     ckpt = Checkpointer(out / "checkpoints", cfg.save_total_limit)
     start = 0
     if ckpt.steps() and not allow_config_change:  # before reading: another shape is not "unreadable"
@@ -200,9 +186,8 @@ def _train(cfg: TrainConfig, out: Path, allow_config_change: bool) -> dict:
     # its own, the policy read), so the device holds one state, not two, while the checkpoint is read.
     restored = ckpt.restore_latest(layout)
     if restored is None:
-        state = initial_state(run, layout)
+        state = initial_state(run)
     else:
-        run.policy_params = None
         start, state, meta = restored
         if meta["dataset_rows"] != len(run.train):
             raise ConfigError(f"{out}: the checkpoint was trained on {meta['dataset_rows']} rows, the dataset now has "
@@ -211,8 +196,9 @@ def _train(cfg: TrainConfig, out: Path, allow_config_change: bool) -> dict:
             raise ConfigError(f"{out}: the checkpoint was trained on other data (the same {len(run.train)} rows, "
                               f"different content: fingerprint {meta['dataset_fingerprint']}, now {data_fingerprint}); "
                               "resume with the data it was trained on, or use a new output_dir")
+    sampler = None
     if run.sampler_mesh is not None:
-        run.sampler = SplitSampler(
+        sampler = SplitSampler(
             run.step_cfg, run.mesh, run.sampler_mesh, state.rng,
             lambda step, mesh: tuple(run.put(x, mesh) for x in run.prompts(run.indices(step))),
             run.cfg.updates_per_step, run.total_steps, run.ref_params, run.lora_targets)
@@ -223,18 +209,22 @@ def _train(cfg: TrainConfig, out: Path, allow_config_change: bool) -> dict:
                        run_name=cfg.run_name, config=cfg.to_dict())
     if start:
         logger.message(f"resumed from {ckpt.directory}/{start}")
-    if cfg.async_mode and run.sampler is None:
+    if cfg.async_mode and sampler is None:
         logger.message("async_mode: sampling and the update take turns on the same devices (one step off-policy, "
                        + ("nothing to overlap on one device)" if jax.device_count() == 1 else
                           "no overlap; sampler_devices=k gives sampling devices of its own so that the two overlap)"))
+    evaluation = Evaluation(run) if run.eval is not None else None
+    step_fn = offline_iteration if isinstance(run.train, D.PreferenceData) else \
+        functools.partial(online_iteration, sampler=sampler)
     try:
         with StopSignals() as stop:
-            return _loop(run, state, start, ckpt, logger, stop, data_fingerprint)
+            return _loop(run, state, start, ckpt, logger, stop, data_fingerprint, step_fn, evaluation,
+                         on_log or (lambda metrics: None))
     finally:
         # a second Ctrl-C (KeyboardInterrupt) waits for nothing: not the save in flight, not a background compile
         if not isinstance(sys.exc_info()[1], KeyboardInterrupt):
-            if run.eval_compile is not None:  # a run stopped before its first evaluation
-                run.eval_compile.join()
+            if evaluation is not None:  # a run stopped before its first evaluation
+                evaluation.wait()
             ckpt.close()
         logger.close()
 
@@ -242,9 +232,8 @@ def _train(cfg: TrainConfig, out: Path, allow_config_change: bool) -> dict:
 
 
 def _loop(run: Run, state, start: int, ckpt: Checkpointer, logger: RunLogger, stop: StopSignals,
-          data_fingerprint: str) -> dict:
+          data_fingerprint: str, step_fn, evaluation: Evaluation | None, on_log) -> dict:
     cfg = run.cfg
-    step_fn = offline_iteration if isinstance(run.train, D.PreferenceData) else online_iteration
     table_every = max(1, run.total_steps // max(1, cfg.num_sample_generations))
     last, t0, since = {}, time.perf_counter(), 0
     skipped, streak = None, 0  # the previous step's skip flag (read a step late: no wait) and the run of skips
@@ -269,8 +258,8 @@ def _loop(run: Run, state, start: int, ckpt: Checkpointer, logger: RunLogger, st
         with _reward_errors(f"at step {step + 1}: batch {step % run.steps_per_epoch} of epoch "
                             f"{step // run.steps_per_epoch}"):
             state, metrics, sampled = step_fn(run, state, step)
-        if step == start:  # dispatched, so compiled: the evaluation compiles in the background while it runs
-            compile_evaluation(run, state)
+        if step == start and evaluation is not None:  # dispatched, so compiled: the evaluation compiles in the
+            evaluation.start_compiling(state)  # background while it runs
         if skipped is not None:
             check_skipped(skipped, step)
         skipped = metrics["skipped_update"]
@@ -283,7 +272,9 @@ def _loop(run: Run, state, start: int, ckpt: Checkpointer, logger: RunLogger, st
                               "eps": since / (now - t0)}
             t0, since = now, 0
             logger.log(last)
-        if sampled is not None and (done % table_every == 0 or done == run.total_steps):
+            on_log(last)
+        if sampled is not None and cfg.num_sample_generations > 0 and (done % table_every == 0 or
+                                                                       done == run.total_steps):
             idx, samples, raw, pairs = sampled  # pairs: a judge's rows (its verdicts in raw), else None
             B = len(idx) // run.cfg.micro_batches
             tokens = S.to_host(samples.tokens)[0]
@@ -293,8 +284,9 @@ def _loop(run: Run, state, start: int, ckpt: Checkpointer, logger: RunLogger, st
             logger.table(done, rows[:4])
         if run.eval is not None and (done == run.total_steps or (cfg.eval_steps and done % cfg.eval_steps == 0)):
             with _reward_errors(f"in the evaluation at step {done}"):
-                ev = evaluate(run, state)
+                ev = evaluation(state)
             logger.log({"step": done} | ev)
+            on_log({"step": done} | ev)
             last |= ev
         logger.advance()
         if done == run.total_steps:

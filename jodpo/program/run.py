@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
-import threading
 import warnings
 
 import jax
@@ -21,17 +21,32 @@ from jodpo.program.config import TrainConfig
 from jodpo.losses import LossOptions, needs_reference
 from jodpo.models import load_model, load_tokenizer
 from jodpo.models import lora
-from jodpo.models.loading import describe_model
+from jodpo.models.loading import describe_model, ready_tokenizer
 from jodpo.models.model import attention_note
 from jodpo.models.params import frozen_params, param_shapes
 from jodpo.program.rewards import RewardSet, check_shared_vocab
-from jodpo.program.user_code import import_judge, import_reward_function, is_import_path
+from jodpo.program.user_code import import_judge, import_reward_function, is_import_path, judge_object
 from jodpo.sampling import SamplingConfig
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
+class Given:
+    """What a Python caller hands the program in place of what the config names (``OnlineDPOTrainer``): objects
+    already in memory. Each one left None is read as the config says."""
+
+    model: object | None = None  # a transformers *ForCausalLM object (model_name_or_path names where it came from)
+    tokenizer: object | None = None  # its tokenizer (processing_class)
+    train_rows: object | None = None  # a datasets.Dataset (dataset_name)
+    eval_rows: object | None = None  # a datasets.Dataset (eval_dataset)
+    reward_functions: tuple = ()  # callables (reward_funcs names them), in order
+    reward_model: object | None = None  # a *ForSequenceClassification object (reward_model_path)
+    reward_tokenizer: object | None = None
+    judge: object | None = None  # a callable or an object with judge() (judge names it)
+
+
+@dataclasses.dataclass(frozen=True)
 class Run:
-    """What the loop needs, built once from the config."""
+    """What the loop needs, built once from the config; nothing changes it afterwards."""
 
     cfg: TrainConfig
     tokenizer: object
@@ -52,12 +67,11 @@ class Run:
     steps_per_epoch: int
     total_steps: int
     save_every: int
-    steps: ts.JittedSteps | None = None  # set by ``train`` once the state's shardings are known
-    eval_reference_scores: np.ndarray | None = None  # rewards of the eval set's references, once per run
     lora_targets: tuple[str, ...] = ()  # the adapted HF modules (use_peft)
     sampler_mesh: Mesh | None = None  # sampler_devices: the devices that sample, apart from ``mesh``
-    sampler: object | None = None  # its ``jodpo.parallel.split_sampler.SplitSampler``, set by ``train``
-    eval_compile: threading.Thread | None = None  # the thread compiling the evaluation's programs (``compile_evaluation``)
+    policy_source: object = None  # where ``policy()`` reads the policy: model_name_or_path, or the caller's object
+    layout: object = None  # the first TrainState as ShapeDtypeStructs laid out as the steps' outputs (``with_steps``)
+    steps: ts.JittedSteps | None = None  # the steps, jitted for that layout
 
     def indices(self, step: int) -> np.ndarray:
         """The training rows of step ``step`` (a fresh permutation every epoch, from the seed)."""
@@ -69,12 +83,13 @@ class Run:
                               self.step_cfg.sampling.pad_token_id)
 
     def policy(self) -> dict:
-        """The policy's starting parameters, read in ``param_dtype`` now if ``build`` did not."""
-        if self.policy_params is None:
-            with named("model_name_or_path"):
-                _, self.policy_params = load_model(self.cfg.model_name_or_path, "causal_lm", self.cfg.param_dtype,
-                                                   revision=self.cfg.model_revision, place=S.placer(self.mesh))
-        return self.policy_params
+        """The policy's starting parameters, read in ``param_dtype`` now if ``build`` did not (the caller holds
+        them: the run keeps none)."""
+        if self.policy_params is not None:
+            return self.policy_params
+        with named("model_name_or_path"):
+            return load_model(self.policy_source, "causal_lm", self.cfg.param_dtype, revision=self.cfg.model_revision,
+                              place=S.placer(self.mesh))[1]
 
     def policy_shapes(self):
         """What ``jax.eval_shape`` needs of ``policy()``, without reading anything: its arrays once read, else
@@ -132,8 +147,10 @@ def _say_attention(model, field: str) -> None:
         warnings.warn(f"{field}: {note}")
 
 
-def build(cfg: TrainConfig) -> Run:
-    if not cfg.model_name_or_path:
+def build(cfg: TrainConfig, given: Given = Given()) -> Run:
+    """The run ``cfg`` describes, with what ``given`` holds in place of what the config names."""
+    source = cfg.model_name_or_path if given.model is None else given.model
+    if given.model is None and not cfg.model_name_or_path:
         raise ConfigError("model_name_or_path is empty: give a local HF checkpoint directory or a hub id")
     if cfg.attn_implementation == "cudnn" and jax.default_backend() != "gpu":
         raise ConfigError(f"attn_implementation='cudnn' needs an NVIDIA GPU, and jax's backend is "
@@ -145,12 +162,13 @@ def build(cfg: TrainConfig) -> Run:
     mesh, sampler_mesh = meshes(cfg)
     dp = S.data_parallel_size(mesh)
     with named("model_name_or_path"):
-        tokenizer = load_tokenizer(cfg.model_name_or_path, cfg.model_revision)
+        tokenizer = ready_tokenizer(given.tokenizer, "processing_class") if given.tokenizer is not None else \
+            load_tokenizer(cfg.model_name_or_path, cfg.model_revision)
         if needs_reference(cfg.loss_type) or cfg.use_peft:
-            model, ref_params = load_model(cfg.model_name_or_path, "causal_lm", cfg.frozen_param_dtype,
+            model, ref_params = load_model(source, "causal_lm", cfg.frozen_param_dtype,
                                            revision=cfg.model_revision, place=S.placer(mesh))
         else:  # reference-free (simpo): only the policy, read in param_dtype when the run starts from it (Run.policy)
-            model = describe_model(cfg.model_name_or_path, "causal_lm", cfg.param_dtype, revision=cfg.model_revision)
+            model = describe_model(source, "causal_lm", cfg.param_dtype, revision=cfg.model_revision)
             ref_params = None
     policy_params, targets = ref_params, ()
     if cfg.use_peft:  # the policy is the frozen base plus adapters; nothing else is trained or copied
@@ -176,7 +194,8 @@ def build(cfg: TrainConfig) -> Run:
     stop = stop_token_ids(cfg, tokenizer)
     eos = tuple(dict.fromkeys([*eos, *stop]))
 
-    train_rows = load_split(cfg.dataset_mixer, cfg.dataset_name, cfg, cfg.dataset_train_split)
+    train_rows = given.train_rows if given.train_rows is not None else load_split(
+        cfg.dataset_mixer, cfg.dataset_name, cfg, cfg.dataset_train_split)
     # A preference dataset (prompt/chosen/rejected) trains offline DPO, unless the run has a reward or a judge: then
     # its prompts train online DPO, as TRL's and open-instruct's online trainers read only the prompts.
     offline = D.is_preference(train_rows) and not (cfg.reward_model_path or cfg.reward_funcs or cfg.judge)
@@ -185,9 +204,11 @@ def build(cfg: TrainConfig) -> Run:
     else:
         train = D.prepare_prompts(train_rows, tokenizer, cfg.max_prompt_length)
     evaluation = None
-    if not offline and (cfg.eval_dataset or cfg.dataset_eval_mixer or cfg.eval_steps):
-        rows = load_split(cfg.dataset_eval_mixer or (None if cfg.eval_dataset else cfg.dataset_mixer),
-                     cfg.eval_dataset or cfg.dataset_name, cfg, cfg.dataset_test_split)
+    if given.eval_rows is not None or (given.train_rows is None and not offline and (
+            cfg.eval_dataset or cfg.dataset_eval_mixer or cfg.eval_steps)):
+        rows = given.eval_rows if given.eval_rows is not None else load_split(
+            cfg.dataset_eval_mixer or (None if cfg.eval_dataset else cfg.dataset_mixer),
+            cfg.eval_dataset or cfg.dataset_name, cfg, cfg.dataset_test_split)
         rows = rows.select(range(min(len(rows), cfg.max_eval_prompts)))
         evaluation = D.prepare_prompts(rows, tokenizer, cfg.max_prompt_length)
         if len(evaluation) < dp:  # an eval batch needs a prompt per data-parallel device
@@ -198,13 +219,13 @@ def build(cfg: TrainConfig) -> Run:
 
     rewards, rm, judge = None, None, None
     if not offline and cfg.judge:
-        judge = load_judge(cfg, model, mesh)
+        judge = load_judge(cfg, model, mesh, given.judge)
         if evaluation is not None and evaluation.references is None:
             warnings.warn("with a judge, evaluation needs reference completions to judge against (a 'completion' "
                           "column); the evaluation set has none, so evaluation is off", stacklevel=2)
             evaluation = None
     elif not offline:
-        rewards = load_rewards(cfg, model, tokenizer, mesh, chat=isinstance(train.prompts[0], list))
+        rewards = load_rewards(cfg, model, tokenizer, mesh, chat=isinstance(train.prompts[0], list), given=given)
         rm = rewards.model
 
     global_batch = cfg.per_device_train_batch_size * dp * cfg.micro_batches
@@ -237,19 +258,31 @@ def build(cfg: TrainConfig) -> Run:
         async_mode=cfg.async_mode, num_generations=cfg.num_generations, pairing=cfg.pairing,
         sync_steps=cfg.sync_steps)
     save_every = int(cfg.save_steps) if cfg.save_steps >= 1 else max(1, math.ceil(total * cfg.save_steps))
-    return Run(cfg, tokenizer, step_cfg, mesh, policy_params, ref_params, rewards, judge, train, evaluation,
-               cfg.prompt_buckets or D.default_buckets(cfg.max_prompt_length), global_batch, spe, total, save_every,
-               lora_targets=targets, sampler_mesh=sampler_mesh)
+    run = Run(cfg, tokenizer, step_cfg, mesh, policy_params, ref_params, rewards, judge, train, evaluation,
+              cfg.prompt_buckets or D.default_buckets(cfg.max_prompt_length), global_batch, spe, total, save_every,
+              lora_targets=targets, sampler_mesh=sampler_mesh, policy_source=source)
+    return with_steps(run)
 
 
-def load_rewards(cfg: TrainConfig, policy, tokenizer, mesh, chat: bool) -> RewardSet:
+def with_steps(run: Run) -> Run:
+    """The run with its first state's layout and its steps jitted for it: what a checkpoint is restored into and
+    what ``loop.initial_state`` fills (shapes, dtypes, shardings; nothing computed or allocated)."""
+    init = functools.partial(ts.init_state, run.step_cfg)
+    shapes = jax.eval_shape(init, run.policy_shapes(), jax.random.PRNGKey(run.cfg.seed))
+    sharding = S.like_params(shapes, run.trainable_shardings(), run.mesh)
+    layout = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, sharding)
+    return dataclasses.replace(run, layout=layout, steps=ts.jit_steps(sharding, S.replicated(run.mesh)))
+
+
+def load_rewards(cfg: TrainConfig, policy, tokenizer, mesh, chat: bool, given: Given = Given()) -> RewardSet:
     """The run's rewards: the reward model (frozen, in frozen_param_dtype, computing as the ``policy`` model does,
     sharded over the mesh) and the reward functions, with their weights."""
     rm, rm_params, rm_tok, shared = None, None, None, False
-    if cfg.reward_model_path:
+    if cfg.reward_model_path or given.reward_model is not None:
+        source = cfg.reward_model_path if given.reward_model is None else given.reward_model
         with named("reward_model_path"):
-            rm, rm_params = load_model(cfg.reward_model_path, "reward", cfg.frozen_param_dtype, place=S.placer(mesh))
-            rm_tok = load_tokenizer(cfg.reward_model_path)
+            rm, rm_params = load_model(source, "reward", cfg.frozen_param_dtype, place=S.placer(mesh))
+            rm_tok = given.reward_tokenizer or load_tokenizer(cfg.reward_model_path)
         rm = rm.replace(dtype=policy.dtype, precision=policy.precision, attention=policy.attention)
         _say_attention(rm, "reward_model_path")
         rm_params = frozen_params(rm, rm_params)
@@ -257,7 +290,7 @@ def load_rewards(cfg: TrainConfig, policy, tokenizer, mesh, chat: bool) -> Rewar
         shared = _same_tokenizer(tokenizer, rm_tok)
         if shared:
             check_shared_vocab(policy, rm)
-    fns = [import_reward_function(s) for s in cfg.reward_funcs]
+    fns = list(given.reward_functions) or [import_reward_function(s) for s in cfg.reward_funcs]
     return RewardSet(rm, rm_params, rm_tok, fns, cfg.reward_weights, shared_tokenizer=shared, chat=chat)
 
 
@@ -321,9 +354,11 @@ def run_length(cfg: TrainConfig, global_batch: int, steps_per_epoch: int) -> int
     return math.ceil(cfg.num_train_epochs * steps_per_epoch)
 
 
-def load_judge(cfg: TrainConfig, policy, mesh) -> J.LLMJudge | J.CallableJudge:
-    """A callable judge from its import path, or a causal LM as an LLM judge: frozen, in frozen_param_dtype, computing
-    as the policy does, its parameters sharded over the mesh like the reward model's."""
+def load_judge(cfg: TrainConfig, policy, mesh, given=None) -> J.LLMJudge | J.CallableJudge:
+    """A callable judge (``given``, or from its import path), or a causal LM as an LLM judge: frozen, in
+    frozen_param_dtype, computing as the policy does, its parameters sharded over the mesh like the reward model's."""
+    if given is not None:
+        return given if isinstance(given, (J.LLMJudge, J.CallableJudge)) else judge_object(given, cfg.judge)
     if is_import_path(cfg.judge):
         return import_judge(cfg.judge)
     with named("judge"):

@@ -49,24 +49,22 @@ def _eval_state(state):
 
 
 def _reference_scores(run: Run, batches) -> np.ndarray | None:
-    """The rewards of the evaluation set's reference completions: the rewards are frozen, so they are computed
-    at the first evaluation and kept for the run."""
+    """The rewards of the evaluation set's reference completions (the rewards are frozen: ``Evaluation`` keeps
+    them for the run)."""
     data = run.eval
     if data.references is None:
         return None
-    if run.eval_reference_scores is None:
-        run.eval_reference_scores = np.concatenate([
-            run.rewards.score([data.prompts[i] for i in idx], [data.references[i] for i in idx], None,
+    return np.concatenate([
+            run.rewards.score([data.prompts[i] for i in idx], [data.references[i] for i in idx],
+                              run.tokenizer([data.references[i] for i in idx], add_special_tokens=False)["input_ids"],
                               {k: [v[i] for i in idx] for k, v in data.columns.items()}) for idx in batches])
-    return run.eval_reference_scores
 
 
 def _reference_batches(run: Run) -> list[tuple[np.ndarray, np.ndarray]]:
     """The reward model's inputs (ids, mask) of the reference completions, one per distinct shape, when the first
     evaluation will score them with the reward model (``_reference_scores``); else none."""
     data = run.eval
-    if run.judge is not None or data.references is None or run.rewards.model is None or \
-            run.eval_reference_scores is not None:
+    if run.judge is not None or data.references is None or run.rewards.model is None:
         return []
     shapes = {}
     for idx in _eval_batches(run):
@@ -94,9 +92,6 @@ def _judge_against_references(run: Run, idx: np.ndarray, tokens: np.ndarray) -> 
 def eval_samples(run: Run, state):
     """Yields ``(idx, ids, mask, samples)`` per evaluation batch: one completion per prompt (dispatched, not
     waited for)."""
-    if run.eval_compile is not None:  # its programs, compiled in the background: wait rather than compile twice
-        run.eval_compile.join()
-        run.eval_compile = None
     eval_state = _eval_state(state)
     for idx in _eval_batches(run):
         ids, mask = map(run.put, _eval_prompts(run, idx))
@@ -107,9 +102,10 @@ def _scored_on_device(run: Run) -> bool:
     return run.judge is None and run.rewards.on_device
 
 
-def evaluate(run: Run, state) -> dict:
+def evaluate(run: Run, state, references=None) -> dict:
     """One completion per evaluation prompt (``eval_samples``), scored; with reference completions, the win rate
-    against them (by the rewards, or by the judge: then the win rate is all there is)."""
+    against them (by the rewards, or by the judge: then the win rate is all there is). ``references``: a function
+    giving the references' rewards (``Evaluation`` keeps them), else they are scored now."""
     scores = []
     for idx, ids, mask, samples in eval_samples(run, state):
         if run.judge is not None:  # the chance that the reference is the better one
@@ -125,20 +121,46 @@ def evaluate(run: Run, state) -> dict:
     if run.judge is not None:
         return {"eval/win_rate": J.win_rate(scores)}
     out = {"eval/objective/scores": float(np.mean(scores))}
-    references = _reference_scores(run, _eval_batches(run))
+    references = (references or _reference_scores)(run, _eval_batches(run))
     if references is not None:
         out["eval/win_rate"] = float(np.mean(scores > references))
     return out
+
+
+class Evaluation:
+    """A run's evaluation as the loop runs it: its programs compiled in the background after the first step
+    (``start_compiling``), waited for before the first evaluation, and the references' rewards scored once."""
+
+    def __init__(self, run: Run):
+        self.run, self.compiling, self.references = run, None, None
+
+    def start_compiling(self, state) -> None:
+        self.compiling = compile_evaluation(self.run, state)
+
+    def wait(self) -> None:
+        """The background compile, finished (a run stopped before its first evaluation waits for it too)."""
+        if self.compiling is not None:  # its programs: wait rather than compile twice
+            self.compiling.join()
+            self.compiling = None
+
+    def __call__(self, state) -> dict:
+        self.wait()
+        return evaluate(self.run, state, self._reference_scores)
+
+    def _reference_scores(self, run: Run, batches):
+        if self.references is None:
+            self.references = _reference_scores(run, batches)
+        return self.references
 
 
 def compile_evaluation(run: Run, state) -> threading.Thread | None:
     """Start compiling the evaluation's programs (its sampling and, with the reward model on the device, its
     scoring; once per prompt shape; and the reward model's scoring of the reference completions, once per run)
     in a background thread, with the exact arguments ``evaluate`` passes, so that its calls find them compiled;
-    sets ``run.eval_compile`` (``eval_samples`` waits for it). A failure only logs: the evaluation then compiles
+    returns the thread (``Evaluation`` waits for it). A failure only logs: the evaluation then compiles
     when it first runs. None when the run does not evaluate. The thread only compiles: it runs nothing on the
     devices (a multi-process run must launch its programs in the same order on every process)."""
-    if run.eval is None or run.steps is None:
+    if run.eval is None:
         return None
     # Shapes and shardings only: the step donates the state's buffers while this thread works.
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
@@ -164,6 +186,6 @@ def compile_evaluation(run: Run, state) -> threading.Thread | None:
             log.warning("compiling the evaluation in the background failed (%s: %s); it compiles at the first "
                         "evaluation instead", type(e).__name__, e)
 
-    run.eval_compile = threading.Thread(target=work, name="jodpo-eval-compile", daemon=True)
-    run.eval_compile.start()
-    return run.eval_compile
+    thread = threading.Thread(target=work, name="jodpo-eval-compile", daemon=True)
+    thread.start()
+    return thread

@@ -8,6 +8,8 @@ name is told the new one).
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -35,6 +37,8 @@ def import_object(spec: str, what: str = "reward function"):
     module, _, name = spec.partition(":")
     if not module or not name:
         raise ValueError(f"{what} {spec!r}: write it as 'module.path:name'")
+    if os.getcwd() not in sys.path and "" not in sys.path:  # a module beside the user imports, as in a TRL script
+        sys.path.append(os.getcwd())
     try:
         return getattr(importlib.import_module(MOVED.get(module, module)), name)
     except (ImportError, AttributeError) as e:
@@ -49,13 +53,17 @@ def import_reward_function(spec: str) -> RewardFn:
 def import_judge(spec: str) -> CallableJudge:
     """``'module:function'``, ``'module:Class'`` (instantiated without arguments; its ``judge`` method is called) or
     ``'module:instance'`` -> a ``CallableJudge``."""
-    obj = import_object(spec, "judge")
+    return judge_object(import_object(spec, "judge"), spec)
+
+
+def judge_object(obj, name: str) -> CallableJudge:
+    """A function, a class (instantiated without arguments), or an object with TRL's ``judge`` method, as a judge."""
     if isinstance(obj, type):
         obj = obj()
     fn = getattr(obj, "judge", obj)
     if not callable(fn):
-        raise JudgeError(f"judge {spec!r} is neither a function nor an object with a judge() method")
-    return CallableJudge(fn, spec)
+        raise JudgeError(f"judge {name!r} is neither a function nor an object with a judge() method")
+    return CallableJudge(fn, name)
 
 
 def is_import_path(spec: str) -> bool:

@@ -1,0 +1,162 @@
+"""Config fields on the command line, in both styles the commands take: TRL's ``--FIELD VALUE`` (as TRL's
+``HfArgumentParser`` reads them: ``--bf16`` / ``--bf16 false`` / ``--no_bf16``, lists as ``--reward_funcs a:f b:g``)
+and jodpo's ``--config.FIELD=VALUE``; and the recipe a run starts from: a Python config file, a YAML file of TRL
+field names (as ``trl ... --config recipe.yaml``), or a bundled config by name.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import difflib
+import json
+import typing
+from pathlib import Path
+
+from jodpo.errors import ConfigError
+from jodpo.program.config import FIELDS, TrainConfig, coerce, field_types, find_config_file, from_dict, \
+    load_config_file, parse_override
+
+
+class Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose mistakes are ``ConfigError``s (one line, and no ``SystemExit`` for a caller that
+    is not a command)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+
+    def error(self, message):
+        raise ConfigError(message)
+
+
+def _bool(text: str) -> bool:
+    """TRL's ``string_to_bool``: yes/true/t/y/1 and no/false/f/n/0, any case."""
+    if text.lower() in ("yes", "true", "t", "y", "1"):
+        return True
+    if text.lower() in ("no", "false", "f", "n", "0"):
+        return False
+    raise argparse.ArgumentTypeError(f"{text!r} is not a boolean; use true or false")
+
+
+def _scalar(t):
+    """The converter of one command-line word to ``t``: ``None`` (any case) is None for a field that takes None."""
+    if typing.get_origin(t) is dict:
+        return json.loads  # TRL's dict fields: a JSON object
+    return t
+
+
+def add_field_flags(parser: argparse.ArgumentParser, names, title: str) -> None:
+    """``--FIELD VALUE`` for each of ``names``, typed as TRL's ``HfArgumentParser`` types them."""
+    group = parser.add_argument_group(title)
+    for name in names:
+        f, kinds = FIELDS[name], field_types(name)
+        help = f"{f.metadata['help']} (default: {f.default!r})".replace("%", "%%")
+        real = [t for t in kinds if t is not type(None)]
+        optional = len(real) < len(kinds)
+        listed = [t for t in real if typing.get_origin(t) is tuple]
+        if real == [bool]:
+            group.add_argument(f"--{name}", type=_bool, nargs="?", const=True, default=argparse.SUPPRESS, help=help)
+            if f.default is True:  # as HfArgumentParser: --no_FIELD
+                group.add_argument(f"--no_{name}", dest=name, action="store_false", default=argparse.SUPPRESS,
+                                   help=argparse.SUPPRESS)
+            continue
+        if listed:
+            elem = typing.get_args(listed[0])[0]
+            kw = dict(nargs="+", type=_or_none(elem, optional))
+        else:
+            kw = dict(type=_or_none(_scalar(real[0]), optional))
+        group.add_argument(f"--{name}", metavar="VALUE", default=argparse.SUPPRESS, help=help, **kw)
+
+
+def _or_none(convert, optional: bool):
+    def read(text: str):
+        if optional and text in ("None", "none"):
+            return None
+        try:
+            return convert(text)
+        except (ValueError, json.JSONDecodeError) as e:
+            raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
+    read.__name__ = getattr(convert, "__name__", "value")
+    return read
+
+
+def given_fields(args: argparse.Namespace, names) -> dict:
+    """The fields given as ``--FIELD VALUE``, checked as the config checks them (lists as tuples; a list of one for a
+    field that also takes one value is that value, as TRL makes a one-element ``beta`` a float)."""
+    out = {}
+    for name in names:
+        if not hasattr(args, name):
+            continue
+        value = getattr(args, name)
+        if isinstance(value, list):
+            if len(value) == 1 and isinstance(value[0], str) and value[0].lstrip().startswith(("[", "(")):
+                value = ast.literal_eval(value[0])  # the older form: --reward_funcs "['a:f', 'b:g']"
+            elif len(value) == 1 and any(t in (str, float, int) for t in field_types(name)):
+                value = value[0]
+            elif value == [None]:
+                value = None
+        out[name] = coerce(name, value)
+    return out
+
+
+def dotted_overrides(rest: list[str], names=None) -> dict:
+    """``--config.FIELD=VALUE`` arguments -> {FIELD: value}; anything else is an unknown argument, said with the flag
+    it most resembles."""
+    out = {}
+    for arg in rest:
+        if not arg.startswith("--config."):
+            raise ConfigError(unknown_argument(arg, names))
+        name, value = parse_override(arg)
+        if names is not None and name not in names:
+            raise ConfigError(f"{arg}: this command does not take {name!r}; it takes {', '.join(sorted(names))}")
+        out[name] = value
+    return out
+
+
+def unknown_argument(arg: str, names=None) -> str:
+    flag = arg.split("=", 1)[0]
+    known = [f"--{n}" for n in (FIELDS if names is None else names)]
+    close = difflib.get_close_matches(flag, known, n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    return (f"unknown argument {arg!r}.{hint} Fields are set as --FIELD VALUE (TRL's style) or --config.FIELD=VALUE; "
+            "--help lists them")
+
+
+def load_recipe(name: str | None) -> TrainConfig:
+    """The run's starting config: none (every field at its TRL default), a YAML file of TRL field names, a Python
+    config file, or a bundled config by name."""
+    if name is None:
+        return TrainConfig()
+    if Path(name).suffix in (".yaml", ".yml"):
+        return load_yaml(Path(name))
+    return load_config_file(name)
+
+
+def load_yaml(path: Path) -> TrainConfig:
+    """A YAML recipe: a mapping of TRL's field names (TrlParser's ``--config``), read as a ``TrainConfig``. Its ``env``
+    mapping, as TRL's, sets environment variables before anything else runs."""
+    import os
+
+    import yaml
+
+    if not path.is_file():
+        raise ConfigError(f"config file {path} not found (looked at {path.resolve()}); relative paths are taken from "
+                          "the current directory")
+    try:
+        d = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path}: not valid YAML ({str(e).splitlines()[0]}); fix the file") from None
+    d = {} if d is None else d
+    if not isinstance(d, dict):
+        raise ConfigError(f"config file {path}: holds a {type(d).__name__}, not a mapping of field names to values")
+    env = d.pop("env", None) or {}
+    if not isinstance(env, dict):
+        raise ConfigError(f"config file {path}: env must be a mapping of environment variables to values")
+    for k, v in env.items():
+        os.environ[str(k)] = str(v)
+    beta = d.get("beta")
+    if isinstance(beta, list) and len(beta) == 1:
+        d["beta"] = beta[0]
+    return from_dict(d, source=str(path))
+
+
+__all__ = ["Parser", "add_field_flags", "given_fields", "dotted_overrides", "load_recipe", "find_config_file"]

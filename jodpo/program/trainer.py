@@ -1,0 +1,223 @@
+"""TRL's Python API over jodpo's training program: ``OnlineDPOConfig`` and ``OnlineDPOTrainer``, with TRL 1.16's
+constructor (``trl.experimental.online_dpo``), so that a TRL script runs on jodpo with its import changed.
+
+The trainer runs the program ``python -m jodpo.train`` runs (``loop.train``: checkpoints, the output_dir's lock,
+exact resume, metrics.jsonl, trackers, evaluation), handing it the objects the script built (a transformers model, a
+``datasets.Dataset``, Python reward functions) in place of the names a config file gives. Errors are raised as
+exceptions (``jodpo.errors``), never ``SystemExit``; ``train()`` may be called again in the same process.
+"""
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+
+from jodpo.errors import ConfigError
+from jodpo.program import loop
+from jodpo.program.config import FIELDS, TrainConfig, coerce
+from jodpo.program.rewards import function_name
+from jodpo.program.run import Given
+
+
+class OnlineDPOConfig(TrainConfig):
+    """TRL's ``OnlineDPOConfig``: jodpo's ``TrainConfig`` itself (TRL's field names and defaults, plus jodpo's own
+    fields; one set of fields), taking TRL's forms: ``output_dir`` first, lists for tuples, a one-element ``beta`` as
+    TRL makes it a float. An unknown field is a ``ConfigError`` naming the nearest one."""
+
+    def __init__(self, output_dir: str | None = None, **fields):
+        if output_dir is not None:
+            fields["output_dir"] = output_dir
+        unknown = sorted(set(fields) - set(FIELDS))
+        if unknown:
+            close = difflib.get_close_matches(unknown[0], FIELDS, n=1)
+            raise ConfigError(f"OnlineDPOConfig: unknown field(s) {unknown}." +
+                              (f" Did you mean {close[0]!r}?" if close else "") +
+                              " docs/config.md lists jodpo's fields (TRL's names)")
+        if isinstance(fields.get("beta"), (list, tuple)) and len(fields["beta"]) == 1:
+            fields["beta"] = fields["beta"][0]
+        super().__init__(**{k: coerce(k, v) for k, v in fields.items()})
+
+
+_TORCH_ONLY = ("data_collator", "compute_metrics", "optimizers", "preprocess_logits_for_metrics")
+
+
+class OnlineDPOTrainer:
+    """TRL 1.16's ``OnlineDPOTrainer(model, ref_model, reward_funcs, args, data_collator, train_dataset, eval_dataset,
+    processing_class, reward_processing_classes, peft_config, compute_metrics, callbacks, optimizers,
+    preprocess_logits_for_metrics)``, and ``judge`` as TRL took it before 1.1.
+
+    model: a path or hub id, or the transformers ``*ForCausalLM`` object a script built (its config and weights
+      read once, from memory). None: ``args.model_name_or_path``.
+    ref_model: None (TRL's default: the reference is the starting policy; with ``peft_config`` the base without
+      adapters). jodpo has no separate reference model.
+    reward_funcs: one or a list of: callables ``f(prompts, completions, completion_ids, **columns)``,
+      ``module:function`` strings, a reward model's path or hub id, or a ``*ForSequenceClassification`` object (at
+      most one model; TRL weighs them with ``args.reward_weights``, model first).
+    train_dataset / eval_dataset: ``datasets.Dataset`` or ``IterableDataset`` (read whole), standard or
+      conversational prompts; ``eval_dataset`` may be a dict of one set. None: the config's datasets.
+    processing_class / reward_processing_classes: the tokenizers (default: the models' own).
+    peft_config: a peft ``LoraConfig`` or its dict: use_peft with its r, lora_alpha, target_modules, lora_dropout.
+    callbacks: objects with TRL/transformers' ``on_log(args, state, control, logs=...)``; each is called with the
+      metrics every time the run logs (``state`` and ``control`` are None: jodpo has no torch Trainer state).
+    judge: a pairwise judge (a callable, an object with ``judge()``, or ``module:function``) or an LLM's path.
+    """
+
+    def __init__(self, model=None, ref_model=None, reward_funcs=None, args: TrainConfig | None = None,
+                 data_collator=None, train_dataset=None, eval_dataset=None, processing_class=None,
+                 reward_processing_classes=None, peft_config=None, compute_metrics=None, callbacks=None,
+                 optimizers=(None, None), preprocess_logits_for_metrics=None, *, judge=None):
+        given = dict(data_collator=data_collator, compute_metrics=compute_metrics, optimizers=optimizers,
+                     preprocess_logits_for_metrics=preprocess_logits_for_metrics)
+        for name in _TORCH_ONLY:
+            if given[name] not in (None, (None, None)):
+                raise ConfigError(f"OnlineDPOTrainer: {name} is a torch Trainer's; jodpo builds its own batches, "
+                                  "optimizer and metrics (from args): leave it None")
+        if ref_model is not None:
+            raise ConfigError("OnlineDPOTrainer: ref_model is always the starting policy in jodpo (TRL's default "
+                              "when ref_model is None; with peft_config, the base without adapters): leave it None")
+        cfg = args if args is not None else OnlineDPOConfig()
+        if not isinstance(cfg, TrainConfig):
+            raise ConfigError(f"OnlineDPOTrainer: args is a {type(cfg).__name__}; give a jodpo.OnlineDPOConfig")
+        fields, objects = {}, {}
+        if model is not None:
+            if isinstance(model, (str, Path)):
+                fields["model_name_or_path"] = str(model)
+            elif isinstance(model, tuple):
+                raise ConfigError("OnlineDPOTrainer: model is jodpo's (model, params); write it as a transformers "
+                                  "directory first (jodpo.save_hf) and pass its path")
+            else:
+                objects["model"] = model
+                fields["model_name_or_path"] = getattr(model, "name_or_path", "") or cfg.model_name_or_path
+        rewards = [] if reward_funcs is None else list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) \
+            else [reward_funcs]
+        functions, names, models = [], [], []
+        for r in rewards:
+            if isinstance(r, str) and ":" in r and not Path(r).exists():
+                names.append(r)
+            elif callable(r) and not hasattr(r, "state_dict"):
+                functions.append(r)
+                names.append(function_name(r))
+            else:
+                models.append(r)
+        if functions and len(functions) != len(names):
+            raise ConfigError("OnlineDPOTrainer: reward_funcs mixes callables and 'module:function' strings; give "
+                              "them all as callables (or all as strings)")
+        if len(models) > 1:
+            raise ConfigError(f"OnlineDPOTrainer: reward_funcs holds {len(models)} reward models; jodpo scores with "
+                              "one reward model (plus any number of functions)")
+        if rewards:
+            fields["reward_funcs"] = tuple(names)
+            fields["reward_model_path"] = None
+        if models:
+            if isinstance(models[0], (str, Path)):
+                fields["reward_model_path"] = str(models[0])
+            else:
+                objects["reward_model"] = models[0]
+                fields["reward_model_path"] = getattr(models[0], "name_or_path", "") or "<reward model object>"
+        objects["reward_functions"] = tuple(functions)
+        tokenizers = reward_processing_classes
+        if isinstance(tokenizers, (list, tuple)):
+            tokenizers = tokenizers[0] if tokenizers else None
+        objects["reward_tokenizer"] = tokenizers
+        objects["tokenizer"] = processing_class
+        if judge is not None:
+            if isinstance(judge, (str, Path)):
+                fields["judge"] = str(judge)
+            else:
+                objects["judge"] = judge
+                fields["judge"] = function_name(getattr(judge, "judge", judge))
+        if train_dataset is not None:
+            objects["train_rows"] = _rows(train_dataset, "train_dataset")
+            fields["dataset_name"] = _describe(train_dataset)
+            fields["dataset_mixer"] = None
+        if eval_dataset is not None:
+            if isinstance(eval_dataset, dict):
+                if len(eval_dataset) != 1:
+                    raise ConfigError(f"OnlineDPOTrainer: eval_dataset holds {len(eval_dataset)} sets; jodpo "
+                                      "evaluates one (TRL logs one per set): pass one, or concatenate them")
+                eval_dataset = next(iter(eval_dataset.values()))
+            objects["eval_rows"] = _rows(eval_dataset, "eval_dataset").select(
+                range(min(len(eval_dataset), cfg.max_eval_prompts)))
+            fields["eval_dataset"] = _describe(eval_dataset)
+        if peft_config is not None:
+            fields |= _lora_fields(peft_config)
+        self.args = cfg.replace(**fields) if fields else cfg
+        self.given = Given(**objects)
+        self.callbacks = list(callbacks or [])
+        self.metrics: dict = {}
+
+    def train(self, resume_from_checkpoint: bool | str | None = None, *, allow_config_change: bool = False) -> dict:
+        """Run the training (the same program as ``python -m jodpo.train``); returns the last logged metrics.
+
+        A run resumes from its output_dir's newest checkpoint whenever there is one (``resume_from_checkpoint`` True
+        or None alike); a path names the run directory (or a checkpoint inside it) to continue."""
+        cfg = self.args
+        if isinstance(resume_from_checkpoint, (str, Path)):
+            path = Path(resume_from_checkpoint)
+            run_dir = path.parent.parent if path.parent.name == "checkpoints" else path
+            if not (run_dir / "checkpoints").is_dir():
+                raise ConfigError(f"resume_from_checkpoint={str(path)!r}: no checkpoints/ there; give a run's "
+                                  "output_dir (or one of its checkpoints/<step>)")
+            cfg = cfg.replace(output_dir=str(run_dir))
+        self.metrics = loop.train(cfg, allow_config_change, self.given, on_log=self._on_log)
+        return self.metrics
+
+    def _on_log(self, logs: dict) -> None:
+        for callback in self.callbacks:
+            if hasattr(callback, "on_log"):
+                callback.on_log(self.args, None, None, logs=dict(logs))
+
+    def save_model(self, output_dir: str | None = None) -> Path:
+        """The trained policy (the run's newest checkpoint) as a transformers directory, or with ``peft_config`` as
+        a PEFT adapter directory, with the tokenizer; default: ``args.output_dir``/final."""
+        from jodpo.models import lora
+        from jodpo.models.export import save_hf
+        from jodpo.models.loading import load_tokenizer, model_from_dir
+        from jodpo.program.trained_policy import (lora_parts, restore_newest, run_config, source_model_dir,
+                                                  step_dir_of)
+
+        out = Path(output_dir) if output_dir is not None else Path(self.args.output_dir) / "final"
+        step_dir, params = restore_newest(step_dir_of(self.args.output_dir))
+        run_dir = step_dir.parent.parent
+        source = source_model_dir(run_dir)
+        model, cfg = model_from_dir(source, "causal_lm", "float32"), run_config(run_dir)
+        tokenizer = load_tokenizer(str(source))
+        if cfg.get("use_peft"):
+            lora_model, targets, _ = lora_parts(cfg, model, params, step_dir, source)
+            return lora.save_peft(lora_model, params, out, targets, cfg.get("lora_dropout", 0.0),
+                                  cfg["model_name_or_path"], tokenizer, overwrite=True)
+        return save_hf(model, params, out, tokenizer, overwrite=True)
+
+
+def _rows(ds, what: str):
+    """A ``datasets.Dataset`` of ``ds`` (an ``IterableDataset`` is read whole)."""
+    import datasets
+
+    if isinstance(ds, datasets.IterableDataset):
+        return datasets.Dataset.from_list(list(ds))
+    if isinstance(ds, datasets.Dataset):
+        return ds
+    if isinstance(ds, list) and all(isinstance(r, dict) for r in ds):
+        return datasets.Dataset.from_list(ds)
+    raise ConfigError(f"OnlineDPOTrainer: {what} is a {type(ds).__name__}; give a datasets.Dataset (or "
+                      "IterableDataset, or a list of row dicts)")
+
+
+def _describe(ds) -> str:
+    """What config.json records of an in-memory dataset (its contents are checked on resume by their fingerprint)."""
+    return f"<{type(ds).__name__}: {getattr(ds, 'num_rows', '?')} rows>"
+
+
+def _lora_fields(peft_config) -> dict:
+    """A peft ``LoraConfig`` (or its dict) as jodpo's LoRA fields (TRL's ModelConfig names)."""
+    d = peft_config if isinstance(peft_config, dict) else (
+        peft_config.to_dict() if hasattr(peft_config, "to_dict") else vars(peft_config))
+    kind = str(d.get("peft_type", "LORA")).split(".")[-1].upper()
+    if kind != "LORA":
+        raise ConfigError(f"peft_config: a {kind} config; jodpo trains LoRA adapters (peft.LoraConfig)")
+    targets = d.get("target_modules")
+    if isinstance(targets, str):
+        targets = [targets]
+    fields = {"use_peft": True, "lora_r": int(d.get("r", 8)), "lora_alpha": d.get("lora_alpha", 8),
+              "lora_dropout": float(d.get("lora_dropout", 0.0)),
+              "lora_target_modules": None if targets is None else tuple(sorted(targets))}
+    return {k: coerce(k, v) for k, v in fields.items()}
