@@ -68,3 +68,17 @@ def resumable_copy(src: Path, dst: Path) -> Path:
 
 def positive(x) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def benchmark(name: str):
+    """A module of benchmarks/, imported as ``python benchmarks/bench.py`` imports it: by its plain name, with the
+    benchmarks' folder first on sys.path while it and its siblings are imported."""
+    import importlib
+    import sys
+
+    folder = str(ROOT / "benchmarks")
+    sys.path.insert(0, folder)
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(folder)

@@ -134,3 +134,98 @@ def test_no_module_is_named_like_the_standard_library():
 
     names = {p.stem for p in PACKAGE.rglob("*.py")} | {p.name for p in PACKAGE.rglob("*") if p.is_dir()}
     assert not names & set(sys.stdlib_module_names), names & set(sys.stdlib_module_names)
+
+
+# --------------------------------------------------------------------------------------------------
+# benchmarks/: modules that import each other by plain name (``python benchmarks/bench.py`` puts their folder first
+# on sys.path), and jodpo as the installed package, by its public names only
+# --------------------------------------------------------------------------------------------------
+
+BENCHMARKS = ROOT / "benchmarks"
+
+
+def benchmark_modules() -> dict[str, Path]:
+    return {p.stem: p for p in sorted(BENCHMARKS.glob("*.py"))}
+
+
+def top_level_imports(source: str) -> set[str]:
+    """The first component of every absolute import in ``source``, anywhere in it."""
+    out = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            out.add(node.module.split(".")[0])
+    return out
+
+
+def private_jodpo_names(source: str) -> list[str]:
+    """jodpo's names with a leading underscore that ``source`` imports (``from jodpo.x import _y``, ``import jodpo._x``)
+    or reads off a name it imported from jodpo (``ts._y`` after ``from jodpo import train_step as ts``)."""
+    tree, bound, bad = ast.parse(source), set(), []
+    private = lambda name: name.startswith("_") and not (name.startswith("__") and name.endswith("__"))  # noqa: E731
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] == "jodpo":
+                    bad += [a.name] * any(private(p) for p in a.name.split("."))
+                    bound.add(a.asname or "jodpo")
+        elif isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "jodpo":
+            for a in node.names:
+                if any(private(p) for p in node.module.split(".") + [a.name]):
+                    bad.append(f"{node.module}.{a.name}")
+                bound.add(a.asname or a.name)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in bound \
+                and private(node.attr):
+            bad.append(f"{node.value.id}.{node.attr}")
+    return bad
+
+
+def edits_sys_path(source: str) -> bool:
+    """Whether ``source`` touches ``sys.path`` (or ``site.addsitedir``): benchmarks need neither."""
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr == "path" and isinstance(node.value, ast.Name) \
+                and node.value.id == "sys":
+            return True
+        if isinstance(node, ast.ImportFrom) and node.module == "sys" and any(a.name == "path" for a in node.names):
+            return True
+        if isinstance(node, ast.Attribute) and node.attr == "addsitedir":
+            return True
+    return False
+
+
+def test_the_benchmark_checks_find_what_they_look_for():
+    assert private_jodpo_names("from jodpo.program.loop import _rewards\nimport jodpo._x\n"
+                               "from jodpo import train_step as ts\nts._single\njodpo.__version__\nts.jit_online_step\n"
+                               ) == ["jodpo.program.loop._rewards", "jodpo._x", "ts._single"]
+    assert private_jodpo_names("from jodpo.program.loop import sampled_rewards\nimport numpy as np\nnp._x\n") == []
+    assert edits_sys_path("import sys\nsys.path.insert(0, 'x')") and edits_sys_path("from sys import path")
+    assert not edits_sys_path("import sys\nsys.argv[1:]")
+
+
+def test_benchmarks_import_in_no_cycle():
+    modules = benchmark_modules()
+    graph = {m: (top_level_imports(p.read_text()) & set(modules)) - {m} for m, p in modules.items()}
+    assert graph["harness"] == set(), "the harness is shared by every benchmark and imports none of them"
+    cycle = _cycle(graph)
+    assert cycle is None, "import cycle in benchmarks/: " + " -> ".join(cycle)
+
+
+def test_benchmarks_use_jodpos_public_names_and_leave_sys_path_alone():
+    bad = {m: private_jodpo_names(p.read_text()) for m, p in benchmark_modules().items()}
+    assert not any(bad.values()), f"private jodpo names in benchmarks/ (make them public in jodpo, documented): {bad}"
+    edits = [m for m, p in benchmark_modules().items() if edits_sys_path(p.read_text())]
+    assert not edits, f"benchmarks/ {edits} edit sys.path: run them as python benchmarks/NAME.py, import jodpo installed"
+
+
+def test_benchmark_modules_shadow_nothing_importable():
+    """The benchmarks' folder comes first on their sys.path, so a module named like the standard library's or an
+    installed package's would hide it from every import, jodpo's and its dependencies' included."""
+    import importlib.machinery
+    import sys
+
+    others = [p for p in sys.path if Path(p or ".").resolve() != BENCHMARKS]
+    clash = {m for m in benchmark_modules() if m in sys.stdlib_module_names or m in sys.builtin_module_names
+             or importlib.machinery.PathFinder.find_spec(m, others) is not None}
+    assert not clash, f"benchmarks/ modules named like importable ones: {sorted(clash)}"

@@ -1,4 +1,4 @@
-"""scripts/bench.py train on a tiny model, both sides (jodpo and TRL in their worker processes): every field
+"""bench.py train on a tiny model (run through scripts/bench.py, the entry point kept for it), both sides (jodpo and TRL in their worker processes): every field
 of the JSON is there and the values are consistent with each other and with the shapes asked for."""
 import importlib.util
 import json
@@ -94,13 +94,12 @@ def test_breakdown_and_flops(result):
 
 def test_flop_count_by_hand():
     """The analytic count on numbers small enough to check by hand."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import bench
+    harness = helpers.benchmark("harness")
 
     d = dict(hidden=2, layers=1, vocab=3)  # per token 2*(4*4 + 2*2*8) = 96; per pair 4*2 = 8; head 2*2*3 = 12
-    assert bench._fwd(d, tokens=1, pairs=0, head_positions=0) == 96
-    assert bench._fwd(d, tokens=0, pairs=1, head_positions=1) == 8 + 12
-    fl = bench.step_flops(d, np.array([2]), np.array([1, 1]), P=2, T=1)
+    assert harness.forward_flops(d, tokens=1, pairs=0, head_positions=0) == 96
+    assert harness.forward_flops(d, tokens=0, pairs=1, head_positions=1) == 8 + 12
+    fl = harness.step_flops(d, np.array([2]), np.array([1, 1]), P=2, T=1)
     # useful forward: 2 prompt tokens once + 0 completion inputs; pairs 3 (prompt) + 0; head at 2 positions
     assert fl["reference_logprobs"]["useful"] * 1e9 == pytest.approx(2 * 96 + 3 * 8 + 2 * 12)
     # jodpo: the prompt once (2 tokens, 2 x 2 dense pairs) + 2 completion rows x 1 token over 3 slots; head at 2
@@ -119,7 +118,7 @@ def test_sampler_and_targets(result):
                  "peak_memory_at_most_trl": result["memory"]["ratio_jodpo_over_trl"] <= 1}
     m = result["machine"]
     assert m["cpus"] >= 1 and m["jax"] and m["trl"] and m["torch"]
-    assert result["command"].startswith("python scripts/bench.py train")
+    assert result["command"].startswith("python benchmarks/bench.py train")
     assert set(result["cores_taken_by_others_share"]) >= {"steps", "breakdown", "sampler"}
 
 
@@ -202,8 +201,7 @@ def test_memory_analysis_for_a_tpu_chip(tmp_path):
 
 def test_summary_reward_by_hand():
     """bench.py real's reward, the same callable on both sides: grounded share minus distance from 20 words."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from bench_common import summary_reward
+    summary_reward = helpers.benchmark("real").summary_reward
 
     prompt = [{"role": "user", "content": "Summarize this passage in one sentence:\n\nThe economy grew and jobs rose."}]
     twenty = " ".join(["economy"] * 20)
@@ -259,4 +257,4 @@ def test_real_side_by_side(tmp_path, checkpoints):
     sm = r["sampler"]
     assert (sm["batch"], sm["new_tokens"]) == (2 * Bq, Tq)
     assert sm["speedup"] == pytest.approx(sm["hf_generate_s"] / sm["jodpo_s"])
-    assert r["command"].startswith("python scripts/bench.py real")
+    assert r["command"].startswith("python benchmarks/bench.py real")

@@ -1,4 +1,4 @@
-"""scripts/bench.py program on a tiny model: the real program, its fused step, a warm-cache restart and TRL's
+"""bench.py program on a tiny model (through scripts/bench.py): the real program, its fused step, a warm-cache restart and TRL's
 train() side by side (its own file, so pytest-xdist can run it beside tests/test_bench.py's train benchmark)."""
 import json
 import os
@@ -97,7 +97,7 @@ def test_program_numbers_and_ratios(program):
         p["episodes_per_s_after_first_step"] / st["episodes_per_s"])
     for k, v in program["ratio_jodpo_over_trl_eps"].items():
         assert v == pytest.approx(p[k] / t[k]), k
-    assert program["command"].startswith("python scripts/bench.py program")
+    assert program["command"].startswith("python benchmarks/bench.py program")
     assert set(program["cores_taken_by_others_share"]) >= {"step", "program", "restart", "trl"}
 
 
@@ -126,8 +126,7 @@ def test_stalls_against_the_save_and_the_evaluation_alone(program):
 
 def test_loop_stats_attribution():
     """Which step pays for a save or an evaluation, on a made-up timeline: the step after it."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import bench_program
+    bench_program = helpers.benchmark("program")
 
     run = {"t_launch": 0.0, "t_first": 10.0, "t_exit": 30.0, "saves": [2, 5], "evals": [3, 5],
            "step_s": {1: 4.0, 2: 1.0, 3: 3.0, 4: 2.5, 5: 1.2, 6: 1.0}}

@@ -3,7 +3,7 @@
 `configs/tiny.py` with `num_generations=4` (the pair of each prompt: its highest- against its lowest-rewarded
 completion, Xiong et al. 2024; Lanchantin et al. 2025) and half the prompts per step, so a step samples as many
 completions (8 prompts x 4 = 16 x 2) and tokens as tiny.py's. docs/pairing.md compares the two
-(`python scripts/compare_pairing.py`).
+(`python benchmarks/compare_pairing.py`).
 """
 from jodpo.program.config import load_config_file
 

@@ -21,27 +21,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_common import PYTHIA_70M
+from harness import config_models
 
 MiB = 2 ** 20
-
-
-def _models(a, tmp: Path):
-    from transformers import GPTNeoXConfig
-
-    from jodpo.models.loading import model_from_dir
-
-    cfg = dict(PYTHIA_70M, vocab_size=a.vocab, hidden_size=a.hidden, num_hidden_layers=a.layers,
-               num_attention_heads=a.heads, intermediate_size=4 * a.hidden, eos_token_id=0, bos_token_id=0,
-               pad_token_id=1)
-    out = []
-    for task in ("causal_lm", "reward"):
-        d = tmp / task
-        d.mkdir()
-        arch = "GPTNeoXForCausalLM" if task == "causal_lm" else "GPTNeoXForSequenceClassification"
-        GPTNeoXConfig(**cfg, num_labels=1, architectures=[arch]).to_json_file(d / "config.json")
-        out.append(model_from_dir(d, task, "float32"))
-    return out
 
 
 def _device(a):
@@ -99,7 +81,7 @@ def bench_memory(a) -> dict:
     device = _device(a)
 
     with tempfile.TemporaryDirectory() as tmp:
-        policy, rm = _models(a, Path(tmp))
+        policy, rm = config_models(a, Path(tmp))
     compute = "bfloat16" if a.dtype == "bfloat16" else "float32"
     model = policy.replace(dtype=compute, remat=a.remat, attention=a.attention)
     rm = rm.replace(dtype=compute, attention=a.attention)

@@ -1,6 +1,6 @@
 """k = 2 (TRL's pair) against best-of-k pairs at the same sampling budget.
 
-  python scripts/compare_pairing.py [--config tiny.py] [--k 4] [--seeds 0 1 2] [--steps 200] [--eval-steps 25]
+  python benchmarks/compare_pairing.py [--config tiny.py] [--k 4] [--seeds 0 1 2] [--steps 200] [--eval-steps 25]
                                     [--no-random] [--out DIR]
 
 Runs the config as it is (its prompts per step x 2 completions) and with ``num_generations=k``, ``best_worst`` and
@@ -18,8 +18,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 
 def main(argv=None) -> int:

