@@ -28,17 +28,15 @@ import shutil
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import jax  # noqa: E402
+import jax
 
 from jodpo.errors import CheckpointError, ExportMismatch
-from jodpo.models.export import DTYPES, check_output_dir, save_hf, verify_export  # noqa: E402
-from jodpo.models import lora  # noqa: E402
-from jodpo.program import backend  # noqa: E402
-from jodpo.models.loading import load_tokenizer, model_from_dir, resolve_path  # noqa: E402
-from jodpo.program.trained_policy import (check_fits, lora_parts, restore_newest, run_config, source_model_dir,  # noqa: E402
-                              step_dir_of)
+from jodpo.models.export import DTYPES, check_output_dir, save_hf, verify_export
+from jodpo.models import lora
+from jodpo.program import backend
+from jodpo.models.loading import load_tokenizer, model_from_dir, resolve_path
+from jodpo.program.trained_policy import (check_fits, lora_parts, restore_newest, run_config, source_model_dir,
+                                          step_dir_of)
 
 log = logging.getLogger("jodpo")
 

@@ -70,6 +70,16 @@ def positive(x) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
 
 
+def script(name: str):
+    """``scripts/NAME.py`` as a module, loaded from its file (nothing added to sys.path)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def benchmark(name: str):
     """A module of benchmarks/, imported as ``python benchmarks/bench.py`` imports it: by its plain name, with the
     benchmarks' folder first on sys.path while it and its siblings are imported."""

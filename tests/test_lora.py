@@ -3,7 +3,6 @@ the merged form equals the unmerged one, and a LoRA run trains only its adapters
 and in PEFT's format). Sharded LoRA runs are compared with one device in tests/test_sharding.py."""
 import json
 import shutil
-import sys
 
 import jax
 import numpy as np
@@ -14,11 +13,9 @@ from jodpo.program import config as C
 from jodpo.program import loop
 from jodpo.program.checkpoint import restore_params
 from jodpo.models import lora
-from tests import hf_fixtures, subproc
-from tests import references
+from tests import helpers, hf_fixtures, references
 
-sys.path.insert(0, str(subproc.ROOT / "scripts"))
-import export_hf  # noqa: E402
+export_hf = helpers.script("export_hf")
 
 
 @pytest.mark.parametrize("family,targets", [("neox", None), ("neox", ["all-linear"]), ("llama", ["all-linear"]),

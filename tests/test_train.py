@@ -104,7 +104,7 @@ def test_a_resumed_run_reads_no_policy_weights_of_its_own_dtype(checkpoints, tmp
         return load(path, task, dtype, **kwargs)
 
     monkeypatch.setattr(run_module, "load_model", counted)
-    monkeypatch.setattr(loop, "build", lambda cfg: runs.append(build(cfg)) or runs[-1])
+    monkeypatch.setattr(loop, "build", lambda *a, **k: runs.append(build(*a, **k)) or runs[-1])
     loop.train(cfg)
     reference = [("causal_lm", "bfloat16")] if loss_type == "sigmoid" else []
     assert sorted(reads) == sorted(reference + [("causal_lm", "float32"), ("reward", "bfloat16")])
