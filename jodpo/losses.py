@@ -75,6 +75,47 @@ class LossOptions:
     ld_alpha: float | None = None  # LD-DPO (TRL DPOConfig): weight of the log-probs past the shorter completion
 
 
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+    """Everything static about a loss but beta (which may change per step): which loss and its ``options``, how the
+    log-probs are computed, and how raw rewards become the scores that order a pair (online DPO)."""
+
+    loss_type: str = "sigmoid"
+    options: LossOptions = LossOptions()
+    max_length: int | None = None  # prompt + completion, the prompt left-truncated in the loss's forward (TRL)
+    logprob_temperature: float | None = None  # log-probs of the logits / T (open-instruct); None: raw logits (TRL)
+    missing_eos_penalty: float | None = None  # subtracted from the reward of a completion without EOS (TRL)
+    penalty_reward_value: float | None = None  # replaces it instead (open-instruct's non_eos_penalty)
+    eos_token_ids: tuple[int, ...] = ()  # the ids that spare a completion the penalties
+    judged: bool = False  # the rewards are a judge's verdicts (``jodpo.judges.pair_scores``): never penalised
+
+    def scores(self, rewards: jax.Array, completion_ids: jax.Array, completion_mask: jax.Array):
+        """``(scores, has_eos)``: f32 rewards after the EOS penalties (a judge's verdicts as they are), which order
+        each pair, and whether each completion contains an EOS."""
+        has_eos = contains_eos(completion_ids, completion_mask, self.eos_token_ids)
+        scores = rewards.astype(jnp.float32)
+        if not self.judged:
+            scores = apply_eos_penalty(scores, has_eos, self.missing_eos_penalty, self.penalty_reward_value)
+        return scores, has_eos
+
+
+@flax.struct.dataclass
+class OnlineBatch:
+    """An online micro-batch: prompts, their two completions each (TRL's block layout) and the completions' rewards,
+    with what the loss may be given rather than compute."""
+
+    prompt_ids: jax.Array  # i32[B, P] shared by both completions (each prompt runs once), or i32[2B, P]
+    prompt_mask: jax.Array
+    completion_ids: jax.Array  # i32[2B, C], padding after the first EOS
+    completion_mask: jax.Array
+    # f32[2B] raw rewards; with ``LossConfig.judged`` a judge's verdicts (``jodpo.judges.pair_scores``: p for
+    # completion 0, 1 - p for completion 1, NaN for none); None where the pairs are given (offline DPO)
+    rewards: jax.Array | None = None
+    pair_weights: jax.Array | None = None  # f32[B]; None: every pair alike
+    ref_logprobs: jax.Array | None = None  # f32[2B, C] the reference's, when already computed
+    sample_logprobs: jax.Array | None = None  # f32[2B, C] the sampler's, when it is not the trained policy
+
+
 def _delta(p: Pair):
     return p.chosen - p.rejected
 
@@ -245,28 +286,30 @@ def preference_loss(S: jax.Array, S_ref: jax.Array, lengths: jax.Array, chosen: 
     return loss, jax.tree.map(jax.lax.stop_gradient, metrics)
 
 
-def _summed_logprobs(model, params, ref_params, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                     max_length, ref_logprobs, temperature=None, *, loss_type="sigmoid",
-                     options: LossOptions = LossOptions()):
+def batch_logprobs(model: Model, params: Params, batch: OnlineBatch, loss: LossConfig) -> jax.Array:
+    """f32[2B, C] ``completion_logprobs`` of a batch's completions, as ``loss`` computes them."""
+    return completion_logprobs(model, params, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
+                               batch.completion_mask, loss.max_length, loss.logprob_temperature)
+
+
+def _summed_logprobs(model: Model, params: Params, ref_params: Params, batch: OnlineBatch, loss: LossConfig):
     """Summed completion log-probs under the policy (differentiable) and the frozen reference (None, and the
-    reference not run, for a reference-free ``loss_type``), plainly summed and as the loss reads them (with
-    ``ld_alpha``, LD-DPO's weighted sums; else the same arrays)."""
-    reference = needs_reference(loss_type)
+    reference not run, for a reference-free loss), plainly summed and as the loss reads them (with ``ld_alpha``,
+    LD-DPO's weighted sums; else the same arrays)."""
+    ref_logprobs, reference = batch.ref_logprobs, needs_reference(loss.loss_type)
     if reference and ref_logprobs is None and ref_params is None:
-        raise ValueError(f"loss_type={loss_type!r} compares with a reference: give ref_params (or ref_logprobs); "
+        raise ValueError(f"loss_type={loss.loss_type!r} compares with a reference: give ref_params (or ref_logprobs); "
                          "only a reference-free loss (REFERENCE_FREE) runs without one")
-    logp = completion_logprobs(model, params, prompt_ids, prompt_mask, completion_ids, completion_mask, max_length,
-                               temperature)
+    logp = batch_logprobs(model, params, batch, loss)
     S, S_ref = logp.sum(-1), None
     if reference:
         if ref_logprobs is None:
-            ref_logprobs = completion_logprobs(model, jax.lax.stop_gradient(ref_params), prompt_ids, prompt_mask,
-                                               completion_ids, completion_mask, max_length, temperature)
+            ref_logprobs = batch_logprobs(model, jax.lax.stop_gradient(ref_params), batch, loss)
         ref_logprobs = jax.lax.stop_gradient(ref_logprobs)
         S_ref = ref_logprobs.sum(-1)
-    if options.ld_alpha is None:
+    if loss.options.ld_alpha is None:
         return S, S_ref, S, S_ref
-    w = ld_weights(completion_mask, options.ld_alpha)
+    w = ld_weights(batch.completion_mask, loss.options.ld_alpha)
     return S, S_ref, (logp * w).sum(-1), None if S_ref is None else (ref_logprobs * w).sum(-1)
 
 
@@ -282,71 +325,61 @@ def online_dpo_loss(model: Model, params: Params, ref_params: Params, prompt_ids
                     options: LossOptions = LossOptions(), ref_logprobs: jax.Array | None = None,
                     judged: bool = False, logprob_temperature: float | None = None,
                     sample_logprobs: jax.Array | None = None, pair_weights: jax.Array | None = None):
-    """The online DPO loss of one batch and TRL's metrics; differentiable in ``params``.
+    """The online DPO loss of one batch and TRL's metrics; differentiable in ``params``: ``online_batch_loss`` of
+    the arrays as an ``OnlineBatch`` (its fields say their shapes; ``rewards`` raw, before any EOS penalty) under the
+    keywords but ``beta`` as a ``LossConfig``. ``beta``: the KL strength (a scalar, may be traced). ``ref_params``:
+    the frozen reference; None (and never run) with a reference-free ``loss_type`` (``simpo``)."""
+    arrays = (jnp.asarray(x) for x in (prompt_ids, prompt_mask, completion_ids, completion_mask, rewards))
+    batch = OnlineBatch(*arrays, pair_weights, ref_logprobs, sample_logprobs)
+    loss = LossConfig(loss_type, options, max_length, logprob_temperature, missing_eos_penalty, penalty_reward_value,
+                      tuple(eos_token_ids), judged)
+    return online_batch_loss(model, params, ref_params, batch, beta, loss)
 
-    Args:
-      ref_params: the frozen reference; None (and never run) with a reference-free ``loss_type`` (``simpo``).
-      prompt_ids, prompt_mask: i32[B, P], shared by both completions (each prompt's forward runs once), or
-        i32[2B, P] in block layout.
-      completion_ids, completion_mask: i32[2B, C], block layout, padding after the first EOS.
-      rewards: f32[2B], raw (before any EOS penalty); with ``judged``, a judge's verdicts instead
-        (``jodpo.judges.pair_scores``: p for completion 0, 1 - p for completion 1, NaN for no verdict).
-      beta: the KL strength (a scalar, may be traced).
-      missing_eos_penalty: subtracted from the reward of completions without EOS (TRL).
-      penalty_reward_value: if given, *replaces* the reward of completions without EOS (open-instruct's
-        ``non_eos_penalty``).
-      ref_logprobs: f32[2B, C] reference log-probs when already computed (else from ``ref_params``).
-      judged: the pairs come from a judge (TRL's ``judge``): no EOS penalty, pairs without a verdict weigh 0, and
-        the metrics of scores (``objective/scores``, ``scores_margin``, ``rlhf_reward``) give way to
-        ``objective/judge_confidence`` and ``objective/judge_abstained``.
-      logprob_temperature: log-probs (policy and reference) from the logits divided by this temperature, as
-        open-instruct computes them (the sampling temperature there); None: the raw logits, as TRL.
-      sample_logprobs: f32[2B, C] the sampling policy's log-probs of the completion tokens, when it is not the
-        trained one (open-instruct's async_mode): then ``objective/off_policy_kl`` is logged, the mean over
-        completions of their summed log-probs under the sampler minus under the trained policy (a sample estimate
-        of KL(sampler || policy)).
-      pair_weights: f32[B] the pairs' weights in the loss and the ``rewards/*``, ``logps/*`` metrics (0: a prompt
-        without a pair, ``jodpo.pairing``); None: every pair alike. With ``judged``, multiplied by the verdicts'.
-      options: the losses' options (``LossOptions``); with ``ld_alpha``, LD-DPO's weighted log-probs feed the loss,
-        ``rewards/*`` and ``logps/*`` (as TRL's DPOTrainer), the plain sums the KL and entropy.
+
+def online_batch_loss(model: Model, params: Params, ref_params: Params, batch: OnlineBatch, beta, loss: LossConfig):
+    """``online_dpo_loss`` of an ``OnlineBatch`` under a ``LossConfig`` (the training step's form).
+
+    With ``loss.judged`` (TRL's ``judge``) the rewards are not penalised, pairs without a verdict weigh 0, and the
+    metrics of scores (``objective/scores``, ``scores_margin``, ``rlhf_reward``) give way to
+    ``objective/judge_confidence`` and ``objective/judge_abstained``. ``batch.pair_weights`` (0: a prompt without a
+    pair, ``jodpo.pairing``) weigh the loss and the ``rewards/*``, ``logps/*`` metrics, times the verdicts' weights.
+    With ``batch.sample_logprobs`` (a sampler that is not the trained policy: open-instruct's async_mode),
+    ``objective/off_policy_kl`` is logged: the mean over completions of their summed log-probs under the sampler
+    minus under the policy (a sample estimate of KL(sampler || policy)). With ``ld_alpha``, LD-DPO's weighted
+    log-probs feed the loss, ``rewards/*`` and ``logps/*`` (as TRL's DPOTrainer), the plain sums the KL and entropy.
+
     Returns:
       ``(loss, metrics)`` with TRL's metric names; KL and entropy are masked to the completion. Without a
       reference, ``objective/kl``, ``objective/non_score_reward`` and ``objective/rlhf_reward`` are not logged and
       ``rewards/*``, ``logps/*`` are TRL CPOTrainer's (beta x the average log-prob; the average log-prob).
     """
-    prompt_ids, prompt_mask, completion_ids, completion_mask, rewards = (
-        jnp.asarray(x) for x in (prompt_ids, prompt_mask, completion_ids, completion_mask, rewards))
-    S, S_ref, S_loss, S_ref_loss = _summed_logprobs(
-        model, params, ref_params, prompt_ids, prompt_mask, completion_ids, completion_mask, max_length, ref_logprobs,
-        logprob_temperature, loss_type=loss_type, options=options)
-    has_eos = contains_eos(completion_ids, completion_mask, eos_token_ids)
-    scores = rewards.astype(jnp.float32)
-    if not judged:
-        scores = apply_eos_penalty(scores, has_eos, missing_eos_penalty, penalty_reward_value)
+    S, S_ref, S_loss, S_ref_loss = _summed_logprobs(model, params, ref_params, batch, loss)
+    scores, has_eos = loss.scores(batch.rewards, batch.completion_ids, batch.completion_mask)
     chosen, rejected = pair_indices(scores)
-    length = completion_mask.sum(-1).astype(jnp.float32)
+    length = batch.completion_mask.sum(-1).astype(jnp.float32)
     p_first = scores[:scores.shape[0] // 2]
-    weights = jnp.isfinite(p_first).astype(jnp.float32) if judged else None
-    if pair_weights is not None:
-        weights = pair_weights.astype(jnp.float32) * (1.0 if weights is None else weights)
-    loss, metrics = preference_loss(S_loss, S_ref_loss, length, chosen, rejected, beta=beta, loss_type=loss_type,
-                                    options=options, weights=weights)
+    weights = jnp.isfinite(p_first).astype(jnp.float32) if loss.judged else None
+    if batch.pair_weights is not None:
+        weights = batch.pair_weights.astype(jnp.float32) * (1.0 if weights is None else weights)
+    value, metrics = preference_loss(S_loss, S_ref_loss, length, chosen, rejected, beta=beta,
+                                     loss_type=loss.loss_type, options=loss.options, weights=weights)
     S = jax.lax.stop_gradient(S)
-    if sample_logprobs is not None:
-        metrics["objective/off_policy_kl"] = (jnp.where(completion_mask > 0, sample_logprobs, 0.0).sum(-1) - S).mean()
+    if batch.sample_logprobs is not None:
+        sampled = jnp.where(batch.completion_mask > 0, batch.sample_logprobs, 0.0).sum(-1)
+        metrics["objective/off_policy_kl"] = (sampled - S).mean()
     metrics |= {"objective/entropy": -S.mean(), "val/contain_eos_token": has_eos.astype(jnp.float32).mean()}
     kl = None if S_ref is None else S - S_ref  # per sequence, masked to the completion (TRL 1.16 also sums padding)
     if kl is not None:  # the KL metrics need the reference: a reference-free loss logs none of them
         metrics |= {"objective/kl": kl.mean(), "objective/non_score_reward": (-beta * kl).mean()}
-    if judged:
+    if loss.judged:
         confidence = jnp.maximum(p_first, 1.0 - p_first)
-        return loss, metrics | {"objective/judge_confidence": _mean(jnp.nan_to_num(confidence), weights),
-                                "objective/judge_abstained": 1.0 - weights.mean()}
+        return value, metrics | {"objective/judge_confidence": _mean(jnp.nan_to_num(confidence), weights),
+                                 "objective/judge_abstained": 1.0 - weights.mean()}
     metrics |= {"objective/scores": scores.mean(),
                 "objective/scores_margin": (scores[chosen] - scores[rejected]).mean()}
     if kl is not None:
         metrics["objective/rlhf_reward"] = (scores - beta * kl).mean()
-    return loss, metrics
+    return value, metrics
 
 
 # --------------------------------------------------------------------------------------------------
@@ -368,9 +401,9 @@ def dpo_loss(model: Model, params: Params, ref_params: Params, prompt_ids: jax.A
       ``(loss, metrics)`` with ``rewards/*``, ``logps/*``, ``beta`` and ``loss``.
     """
     B = prompt_ids.shape[0]
-    completions, cmask = jnp.concatenate([chosen_ids, rejected_ids]), jnp.concatenate([chosen_mask, rejected_mask])
-    _, _, S, S_ref = _summed_logprobs(model, params, ref_params, prompt_ids, prompt_mask, completions, cmask,
-                                      max_length, None, loss_type=loss_type, options=options)
+    batch = OnlineBatch(prompt_ids, prompt_mask, jnp.concatenate([chosen_ids, rejected_ids]),
+                        jnp.concatenate([chosen_mask, rejected_mask]))  # rows b and B + b: pair b
+    _, _, S, S_ref = _summed_logprobs(model, params, ref_params, batch, LossConfig(loss_type, options, max_length))
     rows = jnp.arange(B, dtype=jnp.int32)
-    return preference_loss(S, S_ref, cmask.sum(-1).astype(jnp.float32), rows, rows + B, beta=beta,
+    return preference_loss(S, S_ref, batch.completion_mask.sum(-1).astype(jnp.float32), rows, rows + B, beta=beta,
                            loss_type=loss_type, options=options)

@@ -9,7 +9,7 @@ import flax.struct
 import jax
 import optax
 
-from jodpo.losses import LossOptions, check_loss_options, needs_reference
+from jodpo.losses import LossConfig, LossOptions, check_loss_options, needs_reference
 from jodpo.models.decoder import Model, Params
 from jodpo.optim import OptimizerConfig
 from jodpo.pairing import resolve_pairing
@@ -50,6 +50,12 @@ class StepConfig:
         """The loss needs no reference (``simpo``): the steps take ``ref_params=None`` (with LoRA, the base the
         adapters ride on) and never run a reference forward."""
         return not needs_reference(self.loss_type)
+
+    @property
+    def loss(self) -> LossConfig:
+        """The loss's settings as ``jodpo.losses`` reads them (its EOS ids: ``penalty_ids``)."""
+        return LossConfig(self.loss_type, self.loss_options, self.max_length, self.logprob_temperature,
+                          self.missing_eos_penalty, self.penalty_reward_value, self.penalty_ids, self.judged)
 
     @property
     def lagging(self) -> bool:

@@ -26,13 +26,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jodpo.losses import LossOptions, completion_logprobs, dpo_loss, online_dpo_loss  # noqa: F401 (LossOptions)
+from jodpo.losses import OnlineBatch, batch_logprobs, dpo_loss, online_batch_loss
+from jodpo.losses import LossOptions, completion_logprobs, online_dpo_loss  # noqa: F401 (re-exported)
 from jodpo.models.decoder import Model, Params
 from jodpo.models.lora import attach
 from jodpo.models.params import frozen_params
 from jodpo.optim import SCHEDULES, OptimizerConfig, learning_rate_schedule, make_optimizer  # noqa: F401 (re-exported)
 from jodpo.pairing import group_metrics, pair_rows, resolve_pairing, take_rows
-from jodpo.scoring import apply_eos_penalty, contains_eos
 from jodpo.scoring import score_tokens
 from jodpo.sampling import Samples, SamplingConfig, sample  # noqa: F401 (SamplingConfig: re-exported)
 from jodpo.step_state import PreferenceBatch, StepConfig, TrainState  # noqa: F401 (PreferenceBatch: re-exported)
@@ -148,9 +148,7 @@ def choose_pairs(cfg: StepConfig, state: TrainState, samples: Samples, rewards: 
         return take_rows(samples, rows), rewards, None, {}
     if cfg.pairs_as_sampled:
         return samples, rewards, None, {}
-    has_eos = contains_eos(samples.tokens, samples.mask, cfg.penalty_ids)
-    scores = apply_eos_penalty(rewards.astype(jnp.float32), has_eos, cfg.missing_eos_penalty,
-                               cfg.penalty_reward_value)
+    scores, _ = cfg.loss.scores(rewards, samples.tokens, samples.mask)
     rows, weights = pair_choice(cfg, state, scores)
     metrics = jax.tree.map(lambda m: m.mean(0), jax.vmap(lambda s: group_metrics(s, cfg.num_generations))(scores))
     return take_rows(samples, rows), take_rows(rewards, rows), weights, metrics
@@ -205,24 +203,28 @@ def update(cfg: StepConfig, state: TrainState, ref_params: Params, prompt_ids: j
            pair_weights: jax.Array | None = None) -> tuple[TrainState, dict]:
     """The optimizer step from pairs of sampled completions and their raw rewards f32[A, 2B] (or, with
     ``cfg.judged``, a judge's verdicts in the same layout). ``ref_logprobs`` f32[A, 2B, C]: the reference's log-probs
-    when they are already known (``rollout_update``), else the loss computes them. ``pair_weights`` f32[A, B]: the
-    pairs' weights in the loss (``choose_pairs``). ``ref_params``: the frozen reference, None with a
-    reference-free loss (``cfg.reference_free``) unless LoRA needs the base; the same for every step below."""
-    beta = current_beta(cfg, state.step)
+    when they are already known, else the loss computes them. ``pair_weights`` f32[A, B]: the pairs' weights in the
+    loss (``choose_pairs``). ``ref_params``: the frozen reference, None with a reference-free loss
+    (``cfg.reference_free``) unless LoRA needs the base; the same for every step below."""
+    return _update(cfg, state, ref_params, _online_batch(cfg, prompt_ids, prompt_mask, samples, rewards, pair_weights,
+                                                         ref_logprobs))
 
-    def loss_fn(params, mb):
-        ids, mask, tokens, tmask, r, ref_lp, sample_lp, w = mb
-        return online_dpo_loss(cfg.model, policy_params(cfg, params, ref_params), ref_params, ids, mask, tokens,
-                               tmask, r, beta=beta, loss_type=cfg.loss_type,
-                               missing_eos_penalty=cfg.missing_eos_penalty, eos_token_ids=cfg.penalty_ids,
-                               penalty_reward_value=cfg.penalty_reward_value,
-                               max_length=cfg.max_length, options=cfg.loss_options, judged=cfg.judged,
-                               logprob_temperature=cfg.logprob_temperature, ref_logprobs=ref_lp,
-                               sample_logprobs=sample_lp, pair_weights=w)
 
-    grads, metrics = _accumulate(cfg.model, loss_fn, state.params, (
-        prompt_ids, prompt_mask, samples.tokens, samples.mask, rewards.astype(jnp.float32), ref_logprobs,
-        samples.logprobs if cfg.lagging else None, pair_weights))
+def _online_batch(cfg: StepConfig, prompt_ids, prompt_mask, samples: Samples, rewards, pair_weights,
+                  ref_logprobs=None) -> OnlineBatch:
+    """A window's ``OnlineBatch`` [A, ...]; the sampler's log-probs only where the sampler lags (``cfg.lagging``)."""
+    return OnlineBatch(prompt_ids, prompt_mask, samples.tokens, samples.mask, rewards.astype(jnp.float32),
+                       pair_weights, ref_logprobs, samples.logprobs if cfg.lagging else None)
+
+
+def _update(cfg: StepConfig, state: TrainState, ref_params: Params, batch: OnlineBatch) -> tuple[TrainState, dict]:
+    """``update`` of a window's ``OnlineBatch`` (arrays [A, ...]): the loss of each micro-batch (``_accumulate``)."""
+    beta, loss = current_beta(cfg, state.step), cfg.loss
+
+    def loss_fn(params, mb: OnlineBatch):
+        return online_batch_loss(cfg.model, policy_params(cfg, params, ref_params), ref_params, mb, beta, loss)
+
+    grads, metrics = _accumulate(cfg.model, loss_fn, state.params, batch)
     return apply_gradients(cfg, state, grads, metrics)
 
 
@@ -248,43 +250,33 @@ def rollout_update(cfg: StepConfig, state: TrainState, ref_params: Params, promp
     Arrays hold the rollout's R = num_mini_batches x A micro-batches: ``prompt_ids`` i32[R, B, P], ``samples``
     [R, kB, T] in block layout, ``rewards`` f32[R, kB] (``rows``: as ``online_update``). Each prompt's pair is chosen
     first; a pair (a prompt, its two completions, their rewards and weight) stays together. The shuffle draws from
-    the state's key and the rollout's first step, so a resumed run draws the same. Returns the state after the ``num_epochs x num_mini_batches`` updates and their mean metrics
-    (``skipped_update``: the fraction skipped)."""
-    R, B, P = prompt_ids.shape
+    the state's key and the rollout's first step, so a resumed run draws the same. Returns the state after the
+    ``num_epochs x num_mini_batches`` updates and their mean metrics (``skipped_update``: the fraction skipped)."""
+    R, B = prompt_ids.shape[:2]
     M = num_mini_batches
     if R % M:
         raise ValueError(f"a rollout of {R} micro-batches does not split into {M} mini-batches")
     A = R // M
     samples, rewards, weights, chosen = choose_pairs(cfg, state, samples, rewards, rows)
+    batch = _online_batch(cfg, prompt_ids, prompt_mask, samples, rewards, weights)
+    if not cfg.reference_free:  # the reference's log-probs, once per rollout
+        ref = jax.lax.map(lambda b: batch_logprobs(cfg.model, ref_params, b, cfg.loss), batch)
+        batch = batch.replace(ref_logprobs=ref)
 
-    def ref_logprobs(x):
-        ids, mask, tokens, tmask = x
-        return completion_logprobs(cfg.model, ref_params, ids, mask, tokens, tmask, cfg.max_length,
-                                   cfg.logprob_temperature)
+    def to_pairs(x):  # [R, kB, ...] -> [R * B, k, ...]: prompt b (k = 1) or its completions b, B + b (k = 2)
+        return x.reshape(R, -1, B, *x.shape[2:]).swapaxes(1, 2).reshape(R * B, -1, *x.shape[2:])
 
-    ref = None if cfg.reference_free else jax.lax.map(ref_logprobs, (prompt_ids, prompt_mask, samples.tokens,
-                                                                      samples.mask))
+    def from_pairs(x):  # [A * B, k, ...] -> [A, kB, ...]
+        return x.reshape(A, B, *x.shape[1:]).swapaxes(1, 2).reshape(A, -1, *x.shape[2:])
 
-    def to_pairs(x):  # [R, 2B, ...] -> [R * B, 2, ...]: row b and row B + b of a micro-batch are one pair
-        return x.reshape(R, 2, B, *x.shape[2:]).swapaxes(1, 2).reshape(R * B, 2, *x.shape[2:])
-
-    def from_pairs(x):  # [A * B, 2, ...] -> [A, 2B, ...] (block layout)
-        rest = x.shape[2:]
-        return x.reshape(A, B, 2, *rest).swapaxes(1, 2).reshape(A, 2 * B, *rest)
-
-    pairs = (prompt_ids.reshape(R * B, P), prompt_mask.reshape(R * B, P),
-             jax.tree.map(to_pairs, (samples.tokens, samples.mask, samples.logprobs, rewards.astype(jnp.float32), ref)),
-             None if weights is None else weights.reshape(R * B))
+    pairs = jax.tree.map(to_pairs, batch)
     key = jax.random.fold_in(jax.random.fold_in(state.rng, 0x5EED), state.step)
 
     def one_update(state, i):
         epoch, m = i // M, i % M
         order = jax.random.permutation(jax.random.fold_in(key, epoch), R * B)
         take = jax.lax.dynamic_slice_in_dim(order, m * A * B, A * B)
-        ids, mask, (tokens, tmask, logprobs, r, ref_lp), w = jax.tree.map(lambda x: x[take], pairs)
-        return update(cfg, state, ref_params, ids.reshape(A, B, P), mask.reshape(A, B, P),
-                      Samples(from_pairs(tokens), from_pairs(tmask), from_pairs(logprobs)), from_pairs(r),
-                      jax.tree.map(from_pairs, ref_lp), jax.tree.map(lambda x: x.reshape(A, B), w))
+        return _update(cfg, state, ref_params, jax.tree.map(lambda x: from_pairs(x[take]), pairs))
 
     new, metrics = jax.lax.scan(one_update, state, jnp.arange(num_epochs * M))
     # means over the updates; the learning rate after the last, as a single update reports it
