@@ -25,7 +25,7 @@ from jodpo import train_step as ts
 from jodpo.program.checkpoint import Checkpointer
 from jodpo.program.config import TrainConfig
 from jodpo.program.training_eval import Evaluation
-from jodpo.program.metrics_log import RunLogger
+from jodpo.program.metrics_log import RunLogger, penalty_note
 from jodpo.program.preemption import StopSignals
 from jodpo.program.run import Given, Run, build
 from jodpo.parallel.split_sampler import SplitSampler
@@ -206,7 +206,9 @@ def _train(cfg: TrainConfig, out: Path, allow_config_change: bool, given: Given,
         (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
         output_dir.write_source_model(run.step_cfg.model, run.tokenizer, out / "source_model")
     logger = RunLogger(out, run.total_steps, start, enabled=jax.process_index() == 0, report_to=cfg.report_to,
-                       run_name=cfg.run_name, config=cfg.to_dict())
+                       run_name=cfg.run_name, config=cfg.to_dict(),
+                       penalty=None if run.rewards is None else penalty_note(cfg.missing_eos_penalty,
+                                                                             run.step_cfg.penalty_reward_value))
     if start:
         logger.message(f"resumed from {ckpt.directory}/{start}")
     if cfg.async_mode and sampler is None:
