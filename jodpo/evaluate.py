@@ -36,7 +36,7 @@ from jodpo import judges as J
 from jodpo.program.training_eval import judge_against
 from jodpo.models.loading import resolve_path
 from jodpo.program.user_code import import_judge, import_reward_function, is_import_path
-from jodpo.program.run import load_judge, load_rewards
+from jodpo.program.sources import load_judge, load_rewards
 
 COMPARISON_FIELDS = ("judge", "judge_prompt", "judge_answer_tokens", "judge_both_orders", "reward_model_path",
                      "reward_funcs", "reward_weights", "frozen_param_dtype")

@@ -36,7 +36,7 @@ from jodpo.models import Model, load_model, load_tokenizer
 from jodpo.program.trained_policy import is_run_dir, load_run_policy
 from jodpo.sampling import SamplingConfig, sample
 from jodpo.program.run import stop_token_ids
-from jodpo.program.run import load_split
+from jodpo.program.sources import load_split
 
 # The training config's fields that shape generation (``--FIELD VALUE`` on the command line).
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_new_tokens", "stop_token",

@@ -21,7 +21,7 @@ from jodpo.program.trainer import OnlineDPOTrainer
 
 def parse_args(argv: list[str]) -> tuple[TrainConfig, argparse.Namespace]:
     """The config (the recipe, then TRL's ``--FIELD VALUE`` flags, then ``--config.FIELD=VALUE``) and the command's
-    own flags. Mistakes are ``ConfigError``s."""
+    own flags (``notes``: lines to show, from ``flags.with_overrides``). Mistakes are ``ConfigError``s."""
     parser = F.Parser(prog="python -m jodpo.train", description="Online DPO (and DPO) in JAX.",
                       formatter_class=argparse.RawDescriptionHelpFormatter,
                       epilog="Every field is also --config.FIELD=VALUE (a Python literal). docs/config.md lists them.")
@@ -41,8 +41,9 @@ def parse_args(argv: list[str]) -> tuple[TrainConfig, argparse.Namespace]:
     F.add_field_flags(parser, FIELDS, "fields (TRL's names: --FIELD VALUE, or --config.FIELD=VALUE)")
     args, rest = parser.parse_known_args(argv)
     overrides = F.given_fields(args, FIELDS) | F.dotted_overrides(rest)
-    cfg = F.load_recipe(args.config)
-    return (cfg.replace(**overrides) if overrides else cfg), args
+    cfg, note = F.with_overrides(F.load_recipe(args.config), overrides)
+    args.notes = [note] if note else []
+    return cfg, args
 
 
 def init_distributed(args: argparse.Namespace) -> None:
@@ -69,8 +70,9 @@ def main(argv: list[str] | None = None) -> int:
         backend.configure(cfg)  # XLA flags and the compilation cache, before jax starts its backends
         init_distributed(args)
         said = backend.cache_for_this_job()
-        if said and jax.process_index() == 0:
-            print(f"jodpo.train: {said}", flush=True)
+        if jax.process_index() == 0:
+            for line in [*args.notes, *([said] if said else [])]:
+                print(f"jodpo.train: {line}", flush=True)
         OnlineDPOTrainer(args=cfg).train(allow_config_change=args.allow_config_change)  # the program
     except Stopped as e:
         print(f"jodpo.train: {e}", file=sys.stderr)

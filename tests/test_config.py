@@ -181,3 +181,28 @@ def test_a_yaml_recipe_of_trl_field_names(tmp_path, monkeypatch):
         train.parse_args(["--config", "bad.yaml"])
     with pytest.raises(C.ConfigError, match="no/such.yaml not found"):
         train.parse_args(["--config", "no/such.yaml"])
+
+
+def test_overriding_the_training_data_drops_the_recipes_evaluation_set(tmp_path, capsys):
+    """A recipe's eval_dataset belongs to its data: --dataset_name without --eval_dataset drops it (said in one line),
+    so evaluation never runs the recipe's prompts with the user's rewards; given together, both are kept."""
+    recipe = C.load_config_file("tiny.py")
+    assert recipe.eval_dataset and recipe.eval_steps
+    cfg, args = train.parse_args(["--config", "tiny.py", "--dataset_name", "mine.jsonl"])
+    assert (cfg.dataset_name, cfg.eval_dataset, cfg.eval_steps) == ("mine.jsonl", None, recipe.eval_steps)
+    assert args.notes == [f"dataset_name overridden, so the recipe's eval_dataset={recipe.eval_dataset!r} is dropped "
+                          f"(it belongs to the recipe's data): evaluation (eval_steps={recipe.eval_steps}) now runs on "
+                          "dataset_name's 'train' split; give --eval_dataset to evaluate on another set"]
+    cfg, args = train.parse_args(["--config", "tiny.py", "--config.dataset_name=mine.jsonl", "--eval_steps", "None"])
+    assert cfg.eval_dataset is None and args.notes[0].endswith("evaluation is off; give --eval_dataset to evaluate "
+                                                               "on another set")
+    for argv in (["--dataset_name", "mine.jsonl", "--eval_dataset", "other.jsonl"],  # both given: both kept
+                 ["--dataset_name", recipe.dataset_name],  # the recipe's own data
+                 ["--beta", "0.2"]):
+        cfg, args = train.parse_args(["--config", "tiny.py", *argv])
+        assert cfg.eval_dataset == (argv[3] if len(argv) > 2 else recipe.eval_dataset) and args.notes == []
+    out = tmp_path / "run"  # the command says it once, before the run starts (which then fails on the missing file)
+    assert train.main(["--config", "tiny.py", "--dataset_name", str(tmp_path / "mine.jsonl"),
+                       f"--config.output_dir={out}"]) == 2
+    said = capsys.readouterr().out
+    assert said.count("is dropped (it belongs to the recipe's data)") == 1, said

@@ -12,7 +12,7 @@ import wandb
 import jodpo
 from jodpo.program import config as C
 from jodpo.program import data as D
-from jodpo.program import run as run_module
+from jodpo.program import sources
 from jodpo import train
 from jodpo.program import loop
 from jodpo.program.tracking import wandb_name
@@ -97,14 +97,14 @@ def test_a_resumed_run_reads_no_policy_weights_of_its_own_dtype(checkpoints, tmp
                         max_new_tokens=6, max_length=120, max_prompt_length=96, prompt_buckets=(96,), bf16=False,
                         frozen_param_dtype="bfloat16", report_to=("tensorboard", "wandb"), run_name="resumable",
                         loss_type=loss_type, num_epochs=2 if loss_type == "simpo" else 1)
-    reads, load, runs, build = [], run_module.load_model, [], loop.build
+    reads, load, runs, build = [], sources.load_model, [], loop.build
 
     def counted(path, task="causal_lm", dtype="float32", **kwargs):
         reads.append((task, str(dtype)))
         return load(path, task, dtype, **kwargs)
 
-    monkeypatch.setattr(run_module, "load_model", counted)
-    monkeypatch.setattr(loop, "build", lambda *a, **k: runs.append(build(*a, **k)) or runs[-1])
+    monkeypatch.setattr(sources, "load_model", counted)
+    monkeypatch.setattr(loop, "build", lambda cfg, given: runs.append(build(cfg, given)) or runs[-1])
     loop.train(cfg)
     reference = [("causal_lm", "bfloat16")] if loss_type == "sigmoid" else []
     assert sorted(reads) == sorted(reference + [("causal_lm", "float32"), ("reward", "bfloat16")])

@@ -69,3 +69,86 @@ def test_trls_arguments_jodpo_has_no_use_for_are_refused_in_one_line():
                                                         "target_modules": ["q_proj", "v_proj"]})
     args = trainer.args
     assert (args.use_peft, args.lora_r, args.lora_alpha, args.lora_target_modules) == (True, 4, 8, ("q_proj", "v_proj"))
+
+
+class Recorder:
+    """A transformers TrainerCallback as a script writes one: records the events, and can end the run at a step."""
+
+    def __init__(self, stop_at=None):
+        self.events, self.stop_at = [], stop_at
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.events.append(("on_train_begin", state.global_step, state.max_steps))
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.events.append(("on_step_end", state.global_step, state.epoch))
+        if state.global_step == self.stop_at:
+            control.should_training_stop = True
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.events.append(("on_log", state.global_step, "loss" in logs))
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        self.events.append(("on_evaluate", state.global_step, sorted(metrics)))
+
+    def on_save(self, args, state, control, **kwargs):
+        self.events.append(("on_save", state.global_step))
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.events.append(("on_train_end", state.global_step, len(state.log_history)))
+
+
+def test_objects_peft_eval_sets_and_callbacks_through_train(checkpoints, tmp_path):
+    """jodpo's (model, params), a reward-model object, a peft LoraConfig and a dict of eval sets through train() log
+    what the same run from paths logs; callbacks get TRL's events with transformers' state, and one that stops the run
+    leaves a checkpoint the next train() (in the same process) resumes exactly."""
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer, TrainerCallback
+
+    assert issubclass(Recorder, object) and TrainerCallback  # transformers' own class is importable here
+    policy, reward = (str(checkpoints["qwen2"][k]) for k in ("causal_lm", "reward"))
+    data = hf_fixtures.prompt_dataset(tmp_path / "data")
+    rows = {s: Dataset.from_json(str(data / f"{s}.jsonl")) for s in ("train", "test")}
+    evals = {"short": rows["test"].select(range(2)), "long": rows["test"].select(range(2, 6))}
+    tiny = TINY | dict(max_eval_prompts=4, per_device_eval_batch_size=2)
+
+    recorder = Recorder()
+    objects = jodpo.OnlineDPOTrainer(
+        model=jodpo.load_model(policy), reward_funcs=AutoModelForSequenceClassification.from_pretrained(reward),
+        args=jodpo.OnlineDPOConfig(output_dir=str(tmp_path / "objects"), **tiny), train_dataset=rows["train"],
+        eval_dataset=evals, processing_class=AutoTokenizer.from_pretrained(policy),
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]), callbacks=[recorder])
+    objects.train()
+    lines = subproc.metrics_lines(tmp_path / "objects")
+    assert set(lines[-1]) == {"step", "eval_short/objective/scores", "eval_short/win_rate",
+                              "eval_long/objective/scores", "eval_long/win_rate"}  # transformers' eval_<name>_ prefix
+    assert recorder.events == [
+        ("on_train_begin", 0, 2), ("on_step_end", 1, 0.125), ("on_log", 1, True), ("on_step_end", 2, 0.25),
+        ("on_log", 2, True), ("on_log", 2, False), ("on_evaluate", 2, sorted(lines[-1].keys() - {"step"})),
+        ("on_save", 2), ("on_train_end", 2, 3)]
+    assert [{k: v for k, v in h.items() if k != "eps"} for h in objects.state.log_history] == lines
+
+    stopper = Recorder(stop_at=1)
+    paths = jodpo.OnlineDPOTrainer(
+        model=policy, reward_funcs=reward, train_dataset=rows["train"], eval_dataset=evals, callbacks=[stopper],
+        args=jodpo.OnlineDPOConfig(output_dir=str(tmp_path / "paths"), use_peft=True, lora_r=4, lora_alpha=8,
+                                   lora_target_modules=["q_proj", "v_proj"], **tiny))
+    paths.train()
+    assert stopper.events[-2:] == [("on_save", 1), ("on_train_end", 1, 1)]
+    assert [m["step"] for m in subproc.metrics_lines(tmp_path / "paths")] == [1]
+    paths.callbacks = []
+    paths.train()  # resumes from the stop's checkpoint
+    assert subproc.metrics_lines(tmp_path / "paths") == lines
+    adapter = objects.save_model(str(tmp_path / "adapter"))
+    assert (adapter / "adapter_config.json").is_file()
+
+
+def test_a_jodpo_model_needs_its_tokenizer(checkpoints):
+    pair = jodpo.load_model(str(checkpoints["qwen2"]["causal_lm"]))
+    with pytest.raises(ConfigError, match="holds no tokenizer; give its tokenizer as processing_class"):
+        jodpo.OnlineDPOTrainer(pair)
+    with pytest.raises(ConfigError, match="not jodpo's \\(model, params\\)"):
+        jodpo.OnlineDPOTrainer((1, 2))
+    with pytest.raises(ConfigError, match="eval_dataset is an empty dict"):
+        jodpo.OnlineDPOTrainer("m", eval_dataset={})

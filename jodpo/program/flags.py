@@ -121,6 +121,35 @@ def unknown_argument(arg: str, names=None) -> str:
             "--help lists them")
 
 
+_TRAIN_DATA = ("dataset_name", "dataset_mixer")
+_EVAL_DATA = ("eval_dataset", "dataset_eval_mixer")
+
+
+def with_overrides(recipe: TrainConfig, overrides: dict) -> tuple[TrainConfig, str | None]:
+    """The recipe with the command line's fields, and a line to show when that changes more than the fields given.
+
+    A recipe's evaluation set belongs to the recipe's data: when the training data is overridden (``dataset_name``
+    or ``dataset_mixer``) and the evaluation set is not, the recipe's ``eval_dataset`` / ``dataset_eval_mixer`` are
+    dropped, as a TRL script evaluates on ``eval_dataset`` only when it is given (else on ``dataset_name``'s
+    ``dataset_test_split``, with ``eval_steps``); otherwise evaluation would silently run the recipe's prompts with
+    the user's rewards."""
+    note = None
+    dropped = {k: getattr(recipe, k) for k in _EVAL_DATA if getattr(recipe, k)}
+    changed = [k for k in _TRAIN_DATA if k in overrides and overrides[k] != getattr(recipe, k)]
+    if changed and dropped and not any(k in overrides for k in _EVAL_DATA):
+        overrides = {**overrides, **dict.fromkeys(dropped)}
+    else:
+        dropped = {}
+    cfg = recipe.replace(**overrides) if overrides else recipe
+    if dropped:
+        said = ", ".join(f"{k}={v!r}" for k, v in dropped.items())
+        where = (f"evaluation (eval_steps={cfg.eval_steps}) now runs on {' and '.join(changed)}'s "
+                 f"{cfg.dataset_test_split!r} split" if cfg.eval_steps else "evaluation is off")
+        note = (f"{' and '.join(changed)} overridden, so the recipe's {said} is dropped (it belongs to the "
+                f"recipe's data): {where}; give --eval_dataset to evaluate on another set")
+    return cfg, note
+
+
 def load_recipe(name: str | None) -> TrainConfig:
     """The run's starting config: none (every field at its TRL default), a YAML file of TRL field names, a Python
     config file, or a bundled config by name."""
@@ -159,4 +188,4 @@ def load_yaml(path: Path) -> TrainConfig:
     return from_dict(d, source=str(path))
 
 
-__all__ = ["Parser", "add_field_flags", "given_fields", "dotted_overrides", "load_recipe", "find_config_file"]
+__all__ = ["Parser", "add_field_flags", "given_fields", "dotted_overrides", "with_overrides", "load_recipe", "find_config_file"]

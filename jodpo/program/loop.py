@@ -25,7 +25,7 @@ from jodpo import train_step as ts
 from jodpo.program.checkpoint import Checkpointer
 from jodpo.program.config import TrainConfig
 from jodpo.program.training_eval import Evaluation
-from jodpo.program.metrics_log import RunLogger
+from jodpo.program.metrics_log import RunLogger, penalty_note
 from jodpo.program.preemption import StopSignals
 from jodpo.program.run import Given, Run, build
 from jodpo.parallel.split_sampler import SplitSampler
@@ -150,7 +150,25 @@ def initial_state(run: Run):
     return init(run.policy(), jax.random.PRNGKey(run.cfg.seed))
 
 
-def train(cfg: TrainConfig, allow_config_change: bool = False, given: Given = Given(), on_log=None) -> dict:
+class Events:
+    """What the loop tells its caller as it goes (``OnlineDPOTrainer`` turns it into TRL/transformers' callback
+    events), on the main process only, in transformers' order: a step's end, then its logged line, its evaluation
+    (``log`` with the evaluation's line, then ``evaluate``), its save. ``should_stop()``, asked after each step's
+    events: True ends the run there, saved (a run started again resumes from that step). These do nothing."""
+
+    def train_begin(self, run: Run, start: int) -> None: ...
+    def step_end(self, step: int, epoch: float) -> None: ...
+    def log(self, metrics: dict) -> None: ...
+    def evaluate(self, metrics: dict) -> None: ...
+    def save(self, step: int) -> None: ...
+    def train_end(self, step: int) -> None: ...
+
+    def should_stop(self) -> bool:
+        return False
+
+
+def train(cfg: TrainConfig, allow_config_change: bool = False, given: Given = Given(),
+          events: Events | None = None) -> dict:
     """Run (or resume) training as configured; returns the last logged metrics.
 
     Resuming (``output_dir`` has a checkpoint) with a config that differs from the saved ``config.json`` is
@@ -160,19 +178,19 @@ def train(cfg: TrainConfig, allow_config_change: bool = False, given: Given = Gi
     ``output_dir`` is locked for the call (``output_dir``): a second run there meanwhile raises ``RunDirError``; so does
     an ``output_dir`` that cannot be made. A checkpoint whose arrays do not fit the configured model, or a dataset
     other than the checkpoint's, raises ``ConfigError`` before anything is written. ``given``: objects in place of
-    what the config names (``OnlineDPOTrainer``); ``on_log(metrics)`` is called with each logged line."""
+    what the config names (``OnlineDPOTrainer``); ``events``: told of each step, logged line, evaluation and save."""
     out = output_dir.prepare(cfg.output_dir)
     lock = output_dir.lock_for_job(out)  # held until train returns or raises, whatever ends it
     try:
         if jax.process_index() == 0:
             print(f"jodpo.train: writing to {out}", flush=True)
-        return _train(cfg, out, allow_config_change, given, on_log)
+        return _train(cfg, out, allow_config_change, given, events or Events())
     finally:
         if lock is not None:
             lock.release()
 
 
-def _train(cfg: TrainConfig, out: Path, allow_config_change: bool, given: Given, on_log) -> dict:
+def _train(cfg: TrainConfig, out: Path, allow_config_change: bool, given: Given, events: Events) -> dict:
     run = build(cfg, given)
     layout = run.layout
     ckpt = Checkpointer(out / "checkpoints", cfg.save_total_limit)
@@ -206,7 +224,9 @@ def _train(cfg: TrainConfig, out: Path, allow_config_change: bool, given: Given,
         (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
         output_dir.write_source_model(run.step_cfg.model, run.tokenizer, out / "source_model")
     logger = RunLogger(out, run.total_steps, start, enabled=jax.process_index() == 0, report_to=cfg.report_to,
-                       run_name=cfg.run_name, config=cfg.to_dict())
+                       run_name=cfg.run_name, config=cfg.to_dict(),
+                       penalty=None if run.rewards is None else penalty_note(cfg.missing_eos_penalty,
+                                                                             run.step_cfg.penalty_reward_value))
     if start:
         logger.message(f"resumed from {ckpt.directory}/{start}")
     if cfg.async_mode and sampler is None:
@@ -218,8 +238,12 @@ def _train(cfg: TrainConfig, out: Path, allow_config_change: bool, given: Given,
         functools.partial(online_iteration, sampler=sampler)
     try:
         with StopSignals() as stop:
-            return _loop(run, state, start, ckpt, logger, stop, data_fingerprint, step_fn, evaluation,
-                         on_log or (lambda metrics: None))
+            if jax.process_index() != 0:  # the caller's callbacks run once, as transformers' on the main process
+                events = Events()
+            events.train_begin(run, start)
+            last = _loop(run, state, start, ckpt, logger, stop, data_fingerprint, step_fn, evaluation, events)
+            events.train_end(int(last.get("step", start)))
+            return last
     finally:
         # a second Ctrl-C (KeyboardInterrupt) waits for nothing: not the save in flight, not a background compile
         if not isinstance(sys.exc_info()[1], KeyboardInterrupt):
@@ -232,7 +256,7 @@ def _train(cfg: TrainConfig, out: Path, allow_config_change: bool, given: Given,
 
 
 def _loop(run: Run, state, start: int, ckpt: Checkpointer, logger: RunLogger, stop: StopSignals,
-          data_fingerprint: str, step_fn, evaluation: Evaluation | None, on_log) -> dict:
+          data_fingerprint: str, step_fn, evaluation: Evaluation | None, events: Events) -> dict:
     cfg = run.cfg
     table_every = max(1, run.total_steps // max(1, cfg.num_sample_generations))
     last, t0, since = {}, time.perf_counter(), 0
@@ -265,6 +289,7 @@ def _loop(run: Run, state, start: int, ckpt: Checkpointer, logger: RunLogger, st
         skipped = metrics["skipped_update"]
         since += run.global_batch
         done = step + 1
+        events.step_end(done, done / run.steps_per_epoch)
         if done % cfg.logging_steps == 0 or done == run.total_steps:
             metrics = {k: float(S.to_host(v)) for k, v in metrics.items()}
             now = time.perf_counter()
@@ -272,7 +297,7 @@ def _loop(run: Run, state, start: int, ckpt: Checkpointer, logger: RunLogger, st
                               "eps": since / (now - t0)}
             t0, since = now, 0
             logger.log(last)
-            on_log(last)
+            events.log(last)
         if sampled is not None and cfg.num_sample_generations > 0 and (done % table_every == 0 or
                                                                        done == run.total_steps):
             idx, samples, raw, pairs = sampled  # pairs: a judge's rows (its verdicts in raw), else None
@@ -286,14 +311,20 @@ def _loop(run: Run, state, start: int, ckpt: Checkpointer, logger: RunLogger, st
             with _reward_errors(f"in the evaluation at step {done}"):
                 ev = evaluation(state)
             logger.log({"step": done} | ev)
-            on_log({"step": done} | ev)
+            events.log({"step": done} | ev)
+            events.evaluate(ev)
             last |= ev
         logger.advance()
         if done == run.total_steps:
             check_skipped(skipped, done)
-        signal_name = stop.requested()
-        if done % run.save_every == 0 or done == run.total_steps or signal_name:
+        signal_name, asked = stop.requested(), events.should_stop()
+        if done % run.save_every == 0 or done == run.total_steps or signal_name or asked:
             save(done)
+            events.save(done)
+        if asked and not signal_name:  # a callback's control.should_training_stop
+            logger.message(f"stopped at step {done} as a callback asked (control.should_training_stop); saved "
+                           f"{ckpt.directory}/{done}")
+            return last | {"step": done}
         if signal_name:
             ckpt.wait()
             raise Stopped(f"stopped by {signal_name} at step {done}; saved {ckpt.directory}/{done}; run the same "

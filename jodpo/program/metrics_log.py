@@ -39,16 +39,52 @@ def truncate_metrics(path: Path, last_step: int) -> None:
     tmp.replace(path)
 
 
+class StepBar(tqdm):
+    """The run's progress bar (tqdm's, or its notebook form), whose time left counts only the steady steps: a run's
+    (or a resumed run's) first step compiles its programs, which a rate over the elapsed time would spread over every
+    step to come (an ETA of 40 minutes for a run of one). Until a second step has ended it says ``?``; after it, the
+    rate is that of the steps since the first ended."""
+
+    def update(self, n=1):
+        first = getattr(self, "_steady_from", None) is None
+        out = super().update(n)
+        if first:
+            self._steady_from = (self.n, self._time())  # the end of the compiling step
+        return out
+
+    @property
+    def format_dict(self):
+        d = super().format_dict
+        start = getattr(self, "_steady_from", None)
+        if start is None or self.n <= start[0]:
+            d["rate"] = 0.0  # tqdm then shows the time left as "?"
+        else:
+            d["rate"] = (self.n - start[0]) / max(self._time() - start[1], 1e-9)
+        return d
+
+
+def penalty_note(missing_eos_penalty: float | None, penalty_reward_value: float | None) -> str | None:
+    """The line that says which numbers on screen carry an EOS penalty, when the run has one (else None)."""
+    if missing_eos_penalty is None and penalty_reward_value is None:
+        return None
+    penalty = (f"minus missing_eos_penalty={missing_eos_penalty}" if missing_eos_penalty is not None else
+               f"replaced by penalty_reward_value={penalty_reward_value}")
+    return (f"the bar's score is objective/scores: the reward {penalty} for completions without EOS, as TRL logs it "
+            "and pairs by; the completion tables and eval/objective/scores show the reward before that penalty")
+
+
 class RunLogger:
     """``report_to`` and ``run_name`` are the config's fields; ``config`` is the resolved config the trackers record
-    (W&B's run config)."""
+    (W&B's run config). ``penalty``: ``penalty_note``'s line, shown once at the start, when the run's scores carry
+    an EOS penalty (the tables' rewards do not: their header then says so)."""
 
     def __init__(self, output_dir: Path, total_steps: int, start_step: int, enabled: bool = True,
                  report_to: str | tuple[str, ...] = "tensorboard", run_name: str | None = None,
-                 config: dict | None = None):
+                 config: dict | None = None, penalty: str | None = None):
         self.enabled = enabled
         if not enabled:
             return
+        self.reward_header = "reward before EOS penalty" if penalty else "score"
         names = trackers(report_to)
         truncate_metrics(output_dir / "metrics.jsonl", start_step)
         self.jsonl = open(output_dir / "metrics.jsonl", "a")
@@ -59,8 +95,10 @@ class RunLogger:
             self.tb = SummaryWriter(str(output_dir / "tensorboard"), purge_step=start_step + 1 if start_step else None)
         if "wandb" in names:
             self.wandb = WandbTracker(output_dir, config or {}, run_name, start_step)
-        self.bar = tqdm(total=total_steps, initial=start_step, desc="online dpo", dynamic_ncols=True,
-                        bar_format="{desc} {n_fmt}/{total_fmt} [{elapsed}<{remaining}]{postfix}")
+        self.bar = StepBar(total=total_steps, initial=start_step, desc="online dpo", dynamic_ncols=True,
+                           bar_format="{desc} {n_fmt}/{total_fmt} [{elapsed}<{remaining}]{postfix}")
+        if penalty:
+            self.message(penalty)
 
     def log(self, metrics: dict) -> None:
         """One logged step: a JSON line, the trackers' scalars, and the progress bar's postfix."""
@@ -97,10 +135,10 @@ class RunLogger:
             s = " ".join(str(s).split())
             return s if len(s) <= n else ("..." + s[-(n - 3):] if tail else s[:n - 3] + "...")
 
-        lines = [f"step {step}: {tag}", f"{'prompt':40s} | {'completion':50s} | score"]
+        lines = [f"step {step}: {tag}", f"{'prompt':40s} | {'completion':50s} | {self.reward_header}"]
         lines += [f"{clip(p, 40, True):40s} | {clip(c, 50):50s} | {s:.3f}" for p, c, s in rows]
         self.bar.write("\n".join(lines))
-        md = ["| prompt | completion | score |", "| --- | --- | --- |"]
+        md = [f"| prompt | completion | {self.reward_header} |", "| --- | --- | --- |"]
         md += [f"| {clip(p, 200, True)} | {clip(c, 400)} | {s:.3f} |".replace("\n", " ") for p, c, s in rows]
         if self.tb is not None:
             self.tb.add_text(tag, "\n".join(md), step)

@@ -2,7 +2,6 @@
 the static step config, the batch and schedule arithmetic."""
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import math
@@ -12,36 +11,21 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from jodpo.errors import CheckpointError, ConfigError
+from jodpo.errors import ConfigError
 from jodpo.program import data as D
 from jodpo.parallel import sharding as S
 from jodpo import train_step as ts
 from jodpo import judges as J
 from jodpo.program.config import TrainConfig
 from jodpo.losses import LossOptions, needs_reference
-from jodpo.models import load_model, load_tokenizer
+from jodpo.models import load_tokenizer
 from jodpo.models import lora
-from jodpo.models.loading import describe_model, ready_tokenizer
-from jodpo.models.model import attention_note
+from jodpo.models.loading import ready_tokenizer
 from jodpo.models.params import frozen_params, param_shapes
-from jodpo.program.rewards import RewardSet, check_shared_vocab
-from jodpo.program.user_code import import_judge, import_reward_function, is_import_path, judge_object
+from jodpo.program.rewards import RewardSet
+from jodpo.program.sources import (Given, describe_policy, eval_sets, load_judge, load_rewards, load_split, named,
+                                   read_policy, say_attention)
 from jodpo.sampling import SamplingConfig
-
-
-@dataclasses.dataclass(frozen=True)
-class Given:
-    """What a Python caller hands the program in place of what the config names (``OnlineDPOTrainer``): objects
-    already in memory. Each one left None is read as the config says."""
-
-    model: object | None = None  # a transformers *ForCausalLM object (model_name_or_path names where it came from)
-    tokenizer: object | None = None  # its tokenizer (processing_class)
-    train_rows: object | None = None  # a datasets.Dataset (dataset_name)
-    eval_rows: object | None = None  # a datasets.Dataset (eval_dataset)
-    reward_functions: tuple = ()  # callables (reward_funcs names them), in order
-    reward_model: object | None = None  # a *ForSequenceClassification object (reward_model_path)
-    reward_tokenizer: object | None = None
-    judge: object | None = None  # a callable or an object with judge() (judge names it)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +45,8 @@ class Run:
     rewards: RewardSet | None  # None with a judge, and for offline DPO
     judge: J.LLMJudge | J.CallableJudge | None
     train: D.PromptData | D.PreferenceData
-    eval: D.PromptData | None
+    evals: tuple[tuple[str, D.PromptData], ...]  # the evaluation sets with their metrics' prefix: ("eval", set), or
+    # ("eval_<name>", set) for each of a dict of sets (transformers' naming); the evaluation reads ``eval``
     buckets: tuple[int, ...]
     global_batch: int
     steps_per_epoch: int
@@ -72,6 +57,19 @@ class Run:
     policy_source: object = None  # where ``policy()`` reads the policy: model_name_or_path, or the caller's object
     layout: object = None  # the first TrainState as ShapeDtypeStructs laid out as the steps' outputs (``with_steps``)
     steps: ts.JittedSteps | None = None  # the steps, jitted for that layout
+
+    @property
+    def eval(self) -> D.PromptData | None:
+        """The evaluation set the evaluation reads (the first; ``one_eval`` gives a run for each)."""
+        return self.evals[0][1] if self.evals else None
+
+    @property
+    def eval_prefix(self) -> str:
+        return self.evals[0][0] if self.evals else "eval"
+
+    def one_eval(self, i: int) -> "Run":
+        """This run evaluating its ``i``-th evaluation set alone."""
+        return dataclasses.replace(self, evals=(self.evals[i],))
 
     def indices(self, step: int) -> np.ndarray:
         """The training rows of step ``step`` (a fresh permutation every epoch, from the seed)."""
@@ -87,9 +85,7 @@ class Run:
         them: the run keeps none)."""
         if self.policy_params is not None:
             return self.policy_params
-        with named("model_name_or_path"):
-            return load_model(self.policy_source, "causal_lm", self.cfg.param_dtype, revision=self.cfg.model_revision,
-                              place=S.placer(self.mesh))[1]
+        return read_policy(self.policy_source, self.cfg.param_dtype, self.cfg, self.mesh)[1]
 
     def policy_shapes(self):
         """What ``jax.eval_shape`` needs of ``policy()``, without reading anything: its arrays once read, else
@@ -127,26 +123,6 @@ class Run:
         return self.rewards.score(prompts, self.decode(tokens), completion_ids, columns)
 
 
-@contextlib.contextmanager
-def named(field: str):
-    """A model or tokenizer that cannot be read, said with the config field that gave its path."""
-    try:
-        yield
-    except CheckpointError as e:
-        raise CheckpointError(f"{field}: {e}") from e
-
-
-def _same_tokenizer(a, b) -> bool:
-    return type(a).__name__ == type(b).__name__ and a.get_vocab() == b.get_vocab()
-
-
-def _say_attention(model, field: str) -> None:
-    """One line when the attention kernel asked for cannot compute this model's (cuDNN and Gemma 2's soft-capping)."""
-    note = attention_note(model)
-    if note:
-        warnings.warn(f"{field}: {note}")
-
-
 def build(cfg: TrainConfig, given: Given = Given()) -> Run:
     """The run ``cfg`` describes, with what ``given`` holds in place of what the config names."""
     source = cfg.model_name_or_path if given.model is None else given.model
@@ -164,12 +140,10 @@ def build(cfg: TrainConfig, given: Given = Given()) -> Run:
     with named("model_name_or_path"):
         tokenizer = ready_tokenizer(given.tokenizer, "processing_class") if given.tokenizer is not None else \
             load_tokenizer(cfg.model_name_or_path, cfg.model_revision)
-        if needs_reference(cfg.loss_type) or cfg.use_peft:
-            model, ref_params = load_model(source, "causal_lm", cfg.frozen_param_dtype,
-                                           revision=cfg.model_revision, place=S.placer(mesh))
-        else:  # reference-free (simpo): only the policy, read in param_dtype when the run starts from it (Run.policy)
-            model = describe_model(source, "causal_lm", cfg.param_dtype, revision=cfg.model_revision)
-            ref_params = None
+    if needs_reference(cfg.loss_type) or cfg.use_peft:
+        model, ref_params = read_policy(source, cfg.frozen_param_dtype, cfg, mesh)
+    else:  # reference-free (simpo): only the policy, read in param_dtype when the run starts from it (Run.policy)
+        model, ref_params = describe_policy(source, cfg.param_dtype, cfg), None
     policy_params, targets = ref_params, ()
     if cfg.use_peft:  # the policy is the frozen base plus adapters; nothing else is trained or copied
         model = model.replace(lora_rank=cfg.lora_r, lora_alpha=float(cfg.lora_alpha))
@@ -184,7 +158,7 @@ def build(cfg: TrainConfig, given: Given = Given()) -> Run:
     remat = cfg.remat if cfg.remat != "auto" else ("full" if cfg.gradient_checkpointing else "none")
     model = model.replace(dtype="bfloat16" if cfg.bf16 else "float32", remat=remat, precision=cfg.matmul_precision,
                           attention=cfg.attn_implementation)
-    _say_attention(model, "model_name_or_path")
+    say_attention(model, "model_name_or_path")
     # the reference as its bf16 forwards read it (the same numbers; with LoRA the base stays as loaded, since the
     # adapters are merged into it in float32); the policy's own copy (policy_params) is untouched
     ref_params = None if ref_params is None else frozen_params(model, ref_params)
@@ -203,27 +177,15 @@ def build(cfg: TrainConfig, given: Given = Given()) -> Run:
         train = D.prepare_preferences(train_rows, tokenizer, cfg.max_prompt_length, cfg.max_new_tokens)
     else:
         train = D.prepare_prompts(train_rows, tokenizer, cfg.max_prompt_length)
-    evaluation = None
-    if given.eval_rows is not None or (given.train_rows is None and not offline and (
-            cfg.eval_dataset or cfg.dataset_eval_mixer or cfg.eval_steps)):
-        rows = given.eval_rows if given.eval_rows is not None else load_split(
-            cfg.dataset_eval_mixer or (None if cfg.eval_dataset else cfg.dataset_mixer),
-            cfg.eval_dataset or cfg.dataset_name, cfg, cfg.dataset_test_split)
-        rows = rows.select(range(min(len(rows), cfg.max_eval_prompts)))
-        evaluation = D.prepare_prompts(rows, tokenizer, cfg.max_prompt_length)
-        if len(evaluation) < dp:  # an eval batch needs a prompt per data-parallel device
-            warnings.warn(f"the evaluation set has {len(evaluation)} prompts, fewer than the {dp} data-parallel "
-                          "devices (mesh_data x mesh_fsdp); evaluation is off. Raise max_eval_prompts or give more "
-                          "evaluation rows.", stacklevel=2)
-            evaluation = None
+    evaluation = eval_sets(cfg, given, tokenizer, dp, offline)
 
     rewards, rm, judge = None, None, None
     if not offline and cfg.judge:
         judge = load_judge(cfg, model, mesh, given.judge)
-        if evaluation is not None and evaluation.references is None:
+        if any(data.references is None for _, data in evaluation):
             warnings.warn("with a judge, evaluation needs reference completions to judge against (a 'completion' "
-                          "column); the evaluation set has none, so evaluation is off", stacklevel=2)
-            evaluation = None
+                          "column); an evaluation set without them is not evaluated", stacklevel=2)
+            evaluation = tuple((p, data) for p, data in evaluation if data.references is not None)
     elif not offline:
         rewards = load_rewards(cfg, model, tokenizer, mesh, chat=isinstance(train.prompts[0], list), given=given)
         rm = rewards.model
@@ -274,26 +236,6 @@ def with_steps(run: Run) -> Run:
     return dataclasses.replace(run, layout=layout, steps=ts.jit_steps(sharding, S.replicated(run.mesh)))
 
 
-def load_rewards(cfg: TrainConfig, policy, tokenizer, mesh, chat: bool, given: Given = Given()) -> RewardSet:
-    """The run's rewards: the reward model (frozen, in frozen_param_dtype, computing as the ``policy`` model does,
-    sharded over the mesh) and the reward functions, with their weights."""
-    rm, rm_params, rm_tok, shared = None, None, None, False
-    if cfg.reward_model_path or given.reward_model is not None:
-        source = cfg.reward_model_path if given.reward_model is None else given.reward_model
-        with named("reward_model_path"):
-            rm, rm_params = load_model(source, "reward", cfg.frozen_param_dtype, place=S.placer(mesh))
-            rm_tok = given.reward_tokenizer or load_tokenizer(cfg.reward_model_path)
-        rm = rm.replace(dtype=policy.dtype, precision=policy.precision, attention=policy.attention)
-        _say_attention(rm, "reward_model_path")
-        rm_params = frozen_params(rm, rm_params)
-        rm_tok.padding_side = "right"
-        shared = _same_tokenizer(tokenizer, rm_tok)
-        if shared:
-            check_shared_vocab(policy, rm)
-    fns = list(given.reward_functions) or [import_reward_function(s) for s in cfg.reward_funcs]
-    return RewardSet(rm, rm_params, rm_tok, fns, cfg.reward_weights, shared_tokenizer=shared, chat=chat)
-
-
 def meshes(cfg: TrainConfig) -> tuple[Mesh, Mesh | None]:
     """The training mesh (mesh_data x mesh_fsdp x mesh_tensor), and with ``sampler_devices`` = k the sampler's mesh
     on the last k devices, apart: data-parallel, with the training mesh's tensor split (the weights whole on each
@@ -323,13 +265,6 @@ def meshes(cfg: TrainConfig) -> tuple[Mesh, Mesh | None]:
     return mesh, sampler
 
 
-def load_split(mixer: dict | None, name: str, cfg: TrainConfig, split: str):
-    """The rows of a split: a dataset_mixer's mixture when there is one, else the named dataset."""
-    if mixer:
-        return D.load_mixture(mixer, cfg.dataset_config, split)
-    return D.load_rows(name, cfg.dataset_config, split)
-
-
 def stop_token_ids(cfg: TrainConfig, tokenizer) -> tuple[int, ...]:
     """open-instruct's ``stop_token``: None or ``"eos"``, completions end at the EOS (as in TRL; nothing to add);
     ``"period"``, also at the first "." token, which alone then spares a completion the EOS penalties."""
@@ -352,23 +287,3 @@ def run_length(cfg: TrainConfig, global_batch: int, steps_per_epoch: int) -> int
                               "(per_device_train_batch_size x data-parallel devices x gradient_accumulation_steps)")
         return cfg.total_episodes // global_batch
     return math.ceil(cfg.num_train_epochs * steps_per_epoch)
-
-
-def load_judge(cfg: TrainConfig, policy, mesh, given=None) -> J.LLMJudge | J.CallableJudge:
-    """A callable judge (``given``, or from its import path), or a causal LM as an LLM judge: frozen, in
-    frozen_param_dtype, computing as the policy does, its parameters sharded over the mesh like the reward model's."""
-    if given is not None:
-        return given if isinstance(given, (J.LLMJudge, J.CallableJudge)) else judge_object(given, cfg.judge)
-    if is_import_path(cfg.judge):
-        return import_judge(cfg.judge)
-    with named("judge"):
-        model, params = load_model(cfg.judge, "causal_lm", cfg.frozen_param_dtype, place=S.placer(mesh))
-        tokenizer = load_tokenizer(cfg.judge)
-    model = model.replace(dtype=policy.dtype, precision=policy.precision, attention=policy.attention)
-    _say_attention(model, "judge")
-    params = frozen_params(model, params)
-    try:
-        return J.LLMJudge(model, params, tokenizer, J.read_template(cfg.judge_prompt),
-                          cfg.judge_answer_tokens, cfg.judge_both_orders)
-    except J.JudgeError as e:
-        raise ConfigError(f"judge {cfg.judge!r}: {e}") from None

@@ -85,9 +85,10 @@ def check_fits(model: Model, params: dict, step_dir: Path, source: Path) -> None
                               f"(first differences: {diff[:3]})")
 
 
-def lora_parts(run_cfg: dict, model: Model, adapters: dict, step_dir: Path, source: Path):
+def lora_parts(run_cfg: dict, model: Model, adapters: dict, step_dir: Path, source: Path, read_base: bool = True):
     """A LoRA run's ``(lora_model, targets, base params)``: the adapters checked against ``lora_r`` and the targets,
-    the base weights read again (float32) from the run's ``model_name_or_path``."""
+    the base weights read again (float32) from the run's ``model_name_or_path`` (None without ``read_base``: a PEFT
+    adapter directory holds the adapters alone, and a base given in memory has no path to read)."""
     lora_model = model.replace(lora_rank=run_cfg["lora_r"], lora_alpha=float(run_cfg["lora_alpha"]))
     targets = lora.resolve_targets(lora_model, run_cfg.get("lora_target_modules"))
     specs = lora.adapter_specs(lora_model, targets)
@@ -96,6 +97,8 @@ def lora_parts(run_cfg: dict, model: Model, adapters: dict, step_dir: Path, sour
     if _shapes(adapters) != need:
         raise CheckpointError(f"{step_dir}: the checkpoint's adapters do not fit lora_r={run_cfg['lora_r']} and the "
                               f"targets {list(targets)} of {source}/config.json")
+    if not read_base:
+        return lora_model, targets, None
     _, base = load_model(run_cfg["model_name_or_path"], "causal_lm", "float32", revision=run_cfg.get("model_revision"))
     return lora_model, targets, base
 

@@ -15,7 +15,7 @@ from jodpo.errors import ConfigError
 from jodpo.program import loop
 from jodpo.program.config import FIELDS, TrainConfig, coerce
 from jodpo.program.rewards import function_name
-from jodpo.program.run import Given
+from jodpo.program.sources import Given, is_jodpo_model
 
 
 class OnlineDPOConfig(TrainConfig):
@@ -45,19 +45,25 @@ class OnlineDPOTrainer:
     processing_class, reward_processing_classes, peft_config, compute_metrics, callbacks, optimizers,
     preprocess_logits_for_metrics)``, and ``judge`` as TRL took it before 1.1.
 
-    model: a path or hub id, or the transformers ``*ForCausalLM`` object a script built (its config and weights
-      read once, from memory). None: ``args.model_name_or_path``.
+    model: a path or hub id, the transformers ``*ForCausalLM`` object a script built (its config and weights
+      read once, from memory), or jodpo's own ``(model, params)`` (``jodpo.load_model``'s; with a tokenizer as
+      ``processing_class``, or ``args.model_name_or_path`` naming where it came from). None:
+      ``args.model_name_or_path``.
     ref_model: None (TRL's default: the reference is the starting policy; with ``peft_config`` the base without
       adapters). jodpo has no separate reference model.
     reward_funcs: one or a list of: callables ``f(prompts, completions, completion_ids, **columns)``,
       ``module:function`` strings, a reward model's path or hub id, or a ``*ForSequenceClassification`` object (at
       most one model; TRL weighs them with ``args.reward_weights``, model first).
     train_dataset / eval_dataset: ``datasets.Dataset`` or ``IterableDataset`` (read whole), standard or
-      conversational prompts; ``eval_dataset`` may be a dict of one set. None: the config's datasets.
+      conversational prompts. ``eval_dataset`` may be a dict of sets: each is evaluated, its metrics named
+      ``eval_<name>/...`` (transformers' ``eval_<name>_...``, with jodpo's ``/``). None: the config's datasets.
     processing_class / reward_processing_classes: the tokenizers (default: the models' own).
     peft_config: a peft ``LoraConfig`` or its dict: use_peft with its r, lora_alpha, target_modules, lora_dropout.
-    callbacks: objects with TRL/transformers' ``on_log(args, state, control, logs=...)``; each is called with the
-      metrics every time the run logs (``state`` and ``control`` are None: jodpo has no torch Trainer state).
+    callbacks: transformers ``TrainerCallback``s (or their classes), called as TRL's trainer calls them with
+      ``(args, state, control, **kwargs)``: ``on_train_begin``, ``on_step_end``, ``on_log`` (each logged line),
+      ``on_evaluate`` (``metrics``), ``on_save`` (the checkpoint is written in the background), ``on_train_end``;
+      ``state`` a transformers ``TrainerState`` (``global_step``, ``max_steps``, ``epoch``, ``log_history``, ...),
+      ``control`` a ``TrainerControl`` whose ``should_training_stop`` ends the run, saved.
     judge: a pairwise judge (a callable, an object with ``judge()``, or ``module:function``) or an LLM's path.
     """
 
@@ -82,8 +88,14 @@ class OnlineDPOTrainer:
             if isinstance(model, (str, Path)):
                 fields["model_name_or_path"] = str(model)
             elif isinstance(model, tuple):
-                raise ConfigError("OnlineDPOTrainer: model is jodpo's (model, params); write it as a transformers "
-                                  "directory first (jodpo.save_hf) and pass its path")
+                if not is_jodpo_model(model):
+                    raise ConfigError("OnlineDPOTrainer: model is a tuple but not jodpo's (model, params) as "
+                                      "jodpo.load_model returns it; give that, a path, or a transformers model")
+                if processing_class is None and not cfg.model_name_or_path:
+                    raise ConfigError("OnlineDPOTrainer: model is jodpo's (model, params), which holds no tokenizer; "
+                                      "give its tokenizer as processing_class (or args.model_name_or_path)")
+                objects["model"] = model
+                fields["model_name_or_path"] = cfg.model_name_or_path or "<jodpo (model, params)>"
             else:
                 objects["model"] = model
                 fields["model_name_or_path"] = getattr(model, "name_or_path", "") or cfg.model_name_or_path
@@ -129,21 +141,24 @@ class OnlineDPOTrainer:
             objects["train_rows"] = _rows(train_dataset, "train_dataset")
             fields["dataset_name"] = _describe(train_dataset)
             fields["dataset_mixer"] = None
-        if eval_dataset is not None:
-            if isinstance(eval_dataset, dict):
-                if len(eval_dataset) != 1:
-                    raise ConfigError(f"OnlineDPOTrainer: eval_dataset holds {len(eval_dataset)} sets; jodpo "
-                                      "evaluates one (TRL logs one per set): pass one, or concatenate them")
-                eval_dataset = next(iter(eval_dataset.values()))
-            objects["eval_rows"] = _rows(eval_dataset, "eval_dataset").select(
-                range(min(len(eval_dataset), cfg.max_eval_prompts)))
-            fields["eval_dataset"] = _describe(eval_dataset)
+        if eval_dataset is not None:  # a dict of sets: each logged as eval_<name>/..., as transformers names them
+            sets = {f"eval_{k}": v for k, v in eval_dataset.items()} if isinstance(eval_dataset, dict) else \
+                {"eval": eval_dataset}
+            if not sets:
+                raise ConfigError("OnlineDPOTrainer: eval_dataset is an empty dict; give a dataset, a dict of them, "
+                                  "or None")
+            objects["eval_rows"] = {k: _rows(v, f"eval_dataset[{k[5:]!r}]" if k != "eval" else "eval_dataset")
+                                    for k, v in sets.items()}
+            fields["eval_dataset"] = ", ".join(f"{k[5:] + ': ' if k != 'eval' else ''}{_describe(v)}"
+                                               for k, v in sets.items())
         if peft_config is not None:
             fields |= _lora_fields(peft_config)
         self.args = cfg.replace(**fields) if fields else cfg
         self.given = Given(**objects)
-        self.callbacks = list(callbacks or [])
+        self.callbacks = [c() if isinstance(c, type) else c for c in callbacks or []]
+        self.model, self.processing_class = model, processing_class  # what callbacks get as model= and processing_class=
         self.metrics: dict = {}
+        self.state = None  # the TrainerState of the last train() (with callbacks)
 
     def train(self, resume_from_checkpoint: bool | str | None = None, *, allow_config_change: bool = False) -> dict:
         """Run the training (the same program as ``python -m jodpo.train``); returns the last logged metrics.
@@ -158,13 +173,9 @@ class OnlineDPOTrainer:
                 raise ConfigError(f"resume_from_checkpoint={str(path)!r}: no checkpoints/ there; give a run's "
                                   "output_dir (or one of its checkpoints/<step>)")
             cfg = cfg.replace(output_dir=str(run_dir))
-        self.metrics = loop.train(cfg, allow_config_change, self.given, on_log=self._on_log)
+        events = _Callbacks(self, cfg) if self.callbacks else None
+        self.metrics = loop.train(cfg, allow_config_change, self.given, events)
         return self.metrics
-
-    def _on_log(self, logs: dict) -> None:
-        for callback in self.callbacks:
-            if hasattr(callback, "on_log"):
-                callback.on_log(self.args, None, None, logs=dict(logs))
 
     def save_model(self, output_dir: str | None = None) -> Path:
         """The trained policy (the run's newest checkpoint) as a transformers directory, or with ``peft_config`` as
@@ -182,10 +193,63 @@ class OnlineDPOTrainer:
         model, cfg = model_from_dir(source, "causal_lm", "float32"), run_config(run_dir)
         tokenizer = load_tokenizer(str(source))
         if cfg.get("use_peft"):
-            lora_model, targets, _ = lora_parts(cfg, model, params, step_dir, source)
+            lora_model, targets, _ = lora_parts(cfg, model, params, step_dir, source, read_base=False)
             return lora.save_peft(lora_model, params, out, targets, cfg.get("lora_dropout", 0.0),
                                   cfg["model_name_or_path"], tokenizer, overwrite=True)
         return save_hf(model, params, out, tokenizer, overwrite=True)
+
+
+class _Callbacks(loop.Events):
+    """The loop's events as TRL's trainer calls its callbacks: transformers' ``TrainerState`` and ``TrainerControl``
+    (importable without torch), the same keyword arguments (no torch model, optimizer or data loaders: None)."""
+
+    def __init__(self, trainer: OnlineDPOTrainer, args: TrainConfig):
+        from transformers.trainer_callback import TrainerControl, TrainerState
+
+        self.trainer, self.args = trainer, args
+        self.state, self.control = TrainerState(), TrainerControl()
+        trainer.state = self.state
+
+    def _call(self, event: str, **kwargs) -> None:
+        for callback in self.trainer.callbacks:
+            hook = getattr(callback, event, None)
+            if hook is None:
+                continue
+            result = hook(self.args, self.state, self.control, model=self.trainer.model,
+                          processing_class=self.trainer.processing_class, optimizer=None, lr_scheduler=None,
+                          train_dataloader=None, eval_dataloader=None, **kwargs)
+            if result is not None:  # a callback may return the control it changed
+                self.control = result
+
+    def train_begin(self, run, start: int) -> None:
+        s, cfg = self.state, run.cfg
+        s.global_step, s.max_steps, s.epoch = start, run.total_steps, start / run.steps_per_epoch
+        s.num_train_epochs = -(-run.total_steps // run.steps_per_epoch)
+        s.logging_steps, s.save_steps, s.eval_steps = cfg.logging_steps, run.save_every, cfg.eval_steps or 0
+        s.train_batch_size = cfg.per_device_train_batch_size
+        self.control.should_training_stop = False
+        self._call("on_train_begin")
+
+    def step_end(self, step: int, epoch: float) -> None:
+        self.state.global_step, self.state.epoch = step, epoch
+        self._call("on_step_end")
+
+    def log(self, metrics: dict) -> None:
+        logs = {k: v for k, v in metrics.items() if k != "step"}
+        self.state.log_history.append({**logs, "step": self.state.global_step})
+        self._call("on_log", logs=logs)
+
+    def evaluate(self, metrics: dict) -> None:
+        self._call("on_evaluate", metrics=dict(metrics))
+
+    def save(self, step: int) -> None:
+        self._call("on_save")
+
+    def train_end(self, step: int) -> None:
+        self._call("on_train_end")
+
+    def should_stop(self) -> bool:
+        return bool(self.control.should_training_stop)
 
 
 def _rows(ds, what: str):

@@ -117,22 +117,24 @@ def evaluate(run: Run, state, references=None) -> dict:
         scores.append(np.asarray(s, np.float32))
     if not scores:
         return {}
-    scores = np.concatenate(scores)
+    scores, prefix = np.concatenate(scores), run.eval_prefix  # "eval/...", or "eval_<name>/..." for a dict's sets
     if run.judge is not None:
-        return {"eval/win_rate": J.win_rate(scores)}
-    out = {"eval/objective/scores": float(np.mean(scores))}
+        return {f"{prefix}/win_rate": J.win_rate(scores)}
+    out = {f"{prefix}/objective/scores": float(np.mean(scores))}
     references = (references or _reference_scores)(run, _eval_batches(run))
     if references is not None:
-        out["eval/win_rate"] = float(np.mean(scores > references))
+        out[f"{prefix}/win_rate"] = float(np.mean(scores > references))
     return out
 
 
 class Evaluation:
-    """A run's evaluation as the loop runs it: its programs compiled in the background after the first step
-    (``start_compiling``), waited for before the first evaluation, and the references' rewards scored once."""
+    """A run's evaluation as the loop runs it, over each of its evaluation sets: their programs compiled in the
+    background after the first step (``start_compiling``), waited for before the first evaluation, and the
+    references' rewards scored once per set."""
 
     def __init__(self, run: Run):
-        self.run, self.compiling, self.references = run, None, None
+        self.run, self.runs = run, [run.one_eval(i) for i in range(len(run.evals))]
+        self.compiling, self.references = None, {}
 
     def start_compiling(self, state) -> None:
         self.compiling = compile_evaluation(self.run, state)
@@ -145,31 +147,38 @@ class Evaluation:
 
     def __call__(self, state) -> dict:
         self.wait()
-        return evaluate(self.run, state, self._reference_scores)
+        out = {}
+        for run in self.runs:
+            out |= evaluate(run, state, self._reference_scores)
+        return out
 
     def _reference_scores(self, run: Run, batches):
-        if self.references is None:
-            self.references = _reference_scores(run, batches)
-        return self.references
+        if run.eval_prefix not in self.references:
+            self.references[run.eval_prefix] = _reference_scores(run, batches)
+        return self.references[run.eval_prefix]
 
 
 def compile_evaluation(run: Run, state) -> threading.Thread | None:
-    """Start compiling the evaluation's programs (its sampling and, with the reward model on the device, its
-    scoring; once per prompt shape; and the reward model's scoring of the reference completions, once per run)
-    in a background thread, with the exact arguments ``evaluate`` passes, so that its calls find them compiled;
-    returns the thread (``Evaluation`` waits for it). A failure only logs: the evaluation then compiles
-    when it first runs. None when the run does not evaluate. The thread only compiles: it runs nothing on the
-    devices (a multi-process run must launch its programs in the same order on every process)."""
+    """Start compiling the evaluation's programs for each of the run's evaluation sets (its sampling and,
+    with the reward model on the device, its scoring, once per prompt shape of all the sets; and the reward model's
+    scoring of the reference completions, once per run) in a background thread, with the exact arguments
+    ``evaluate`` passes, so that its calls find them compiled; returns the thread (``Evaluation`` waits for it). A
+    failure only logs: the evaluation then compiles when it first runs. None when the run does not evaluate. The
+    thread only compiles: it runs nothing on the devices (a multi-process run must launch its programs in the same
+    order on every process)."""
     if run.eval is None:
         return None
+    runs = [run.one_eval(i) for i in range(len(run.evals))]  # they share everything but their prompts
     # Shapes and shardings only: the step donates the state's buffers while this thread works.
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
     eval_state = _eval_state(abstract)
-    shapes = {}
-    for idx in _eval_batches(run):
-        ids, mask = _eval_prompts(run, idx)
-        shapes.setdefault(ids.shape, (ids, mask))
-    references = _reference_batches(run)  # tokenized here: the tokenizer is not used from two threads
+    shapes, references = {}, {}
+    for each in runs:
+        for idx in _eval_batches(each):
+            ids, mask = _eval_prompts(each, idx)
+            shapes.setdefault(ids.shape, (ids, mask))
+        for ids, mask in _reference_batches(each):  # tokenized here: the tokenizer is not used from two threads
+            references.setdefault(ids.shape, (ids, mask))
 
     def work():
         try:
@@ -180,7 +189,7 @@ def compile_evaluation(run: Run, state) -> threading.Thread | None:
                 if _scored_on_device(run):
                     run.steps.score_completions.lower(run.step_cfg, run.rewards.params, ids, mask,
                                                       sample.out_info).compile()
-            for ids, mask in references:
+            for ids, mask in references.values():
                 R.jit_reward_scores.lower(run.rewards.model, run.rewards.params, ids, mask).compile()
         except Exception as e:  # noqa: BLE001 - only a head start: the evaluation compiles as usual without it
             log.warning("compiling the evaluation in the background failed (%s: %s); it compiles at the first "

@@ -1,0 +1,158 @@
+"""Where a run's pieces come from: the objects a Python caller hands over (``Given``), or else what the config names
+(paths, hub ids, ``module:function`` strings): the policy, the rewards, a judge, the data's splits and evaluation
+sets. ``run.build`` puts them together."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jodpo import judges as J
+from jodpo.errors import CheckpointError, ConfigError
+from jodpo.models import load_model, load_tokenizer
+from jodpo.models.loading import describe_model
+from jodpo.models.model import Model, attention_note
+from jodpo.models.params import frozen_params
+from jodpo.parallel import sharding as S
+from jodpo.program import data as D
+from jodpo.program.config import TrainConfig
+from jodpo.program.rewards import RewardSet, check_shared_vocab
+from jodpo.program.user_code import import_judge, import_reward_function, is_import_path, judge_object
+
+
+@dataclasses.dataclass(frozen=True)
+class Given:
+    """What a Python caller hands the program in place of what the config names (``OnlineDPOTrainer``): objects
+    already in memory. Each one left None is read as the config says."""
+
+    model: object | None = None  # a transformers *ForCausalLM object, or jodpo's own (Model, params)
+    # (model_name_or_path names where it came from)
+    tokenizer: object | None = None  # its tokenizer (processing_class)
+    train_rows: object | None = None  # a datasets.Dataset (dataset_name)
+    eval_rows: dict | None = None  # {metric prefix: datasets.Dataset} (eval_dataset): {"eval": rows}, or a dict
+    # of sets as {"eval_<name>": rows}, each evaluated and logged under its prefix (transformers' naming)
+    reward_functions: tuple = ()  # callables (reward_funcs names them), in order
+    reward_model: object | None = None  # a *ForSequenceClassification object (reward_model_path)
+    reward_tokenizer: object | None = None
+    judge: object | None = None  # a callable or an object with judge() (judge names it)
+
+
+@contextlib.contextmanager
+def named(field: str):
+    """A model or tokenizer that cannot be read, said with the config field that gave its path."""
+    try:
+        yield
+    except CheckpointError as e:
+        raise CheckpointError(f"{field}: {e}") from e
+
+
+def _same_tokenizer(a, b) -> bool:
+    return type(a).__name__ == type(b).__name__ and a.get_vocab() == b.get_vocab()
+
+
+def say_attention(model, field: str) -> None:
+    """One line when the attention kernel asked for cannot compute this model's (cuDNN and Gemma 2's soft-capping)."""
+    note = attention_note(model)
+    if note:
+        warnings.warn(f"{field}: {note}")
+
+
+def is_jodpo_model(x) -> bool:
+    """jodpo's own ``(Model, params)``, as ``jodpo.load_model`` returns it."""
+    return isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], Model) and isinstance(x[1], dict)
+
+
+def read_policy(source, dtype, cfg: TrainConfig, mesh) -> tuple[Model, dict]:
+    """The policy as ``(Model, params)`` in ``dtype``, its parameters laid out on the mesh: read from a path, a hub id
+    or a transformers object (``load_model``), or jodpo's own ``(Model, params)`` taken as they are (cast, placed)."""
+    if is_jodpo_model(source):
+        model, params = source
+        put = S.placer(mesh)(model, np.dtype(jnp.dtype(dtype)))
+        return model, jax.tree_util.tree_map_with_path(lambda p, x: put(tuple(k.key for k in p), x), params)
+    with named("model_name_or_path"):
+        return load_model(source, "causal_lm", dtype, revision=cfg.model_revision, place=S.placer(mesh))
+
+
+def describe_policy(source, dtype, cfg: TrainConfig) -> Model:
+    """The policy's ``Model`` without reading its weights (``describe_model``), or that of a given ``(Model,
+    params)``."""
+    if is_jodpo_model(source):
+        return source[0]
+    with named("model_name_or_path"):
+        return describe_model(source, "causal_lm", dtype, revision=cfg.model_revision)
+
+
+def load_rewards(cfg: TrainConfig, policy, tokenizer, mesh, chat: bool, given: Given = Given()) -> RewardSet:
+    """The run's rewards: the reward model (frozen, in frozen_param_dtype, computing as the ``policy`` model does,
+    sharded over the mesh) and the reward functions, with their weights."""
+    rm, rm_params, rm_tok, shared = None, None, None, False
+    if cfg.reward_model_path or given.reward_model is not None:
+        source = cfg.reward_model_path if given.reward_model is None else given.reward_model
+        with named("reward_model_path"):
+            rm, rm_params = load_model(source, "reward", cfg.frozen_param_dtype, place=S.placer(mesh))
+            rm_tok = given.reward_tokenizer or load_tokenizer(cfg.reward_model_path)
+        rm = rm.replace(dtype=policy.dtype, precision=policy.precision, attention=policy.attention)
+        say_attention(rm, "reward_model_path")
+        rm_params = frozen_params(rm, rm_params)
+        rm_tok.padding_side = "right"
+        shared = _same_tokenizer(tokenizer, rm_tok)
+        if shared:
+            check_shared_vocab(policy, rm)
+    fns = list(given.reward_functions) or [import_reward_function(s) for s in cfg.reward_funcs]
+    return RewardSet(rm, rm_params, rm_tok, fns, cfg.reward_weights, shared_tokenizer=shared, chat=chat)
+
+
+def load_judge(cfg: TrainConfig, policy, mesh, given=None) -> J.LLMJudge | J.CallableJudge:
+    """A callable judge (``given``, or from its import path), or a causal LM as an LLM judge: frozen, in
+    frozen_param_dtype, computing as the policy does, its parameters sharded over the mesh like the reward model's."""
+    if given is not None:
+        return given if isinstance(given, (J.LLMJudge, J.CallableJudge)) else judge_object(given, cfg.judge)
+    if is_import_path(cfg.judge):
+        return import_judge(cfg.judge)
+    with named("judge"):
+        model, params = load_model(cfg.judge, "causal_lm", cfg.frozen_param_dtype, place=S.placer(mesh))
+        tokenizer = load_tokenizer(cfg.judge)
+    model = model.replace(dtype=policy.dtype, precision=policy.precision, attention=policy.attention)
+    say_attention(model, "judge")
+    params = frozen_params(model, params)
+    try:
+        return J.LLMJudge(model, params, tokenizer, J.read_template(cfg.judge_prompt),
+                          cfg.judge_answer_tokens, cfg.judge_both_orders)
+    except J.JudgeError as e:
+        raise ConfigError(f"judge {cfg.judge!r}: {e}") from None
+
+
+def load_split(mixer: dict | None, name: str, cfg: TrainConfig, split: str):
+    """The rows of a split: a dataset_mixer's mixture when there is one, else the named dataset."""
+    if mixer:
+        return D.load_mixture(mixer, cfg.dataset_config, split)
+    return D.load_rows(name, cfg.dataset_config, split)
+
+
+def eval_sets(cfg: TrainConfig, given: Given, tokenizer, dp: int, offline: bool) -> tuple:
+    """The run's evaluation sets as ``((metric prefix, PromptData), ...)``: the caller's (one, or each of a dict),
+    else ``eval_dataset`` / ``dataset_eval_mixer`` / with ``eval_steps`` the training data's test split (never for
+    the caller's own training rows or offline DPO); at most ``max_eval_prompts`` prompts each. A set smaller than the
+    data-parallel size is left out, said once."""
+    if given.eval_rows is not None:
+        named_rows = given.eval_rows
+    elif given.train_rows is None and not offline and (cfg.eval_dataset or cfg.dataset_eval_mixer or cfg.eval_steps):
+        named_rows = {"eval": load_split(cfg.dataset_eval_mixer or (None if cfg.eval_dataset else cfg.dataset_mixer),
+                                         cfg.eval_dataset or cfg.dataset_name, cfg, cfg.dataset_test_split)}
+    else:
+        return ()
+    out = []
+    for prefix, rows in named_rows.items():
+        data = D.prepare_prompts(rows.select(range(min(len(rows), cfg.max_eval_prompts))), tokenizer,
+                                 cfg.max_prompt_length)
+        if len(data) < dp:  # an eval batch needs a prompt per data-parallel device
+            warnings.warn(f"the evaluation set{'' if prefix == 'eval' else ' ' + prefix[5:]} has {len(data)} "
+                          f"prompts, fewer than the {dp} data-parallel devices (mesh_data x mesh_fsdp); it is not "
+                          "evaluated. Raise max_eval_prompts or give more evaluation rows.", stacklevel=3)
+            continue
+        out.append((prefix, data))
+    return tuple(out)
