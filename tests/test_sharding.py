@@ -3,6 +3,7 @@
 1-device run step for step; checkpoints move between 1 and 8 devices in both directions; sampling on devices of
 its own (4 sample, 4 train) equals sampling on the training mesh."""
 import json
+import re
 import socket
 import subprocess
 from pathlib import Path
@@ -275,6 +276,22 @@ def test_two_processes_of_four_devices_equal_the_1_device_run(runs, checkpoints)
     assert "jodpo.train: compilation cache off: a multi-process job on CPUs" in logs[0]
     _assert_same_run(root / "one", out)
     assert (out / "checkpoints" / "3" / "state" / "ocdbt.process_1").exists()  # both processes wrote their part
+
+
+def test_an_8_device_run_started_again_reads_the_compilation_cache_and_runs_the_same(runs, checkpoints):
+    """The same 8-device job run twice on one compilation cache (issue 43: the second start of a multi-device run
+    aborted in an all-gather of its first step when the cache was warm): the (2, 2, 2) run above wrote its programs
+    to the suite's cache; a new process runs it again into a new output_dir, reads them (its fused step and sampler
+    among them), and gives the same run."""
+    root, data = runs
+    out = root / "dft_again"
+    python, env = subproc.without_torch(subproc.cpu_env(8, JAX_DEBUG_LOG_MODULES="jax._src.compiler"))
+    done = subprocess.run([*python, "-m", "jodpo.train", *_argv(out, checkpoints, data, 2, (2, 2, 2), resumable=True)],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    hits = set(re.findall(r"Persistent compilation cache hit for '(\w+)'", done.stderr))
+    assert {"jit_online_step", "jit_sample_completions"} <= hits, sorted(hits)
+    _assert_same_run(root / "dft", out)
 
 
 def test_qwen3_and_gemma_parameters_split_over_8_devices_equal_one(checkpoints):
