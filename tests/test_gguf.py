@@ -186,6 +186,7 @@ def test_gguf_reader_equals_the_source_config_and_transformers_gguf_tensors(tmp_
     g = G.open_file(f)
     cfg = g.hf_config()
     assert _arch_fields(cfg) == _arch_fields(src.config)
+    assert g.eos_token_ids() == [1]  # a file without a vocabulary: its EOS id alone
     ours = dict(g.tensors(cfg.num_attention_heads, cfg.num_key_value_heads))
     theirs_model = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf", dtype=torch.float32)
     missed = _TRANSFORMERS_GGUF_MISSES.get(model_type, ())

@@ -186,8 +186,9 @@ class GGUF:
     def eos_token_ids(self) -> list[int]:
         """EOS and end-of-turn ids (llama.cpp stops at both, as transformers' generation config lists them)."""
         ids = [self.value(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot")]
-        if self.arch in _END_OF_TURN:
-            tokens, name = self.reader.fields["tokenizer.ggml.tokens"], _END_OF_TURN[self.arch].encode()
+        tokens = self.reader.fields.get("tokenizer.ggml.tokens")
+        if self.arch in _END_OF_TURN and tokens is not None:
+            name = _END_OF_TURN[self.arch].encode()
             ids += [i for i, k in enumerate(tokens.data) if tokens.parts[k].tobytes() == name]
         return list(dict.fromkeys(int(i) for i in ids if i is not None))
 
