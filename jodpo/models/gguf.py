@@ -2,14 +2,17 @@
 
 A GGUF file carries the architecture in its metadata, the tokenizer (vocabulary, merges, special tokens, chat
 template) and the tensors, many of them quantized. jodpo reads it with the ``gguf`` package (llama.cpp's own
-reader, numpy only), dequantizes every tensor to float32, renames llama.cpp's tensors to transformers' names,
-undoes the Q/K row permutation that llama.cpp's converter applies to Llama attention, and streams the result
-through the same per-family rules as a safetensors checkpoint (``loading.load_params``). The dequantized
-weights are exactly what transformers' ``from_pretrained(dir, gguf_file=...)`` computes.
+reader, numpy only), dequantizes every tensor to float32, renames llama.cpp's tensors to transformers' names, undoes
+what llama.cpp's converter (``convert_hf_to_gguf.py``) did to them (the Q/K row permutation of Llama attention; the
++1 folded into Gemma's ``x * (1 + w)`` norm weights), and streams the result through the same per-family rules as a
+safetensors checkpoint (``loading.load_params``). The dequantized weights are exactly what transformers'
+``from_pretrained(dir, gguf_file=...)`` computes.
 
-Supported: the ``llama`` (Llama, SmolLM, Mistral, TinyLlama) and ``qwen2`` architectures, RoPE without scaling
-or with linear scaling, and every quantization type the ``gguf`` package dequantizes (F32, F16, BF16, Q4_0 ...
-Q8_0, the K-quants, the IQ types).
+Supported: the ``llama`` (Llama, SmolLM, Mistral, TinyLlama), ``qwen2``, ``qwen3``, ``gemma2`` and ``gemma3`` (text)
+architectures, RoPE without scaling or with linear scaling, and every quantization type the ``gguf`` package
+dequantizes (F32, F16, BF16, Q4_0 ... Q8_0, the K-quants, the IQ types). What a Gemma file does not say (its
+local/global layer pattern, the local layers' RoPE base, the query scale) is what llama.cpp assumes
+(``src/llama-model.cpp``), which are Gemma's own values (``Gemma2Config`` / ``Gemma3TextConfig``).
 """
 from __future__ import annotations
 
@@ -21,26 +24,50 @@ from jodpo.errors import CheckpointError
 import numpy as np
 
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 
-# llama.cpp's tensor names -> transformers' ({i}: the layer)
+# llama.cpp's tensor names -> transformers' ({i}: the layer), as gguf-py's tensor_mapping.py pairs them
 _NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
     "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
-    "blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
     "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
     "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
     "blk.{i}.attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
     "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
-    "blk.{i}.attn_q.bias": "model.layers.{i}.self_attn.q_proj.bias",
-    "blk.{i}.attn_k.bias": "model.layers.{i}.self_attn.k_proj.bias",
-    "blk.{i}.attn_v.bias": "model.layers.{i}.self_attn.v_proj.bias",
     "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
     "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
     "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
 }
+_PRE_NORM = {"blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight"}  # the MLP's input norm
+_QKV_BIAS = {f"blk.{{i}}.attn_{x}.bias": f"model.layers.{{i}}.self_attn.{x}_proj.bias" for x in "qkv"}
+_QK_NORMS = {f"blk.{{i}}.attn_{x}_norm.weight": f"model.layers.{{i}}.self_attn.{x}_norm.weight" for x in "qk"}
+# Gemma's four norms a layer: llama.cpp's ffn_norm is the MLP's input norm, as in Llama, but transformers calls that
+# pre_feedforward_layernorm, and its post_attention_layernorm is the norm of the attention's output
+_GEMMA_NORMS = {
+    "blk.{i}.post_attention_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    "blk.{i}.ffn_norm.weight": "model.layers.{i}.pre_feedforward_layernorm.weight",
+    "blk.{i}.post_ffw_norm.weight": "model.layers.{i}.post_feedforward_layernorm.weight",
+}
+TENSOR_NAMES = {
+    "llama": {**_NAMES, **_PRE_NORM, **_QKV_BIAS},
+    "qwen2": {**_NAMES, **_PRE_NORM, **_QKV_BIAS},
+    "qwen3": {**_NAMES, **_PRE_NORM, **_QK_NORMS},
+    "gemma2": {**_NAMES, **_GEMMA_NORMS},
+    "gemma3": {**_NAMES, **_GEMMA_NORMS, **_QK_NORMS},
+}
+# convert_hf_to_gguf.py stores Gemma's norm weights w of x * (1 + w) as 1 + w (llama.cpp's norm is x * w)
+_NORM_SHIFT = {"gemma2": 1.0, "gemma3": 1.0}
+# Gemma's end-of-turn token: llama.cpp stops at it by name (llama-vocab.cpp), and Gemma's generation_config.json
+# lists it as an EOS id, while the file's eos_token_id is <eos>
+_END_OF_TURN = {"gemma2": "<end_of_turn>", "gemma3": "<end_of_turn>"}
+
+
+def tensor_names(arch: str, num_layers: int) -> dict[str, str]:
+    """llama.cpp's tensor name -> transformers' for every tensor a file of ``arch`` may hold."""
+    return {g.format(i=i): h.format(i=i) for i in range(num_layers) for g, h in TENSOR_NAMES[arch].items()}
 
 
 def open_file(file: Path) -> "GGUF":
@@ -99,7 +126,8 @@ class GGUF:
     # ----------------------------------------------------------------------------------------------
 
     def hf_config(self):
-        """The transformers config this file describes (``LlamaConfig`` / ``Qwen2Config``)."""
+        """The transformers config this file describes (``LlamaConfig``, ``Qwen2Config``, ``Qwen3Config``,
+        ``Gemma2Config`` or ``Gemma3TextConfig``)."""
         from transformers import AutoConfig
 
         if "rope_freqs.weight" in self.tensor_names:
@@ -107,31 +135,62 @@ class GGUF:
                                   "scaling), which jodpo does not read from GGUF; load the transformers directory.")
         heads = int(self.arch_value("attention.head_count"))
         hidden = int(self.arch_value("embedding_length"))
-        rope = {"rope_type": "default", "rope_theta": float(self.arch_value("rope.freq_base", 10000.0))}
-        scaling = self.arch_value("rope.scaling.type", "none")
-        if scaling == "linear":
-            rope = {**rope, "rope_type": "linear", "factor": float(self.arch_value("rope.scaling.factor"))}
-        elif scaling not in ("none", None):
-            raise CheckpointError(f"{self.file}: RoPE scaling {scaling!r} in GGUF is not supported (none, linear).")
+        layers = int(self.arch_value("block_count"))
+        head_dim = int(self.arch_value("attention.key_length", hidden // heads))
         vocab = self.arch_value("vocab_size") or len(self.reader.fields["tokenizer.ggml.tokens"].data)
         ids = {k: self.value(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "padding")}
         cfg = dict(
             architectures=[ARCHITECTURES[self.arch]], vocab_size=int(vocab), hidden_size=hidden,
-            intermediate_size=int(self.arch_value("feed_forward_length")),
-            num_hidden_layers=int(self.arch_value("block_count")), num_attention_heads=heads,
-            num_key_value_heads=int(self.arch_value("attention.head_count_kv", heads)),
-            head_dim=int(self.arch_value("attention.key_length", hidden // heads)),
-            max_position_embeddings=int(self.arch_value("context_length")),
-            rms_norm_eps=float(self.arch_value("attention.layer_norm_rms_epsilon")), rope_parameters=rope,
+            intermediate_size=int(self.arch_value("feed_forward_length")), num_hidden_layers=layers,
+            num_attention_heads=heads, num_key_value_heads=int(self.arch_value("attention.head_count_kv", heads)),
+            head_dim=head_dim, max_position_embeddings=int(self.arch_value("context_length")),
+            rms_norm_eps=float(self.arch_value("attention.layer_norm_rms_epsilon")),
             tie_word_embeddings="output.weight" not in self.tensor_names, bos_token_id=ids["bos"],
-            eos_token_id=ids["eos"], pad_token_id=ids["padding"], hidden_act="silu",
+            eos_token_id=ids["eos"], pad_token_id=ids["padding"],
         )
-        return AutoConfig.for_model(self.arch, **cfg)
+        if not self.arch.startswith("gemma"):
+            return AutoConfig.for_model(self.arch, **cfg, hidden_act="silu", rope_parameters=self._rope())
+        # Gemma 2 and 3 as llama.cpp runs them (src/llama-model.cpp, which reads none of this from the file): every
+        # 2nd (Gemma 2) or 6th (Gemma 3) layer global, the others local with the file's sliding window; queries
+        # scaled by 1/sqrt(head_dim), except the 27B models' 1/sqrt(hidden / heads) (Gemma2Config's and
+        # Gemma3TextConfig's query_pre_attn_scalar: 144 and 168 there, 256 = head_dim elsewhere)
+        every, layers_27b = {"gemma2": (2, 46), "gemma3": (6, 62)}[self.arch]
+        if self.arch_value("attention.sliding_window") is None:
+            raise CheckpointError(f"{self.file}: a GGUF {self.arch} file without {self.arch}.attention.sliding_window;"
+                                  " re-convert it with llama.cpp's convert_hf_to_gguf.py.")
+        cfg |= dict(
+            hidden_activation="gelu_pytorch_tanh", sliding_window=int(self.arch_value("attention.sliding_window")),
+            layer_types=["full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(layers)],
+            query_pre_attn_scalar=hidden // heads if layers == layers_27b else head_dim,
+        )
+        # soft-capping: Gemma 2's files carry both values (absent: llama.cpp's and Gemma2Config's 50 and 30)
+        cfg |= {k: float(v) for k in ("attn_logit_softcapping", "final_logit_softcapping")
+                if (v := self.arch_value(k)) is not None}
+        if self.arch == "gemma2":
+            return AutoConfig.for_model("gemma2", **cfg, rope_parameters=self._rope())
+        # Gemma 3: the file's RoPE base and scaling are the global layers'; the local layers' base is 10,000 unless
+        # the file says otherwise (llama.cpp's rope_freq_base_train_swa; Gemma3TextConfig's rope_local_base_freq)
+        local = {"rope_type": "default", "rope_theta": float(self.arch_value("rope.freq_base_swa", 10000.0))}
+        return AutoConfig.for_model("gemma3_text", **cfg,
+                                    rope_parameters={"full_attention": self._rope(1e6), "sliding_attention": local})
+
+    def _rope(self, default_base: float = 10000.0) -> dict:
+        rope = {"rope_type": "default", "rope_theta": float(self.arch_value("rope.freq_base", default_base))}
+        scaling = self.arch_value("rope.scaling.type", "none")
+        if scaling == "linear":
+            return {**rope, "rope_type": "linear", "factor": float(self.arch_value("rope.scaling.factor"))}
+        if scaling not in ("none", None):
+            raise CheckpointError(f"{self.file}: RoPE scaling {scaling!r} in GGUF is not supported (none, linear).")
+        return rope
 
     def eos_token_ids(self) -> list[int]:
         """EOS and end-of-turn ids (llama.cpp stops at both, as transformers' generation config lists them)."""
         ids = [self.value(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot")]
-        return [int(i) for i in ids if i is not None]
+        tokens = self.reader.fields.get("tokenizer.ggml.tokens")
+        if self.arch in _END_OF_TURN and tokens is not None:
+            name = _END_OF_TURN[self.arch].encode()
+            ids += [i for i, k in enumerate(tokens.data) if tokens.parts[k].tobytes() == name]
+        return list(dict.fromkeys(int(i) for i in ids if i is not None))
 
     # ----------------------------------------------------------------------------------------------
     # Tensors
@@ -141,9 +200,8 @@ class GGUF:
         """(transformers name, float32 array in transformers' layout) for every tensor, one at a time."""
         from gguf import GGMLQuantizationType, quants
 
-        names = {}
-        for i in range(int(self.arch_value("block_count"))):
-            names.update({g.format(i=i): h.format(i=i) for g, h in _NAMES.items()})
+        names = tensor_names(self.arch, int(self.arch_value("block_count")))
+        shift = np.float32(_NORM_SHIFT.get(self.arch, 0.0))
         for t in self.reader.tensors:
             if t.name not in names:
                 raise CheckpointError(f"{self.file}: unexpected tensor {t.name!r} for a GGUF {self.arch} model.")
@@ -157,6 +215,8 @@ class GGUF:
             w = np.asarray(w, np.float32).reshape(tuple(int(d) for d in reversed(t.shape)))
             if self.arch == "llama" and t.name.split(".")[-2] in ("attn_q", "attn_k"):
                 w = _unpermute(w, heads if t.name.split(".")[-2] == "attn_q" else kv_heads)
+            if shift and t.name.endswith("norm.weight"):
+                w = w - shift
             yield names[t.name], w
 
 

@@ -300,7 +300,7 @@ def load_model(path_or_hub_id: str, task: str = "causal_lm", dtype=jnp.float32, 
     """Load a transformers checkpoint as ``(model, params)``.
 
     Args:
-      path_or_hub_id: a local directory, a ``.gguf`` file (llama.cpp's format, Llama and Qwen2 families,
+      path_or_hub_id: a local directory, a ``.gguf`` file (llama.cpp's format: Llama, Qwen2, Qwen3, Gemma 2, Gemma 3,
         dequantized to ``dtype``; also a directory holding one and no config.json), or a hub id (fetched through
         huggingface_hub; HF_HUB_OFFLINE and the local cache are honoured).
       task: ``"causal_lm"`` for a policy (``*ForCausalLM``) or ``"reward"`` for a
