@@ -363,3 +363,31 @@ def test_real_gemma3_270m_equals_transformers_gguf_loading(gemma3_270m, one_torc
             if name.endswith("norm.weight"):
                 p += 1  # the stored values
     assert as_read < 3.5 and nll() > as_read + 10, (as_read, nll())
+
+
+def test_jodpo_loads_the_real_gemma3_270m_as_transformers_does(gemma3_270m, one_torch_thread):
+    """``jodpo.load_model`` of the real file (Gemma 3's (1 + w) norms, local and global layers with their RoPE bases,
+    the query scale, the tied head) against transformers' own GGUF loading of it: float32 logits of left-padded
+    prompts, and greedy decoding through the KV cache token for token against ``generate``."""
+    import jax
+
+    model, params = jodpo.load_model(str(gemma3_270m))
+    tok = jodpo.load_tokenizer(str(gemma3_270m))
+    theirs = AutoModelForCausalLM.from_pretrained(gemma3_270m.parent, gguf_file=gemma3_270m.name,
+                                                  dtype=torch.float32).eval()
+    enc = tok(["The capital of France is", "def fib(n):\n    return fib(n - 1) +"], return_tensors="np",
+              padding=True)
+    ids, mask = enc["input_ids"], enc["attention_mask"]
+    with torch.no_grad():
+        ref = theirs(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits.numpy()
+    got = np.asarray(jodpo.logits(model, params, ids, mask))
+    m = mask.astype(bool)
+    # float32 through 18 layers: the two orders of summation differ by a few ulps of the largest logit per layer
+    np.testing.assert_allclose(got[m], ref[m], rtol=0, atol=1e-5 * np.abs(ref[m]).max())
+    T = 8
+    with torch.no_grad():
+        want = theirs.generate(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask), do_sample=False,
+                               max_new_tokens=T, eos_token_id=[], pad_token_id=tok.pad_token_id)[:, ids.shape[1]:]
+    cfg = jodpo.SamplingConfig(max_new_tokens=T, temperature=0.0, eos_token_ids=(), pad_token_id=tok.pad_token_id)
+    out = jodpo.sample(model, params, ids, mask, jax.random.key(0), cfg)
+    np.testing.assert_array_equal(np.asarray(out.tokens), want.numpy())
