@@ -11,8 +11,9 @@ ratios within a run, not seconds across runs). docs/performance.md has the figur
   python benchmarks/bench.py real [--model smollm2|FILE.gguf|DIR] [--batch 8] [--new-tokens 32] [--warmup 2]
                                [--steps 4] [--passage-words 60] [--out F.json]  (real.py)
   python benchmarks/bench.py memory [--batch 8] [--accumulation 2] [--prompt-len 128] [--dtype bfloat16|float32]
-                                 [--remat full|none|dots] [--tpu v5p:1x1x1] [--out F.json]
-                                 (same shape flags; memory.py)
+                                 [--remat full|none|dots] [--tpu v5p:1x1x1|v5e:2x4] [--out F.json]
+                                 [--hf-config qwen3-1.7b|CONFIG.json] [--lora-rank 16] [--pieces online_step]
+                                 (same shape flags, or a transformers config; memory.py)
   python benchmarks/bench.py device [--out DIR] [--dry-run] [--tests-timeout 240] [--step-timeout 200]
                                  (the GPU check of a short lease: device.py, scripts/device_check.sh)
 
@@ -30,7 +31,8 @@ prompts from State of the Union passages and a reward function both call; episod
 scoring, update) and peak RSS of each, and the sampler vs ``generate`` on that model (real.py).
 
 ``memory``: the fused step's device memory (and its pieces') from XLA's compiled ``memory_analysis()``, at any
-shape, without weights or an accelerator; ``--tpu`` compiles for a TPU chip with libtpu (memory.py).
+shape or any supported model's ``config.json``, without weights or an accelerator; ``--tpu`` compiles for one
+TPU chip or a slice's chips (FSDP over them, per-chip numbers) with libtpu (memory.py).
 
 ``device``: the suite's tests that carry weight, then the step and the sampler at a ~1.7B shape in bf16, each phase
 under its own time limit, into one JSON and a table for docs/gpu.md (device.py).

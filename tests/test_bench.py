@@ -170,6 +170,53 @@ def test_memory_analysis_of_the_step(tmp_path):
     assert r["settings"]["platform"] == jax.devices()[0].platform  # jax's default device, without --tpu
 
 
+def test_memory_of_a_transformers_config_with_lora(tmp_path):
+    """bench.py memory --hf-config on a tiny Qwen3 config.json (any supported architecture, read as the program reads
+    a checkpoint's config) with LoRA: the policy is the frozen base (also the reference) plus rank-2 adapters on
+    PEFT's default modules, the reward model the same config with a score head; only the piece asked for compiles."""
+    from transformers import Qwen3Config
+
+    D, L, H, KV, hd, F, V, r = 32, 2, 4, 2, 16, 64, 256, 2
+    Qwen3Config(vocab_size=V, hidden_size=D, num_hidden_layers=L, num_attention_heads=H, num_key_value_heads=KV,
+                head_dim=hd, intermediate_size=F, tie_word_embeddings=True,
+                architectures=["Qwen3ForCausalLM"]).to_json_file(tmp_path / "config.json")
+    out = tmp_path / "memory.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "memory", "--hf-config", str(tmp_path),
+                           "--lora-rank", str(r), "--batch", "2", "--prompt-len", "8", "--new-tokens", "4",
+                           "--max-length", "12", "--dtype", "float32", "--frozen-param-dtype", "bfloat16",
+                           "--pieces", "online_step", "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    res = json.loads(out.read_text())
+    assert res["model"].startswith(f"{tmp_path}: qwen3, hidden {D}, {L} layers, {H} heads ({KV} kv) x {hd}")
+    assert res["settings"]["lora_targets"] == ["q_proj", "v_proj"] and res["settings"]["chips"] == 1
+    # Qwen3, tied: embeddings V D; per layer q, k, v, o, the gated MLP, two norms and the q/k norms; the final norm
+    base = V * D + L * (D * H * hd + 2 * D * KV * hd + H * hd * D + 3 * D * F + 2 * D + 2 * hd) + D
+    assert res["base_parameters"] == base and res["reward_model_parameters"] == base + D  # its score head, no LM head
+    adapters = L * (r * (D + H * hd) + r * (D + KV * hd))  # a [D, r] and b [r, out] on q_proj and v_proj
+    assert res["parameters"] == adapters
+    m = res["resident"]
+    assert m["adam_moments_mib"] == round(2 * adapters * 4 / 2 ** 20, 3)  # the adapters' moments only
+    assert m["reference_params_mib"] == round(base * 2 / 2 ** 20, 3)  # the frozen base, bf16 as read
+    assert m["kv_cache_mib"] == round(2 * L * (2 * 2 * 2) * (8 + 4) * KV * hd * 4 / 2 ** 20, 3)
+    assert list(res["compiled"]) == ["online_step"]
+    step = res["compiled"]["online_step"]
+    assert step["argument_mib"] >= (3 * adapters * 4 + base * 2 * 2) / 2 ** 20 - 0.01  # state, base, reward model
+    bad = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "memory", "--hf-config", "qwen9-1b"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "--hf-config qwen9-1b: no such config.json" in bad.stderr
+    assert "qwen3-1.7b" in bad.stderr and "gemma-3-1b" in bad.stderr  # the names benchmarks/configs/ holds
+
+
+def test_the_tpu_compilers_refusal_is_read_for_its_sizes():
+    """XLA:TPU refuses a program larger than the chip's HBM in one line; bench.py memory keeps the sizes it names."""
+    memory = helpers.benchmark("memory")
+    e = RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries "
+                     "(40.73G) exceeds available HBM (15.75G).\nmore detail")
+    r = memory.refusal(e)
+    assert (r["needed_gib"], r["available_gib"]) == (40.73, 15.75) and "\n" not in r["error"]
+
+
 _TINY_MEMORY = ["memory", "--hidden", "64", "--layers", "1", "--heads", "4", "--vocab", "512", "--batch", "2",
                 "--prompt-len", "16", "--new-tokens", "4"]
 

@@ -216,24 +216,33 @@ def test_a_differentiated_layer_keeps_no_float32_copy_of_its_activations(checkpo
     assert [x.shape for x in kept if x.shape[-1] == F] == [(model.num_layers, *ids.shape, F)]
 
 
-def test_gemma3_multimodal_checkpoint_loads_its_language_model(checkpoints, tmp_path):
-    """A Gemma3ForConditionalGeneration (4B-27B's class; here a tiny one with a one-layer vision tower) loads as its
-    text model, saying in one line that the vision tower is left out: its logits on text equal the multimodal
-    model's, and its export is a Gemma3ForCausalLM that transformers reads back to the same logits."""
-    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig
+def _gemma3_multimodal(cls, checkpoints, out):
+    """A tiny random ``cls`` (a Gemma3ForConditionalGeneration-style model: the tiny Gemma 3 text model beside a
+    one-layer SigLIP vision tower), saved to ``out``."""
+    from transformers import Gemma3Config, SiglipVisionConfig
 
     text = AutoModelForCausalLM.from_pretrained(checkpoints["gemma3"]["causal_lm"]).config
     vision = SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                                 image_size=28, patch_size=14)
     cfg = Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
                        image_token_index=text.vocab_size - 1, boi_token_index=text.vocab_size - 3,
-                       eoi_token_index=text.vocab_size - 2)
+                       eoi_token_index=text.vocab_size - 2, num_labels=1)
     torch.manual_seed(0)
-    hf = Gemma3ForConditionalGeneration(cfg).eval()
+    hf = cls(cfg).eval()
     with torch.no_grad():
         for p in hf.parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    hf.save_pretrained(tmp_path / "mm")
+    hf.save_pretrained(out)
+    return hf
+
+
+def test_gemma3_multimodal_checkpoint_loads_its_language_model(checkpoints, tmp_path):
+    """A Gemma3ForConditionalGeneration (4B-27B's class; here a tiny one with a one-layer vision tower) loads as its
+    text model, saying in one line that the vision tower is left out: its logits on text equal the multimodal
+    model's, and its export is a Gemma3ForCausalLM that transformers reads back to the same logits."""
+    from transformers import Gemma3ForConditionalGeneration
+
+    hf = _gemma3_multimodal(Gemma3ForConditionalGeneration, checkpoints, tmp_path / "mm")
     with pytest.warns(UserWarning, match=r"its language model loads as a text gemma3 model and its vision tower "
                                          r"\(\d+ tensors\) is left out"):
         model, params = jodpo.load_model(str(tmp_path / "mm"))
@@ -252,6 +261,26 @@ def test_gemma3_multimodal_checkpoint_loads_its_language_model(checkpoints, tmp_
             input_ids=torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask),
             position_ids=torch.tensor(_positions(mask), dtype=torch.long)).logits.numpy()
     np.testing.assert_allclose(back[real], ref[real], rtol=1e-5, atol=1e-5 * np.abs(ref[real]).max())
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_gemma3_multimodal_reward_head_scores_as_transformers(checkpoints, tmp_path, side):
+    """A Gemma3ForSequenceClassification of the multimodal model (Gemma3ForConditionalGeneration's language model and
+    vision tower, a score head) loads as a text reward model, its vision tower left out in one line, and scores text
+    as transformers does: the value at the last token that is not the text config's pad id."""
+    from transformers import Gemma3ForSequenceClassification
+
+    hf = _gemma3_multimodal(Gemma3ForSequenceClassification, checkpoints, tmp_path / "rm")
+    with pytest.warns(UserWarning, match=r"its vision tower \(\d+ tensors\) is left out"):
+        model, params = jodpo.load_model(str(tmp_path / "rm"), task="reward")
+    assert (model.family, model.task) == ("gemma3", "reward") and model.local_inv_freq
+    ids, mask = hf_fixtures.padded_batch(np.random.default_rng(9), LENGTHS, model.pad_token_id, side, high=200)
+    ours = np.asarray(jax.jit(jodpo.reward_scores, static_argnums=0)(model, params, ids, mask))
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask),
+                 position_ids=torch.tensor(_positions(mask), dtype=torch.long)).logits[:, 0].numpy()
+    assert ours.shape == (len(LENGTHS),)
+    np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-5)
 
 
 def test_cudnn_attention_cannot_soft_cap_so_a_gemma2_runs_its_own(checkpoints):
