@@ -61,8 +61,8 @@ def test_trls_arguments_jodpo_has_no_use_for_are_refused_in_one_line():
     with pytest.raises(ConfigError, match="unknown field.*Did you mean 'learning_rate'"):
         jodpo.OnlineDPOConfig(output_dir="x", learnin_rate=1e-6)
     assert jodpo.OnlineDPOConfig("x", beta=[0.2]).beta == 0.2  # TRL's one-element list, a float as in TRL
-    with pytest.raises(ConfigError, match="ref_model is always the starting policy"):
-        jodpo.OnlineDPOTrainer("m", ref_model="m")
+    with pytest.raises(ConfigError, match="ref_model is a tuple but not jodpo's"):
+        jodpo.OnlineDPOTrainer("m", ref_model=("m", "p"))
     with pytest.raises(ConfigError, match="optimizers is a torch Trainer's"):
         jodpo.OnlineDPOTrainer("m", optimizers=(object(), None))
     trainer = jodpo.OnlineDPOTrainer("m", peft_config={"peft_type": "LORA", "r": 4, "lora_alpha": 8,
@@ -152,3 +152,29 @@ def test_a_jodpo_model_needs_its_tokenizer(checkpoints):
         jodpo.OnlineDPOTrainer((1, 2))
     with pytest.raises(ConfigError, match="eval_dataset is an empty dict"):
         jodpo.OnlineDPOTrainer("m", eval_dataset={})
+
+
+def test_a_ref_model_of_its_own_is_the_reference(checkpoints, tmp_path):
+    """TRL's ``ref_model``: the same weights as the policy log what no ref_model logs; other weights of the same
+    architecture are the reference (the first step's KL, zero against the starting policy, is not); another
+    architecture, or with ``peft_config``, is refused in one line."""
+    import jax
+
+    data = hf_fixtures.prompt_dataset(tmp_path / "data", chat=True)
+    path = str(checkpoints["qwen2"]["causal_lm"])
+    model, params = jodpo.load_model(path)
+    shifted = (model, jax.tree.map(lambda x: x * 1.05, params))
+
+    def run(out, **kw):
+        args = jodpo.OnlineDPOConfig(output_dir=str(tmp_path / out), dataset_name=str(data / "train.jsonl"),
+                                     reward_funcs=("jodpo.tasks.toy:sentiment_reward",), **{**TINY, "max_steps": 1})
+        jodpo.OnlineDPOTrainer(path, args=args, **kw).train()
+        return subproc.metrics_lines(tmp_path / out)
+
+    alone, same, other = run("alone"), run("same", ref_model=path), run("other", ref_model=shifted)
+    assert same == alone and alone[0]["objective/kl"] == 0.0
+    assert abs(other[0]["objective/kl"]) > 1e-3 and other[0]["logps/chosen"] == alone[0]["logps/chosen"]
+    with pytest.raises(ConfigError, match="ref_model is a llama model of other shapes than the policy"):
+        run("llama", ref_model=str(checkpoints["llama"]["causal_lm"]))
+    with pytest.raises(ConfigError, match="ref_model: with peft_config the reference is the base"):
+        run("peft", ref_model=path, peft_config={"peft_type": "LORA", "r": 2, "lora_alpha": 4})

@@ -140,8 +140,19 @@ def build(cfg: TrainConfig, given: Given = Given()) -> Run:
     with named("model_name_or_path"):
         tokenizer = ready_tokenizer(given.tokenizer, "processing_class") if given.tokenizer is not None else \
             load_tokenizer(cfg.model_name_or_path, cfg.model_revision)
+    if given.ref_model is not None and (cfg.use_peft or not needs_reference(cfg.loss_type)):
+        raise ConfigError("ref_model: with " + ("peft_config the reference is the base without its adapters" if
+                          cfg.use_peft else f"loss_type={cfg.loss_type!r} no reference is run") +
+                          "; leave ref_model None (TRL refuses it with peft_config too)")
     if needs_reference(cfg.loss_type) or cfg.use_peft:
-        model, ref_params = read_policy(source, cfg.frozen_param_dtype, cfg, mesh)
+        model, ref_params = read_policy(source if given.ref_model is None else given.ref_model,
+                                        cfg.frozen_param_dtype, cfg, mesh)
+        if given.ref_model is not None:  # a reference of its own: the policy is read from its source (Run.policy)
+            policy = describe_policy(source, cfg.frozen_param_dtype, cfg)
+            if policy.family != model.family or param_shapes(policy) != param_shapes(model):
+                raise ConfigError(f"ref_model is a {model.family} model of other shapes than the policy "
+                                  f"({policy.family}); give a reference of the policy's architecture and size")
+            model = policy
     else:  # reference-free (simpo): only the policy, read in param_dtype when the run starts from it (Run.policy)
         model, ref_params = describe_policy(source, cfg.param_dtype, cfg), None
     policy_params, targets = ref_params, ()
@@ -153,7 +164,8 @@ def build(cfg: TrainConfig, given: Given = Given()) -> Run:
             raise ConfigError(str(e)) from None
         policy_params = lora.init_adapters(model, targets, jax.random.fold_in(jax.random.PRNGKey(cfg.seed), 1),
                                            cfg.param_dtype)
-    elif cfg.param_dtype != cfg.frozen_param_dtype:  # read again (so neither copy is rounded through the other)
+    elif cfg.param_dtype != cfg.frozen_param_dtype or given.ref_model is not None:  # read again (so neither copy
+        # is rounded through the other), or the policy's own weights when the reference is another model
         policy_params = None  # when the run starts from it: Run.policy()
     remat = cfg.remat if cfg.remat != "auto" else ("full" if cfg.gradient_checkpointing else "none")
     model = model.replace(dtype="bfloat16" if cfg.bf16 else "float32", remat=remat, precision=cfg.matmul_precision,

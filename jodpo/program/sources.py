@@ -32,6 +32,8 @@ class Given:
     model: object | None = None  # a transformers *ForCausalLM object, or jodpo's own (Model, params)
     # (model_name_or_path names where it came from)
     tokenizer: object | None = None  # its tokenizer (processing_class)
+    ref_model: object | None = None  # TRL's ref_model: the frozen reference, of the policy's architecture (a path,
+    # a transformers object or jodpo's (Model, params)); None: the starting policy, as in TRL
     train_rows: object | None = None  # a datasets.Dataset (dataset_name)
     eval_rows: dict | None = None  # {metric prefix: datasets.Dataset} (eval_dataset): {"eval": rows}, or a dict
     # of sets as {"eval_<name>": rows}, each evaluated and logged under its prefix (transformers' naming)

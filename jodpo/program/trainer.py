@@ -50,7 +50,9 @@ class OnlineDPOTrainer:
       ``processing_class``, or ``args.model_name_or_path`` naming where it came from). None:
       ``args.model_name_or_path``.
     ref_model: None (TRL's default: the reference is the starting policy; with ``peft_config`` the base without
-      adapters). jodpo has no separate reference model.
+      adapters), or the frozen reference as ``model`` takes it (a path, a transformers object, jodpo's
+      ``(model, params)``), of the policy's architecture and size; refused with ``peft_config`` (as TRL refuses it)
+      and with a reference-free ``loss_type``. A resumed run must be given the same one.
     reward_funcs: one or a list of: callables ``f(prompts, completions, completion_ids, **columns)``,
       ``module:function`` strings, a reward model's path or hub id, or a ``*ForSequenceClassification`` object (at
       most one model; TRL weighs them with ``args.reward_weights``, model first).
@@ -77,13 +79,15 @@ class OnlineDPOTrainer:
             if given[name] not in (None, (None, None)):
                 raise ConfigError(f"OnlineDPOTrainer: {name} is a torch Trainer's; jodpo builds its own batches, "
                                   "optimizer and metrics (from args): leave it None")
-        if ref_model is not None:
-            raise ConfigError("OnlineDPOTrainer: ref_model is always the starting policy in jodpo (TRL's default "
-                              "when ref_model is None; with peft_config, the base without adapters): leave it None")
         cfg = args if args is not None else OnlineDPOConfig()
         if not isinstance(cfg, TrainConfig):
             raise ConfigError(f"OnlineDPOTrainer: args is a {type(cfg).__name__}; give a jodpo.OnlineDPOConfig")
         fields, objects = {}, {}
+        if ref_model is not None:
+            if isinstance(ref_model, tuple) and not is_jodpo_model(ref_model):
+                raise ConfigError("OnlineDPOTrainer: ref_model is a tuple but not jodpo's (model, params); give that, "
+                                  "a path, or a transformers model")
+            objects["ref_model"] = str(ref_model) if isinstance(ref_model, Path) else ref_model
         if model is not None:
             if isinstance(model, (str, Path)):
                 fields["model_name_or_path"] = str(model)
