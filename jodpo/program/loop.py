@@ -175,8 +175,8 @@ def train(cfg: TrainConfig, allow_config_change: bool = False, given: Given = Gi
     refused unless ``allow_config_change``. SIGTERM or SIGINT saves the current step and raises ``Stopped``;
     ``max_nonfinite_steps`` skipped updates in a row raise ``Diverged``; a checkpoint that cannot be written
     (disk full, non-finite state) raises ``SaveError``. None of them touches the checkpoints already saved.
-    ``output_dir`` is locked for the call (``output_dir``): a second run there meanwhile raises ``RunDirError``; so does
-    an ``output_dir`` that cannot be made. A checkpoint whose arrays do not fit the configured model, or a dataset
+    ``output_dir`` is locked for the call (``jodpo.program.output_dir``): a second run there meanwhile raises
+    ``RunDirError``; so does an ``output_dir`` that cannot be made. A checkpoint whose arrays do not fit the configured model, or a dataset
     other than the checkpoint's, raises ``ConfigError`` before anything is written. ``given``: objects in place of
     what the config names (``OnlineDPOTrainer``); ``events``: told of each step, logged line, evaluation and save."""
     out = output_dir.prepare(cfg.output_dir)
