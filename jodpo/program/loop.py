@@ -176,9 +176,10 @@ def train(cfg: TrainConfig, allow_config_change: bool = False, given: Given = Gi
     ``max_nonfinite_steps`` skipped updates in a row raise ``Diverged``; a checkpoint that cannot be written
     (disk full, non-finite state) raises ``SaveError``. None of them touches the checkpoints already saved.
     ``output_dir`` is locked for the call (``jodpo.program.output_dir``): a second run there meanwhile raises
-    ``RunDirError``; so does an ``output_dir`` that cannot be made. A checkpoint whose arrays do not fit the configured model, or a dataset
-    other than the checkpoint's, raises ``ConfigError`` before anything is written. ``given``: objects in place of
-    what the config names (``OnlineDPOTrainer``); ``events``: told of each step, logged line, evaluation and save."""
+    ``RunDirError``; so does an ``output_dir`` that cannot be made. A checkpoint whose arrays do not fit the
+    configured model, or a dataset other than the checkpoint's, raises ``ConfigError`` before anything is written.
+    ``given``: objects in place of what the config names (``OnlineDPOTrainer``); ``events``: told of each step,
+    logged line, evaluation and save."""
     out = output_dir.prepare(cfg.output_dir)
     lock = output_dir.lock_for_job(out)  # held until train returns or raises, whatever ends it
     try:
