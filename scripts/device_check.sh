@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU check of a short lease (docs/gpu.md): the suite's tests that carry weight with the GPU as jax's default
-# backend, then the step and the sampler at a ~1.7B shape in bf16, each phase under its own time limit (7.5 minutes
+# backend, then the step and the sampler at a ~1.7B shape in bf16, each phase under its own time limit (8 minutes
 # in all), into DIR/device_check.json and DIR/device_check.md (the table for docs/gpu.md).
 #
 #   bash scripts/device_check.sh --wheels        here, where pip reaches the package index: the wheels the GPU image
@@ -32,4 +32,4 @@ if [ "$dry" = 0 ] && compgen -G ".whl/*.whl" > /dev/null; then  # the dry run us
 fi
 # jodpo from this checkout (nothing is installed there); torch and jax share the GPU, so jax must not take 75% of it
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
-exec timeout 470 "$py" benchmarks/bench.py device --out "$out" "$@"
+exec timeout 480 "$py" benchmarks/bench.py device --out "$out" "$@"

@@ -65,9 +65,10 @@ def metrics_lines(out: Path) -> list[dict]:
             for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def start_tiny(out: Path, *extra: str) -> subprocess.Popen:
-    """The README's first command (tiny.py), in an environment without torch as that command installs it."""
-    python, environ = without_torch(env())
+def start_tiny(out: Path, *extra: str, environ: dict | None = None) -> subprocess.Popen:
+    """The README's first command (tiny.py), in an environment without torch as that command installs it
+    (``environ``: the process's environment, default ``env()``)."""
+    python, environ = without_torch(env() if environ is None else environ)
     cmd = [*python, "-m", "jodpo.train", "--config", "tiny.py", f"--config.output_dir={out}", *extra]
     return subprocess.Popen(cmd, cwd=ROOT, env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

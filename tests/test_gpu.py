@@ -60,13 +60,13 @@ def _deterministic_env():
 
 
 def _run(out, *extra, env=None):
-    proc = subproc.start_tiny(out, *extra, env=env)
+    proc = subproc.start_tiny(out, *extra, environ=env)
     _, err = proc.communicate(timeout=900)
     assert proc.returncode == 0, err[-3000:]
 
 
 def _killed_and_resumed(out, *extra, env=None):
-    proc = subproc.start_tiny(out, "--config.save_steps=20", *extra, env=env)
+    proc = subproc.start_tiny(out, "--config.save_steps=20", *extra, environ=env)
     subproc.wait_for(lambda: (out / "checkpoints" / "20").is_dir(), proc)
     proc.send_signal(signal.SIGKILL)
     proc.communicate()

@@ -7,7 +7,6 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-import wandb
 
 import jodpo
 from jodpo.program import config as C
@@ -85,6 +84,8 @@ def test_a_resumed_run_reads_no_policy_weights_of_its_own_dtype(checkpoints, tmp
     reference are not logged. The simpo run passes twice over each rollout (num_epochs=2: rollout_update, which then
     computes no reference log-probs). Both report to W&B too (offline): the run's W&B files hold metrics.jsonl under
     TRL's W&B names, the completion tables and the config, and the resumed run continues the same W&B run."""
+    import wandb  # here, not at the top: the GPU image has no wandb, and this test is not a weighty one
+
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_PROJECT", "jodpo-tests")
     for name in ("WANDB_DIR", "WANDB_RUN_ID"):
