@@ -14,8 +14,10 @@ ratios within a run, not seconds across runs). docs/performance.md has the figur
                                  [--remat full|none|dots] [--tpu v5p:1x1x1|v5e:2x4] [--out F.json]
                                  [--hf-config qwen3-1.7b|CONFIG.json] [--lora-rank 16] [--pieces online_step]
                                  (same shape flags, or a transformers config; memory.py)
-  python benchmarks/bench.py device [--out DIR] [--dry-run] [--tests-timeout 240] [--step-timeout 200]
+  python benchmarks/bench.py device [--out DIR] [--dry-run] [--tests-timeout 330] [--step-timeout 130]
                                  (the GPU check of a short lease: device.py, scripts/device_check.sh)
+  python benchmarks/bench.py tpu-grid [--models qwen3-0.6b ...] [--tpus v5e:1x1 v5e:2x4 ...] [--lora-ranks 0 16]
+                                   [--out runs/tpu-grid] [--table-only]  (memory --tpu over a grid: tpu_grid.py)
 
 ``sample``: jodpo's sampler vs transformers' ``generate`` (KV cache on) on the same random
 Pythia-70m-shaped GPT-NeoX (hidden 512, 6 layers, 8 heads, vocab 50304), batch and lengths, fp32 on the
@@ -33,6 +35,9 @@ scoring, update) and peak RSS of each, and the sampler vs ``generate`` on that m
 ``memory``: the fused step's device memory (and its pieces') from XLA's compiled ``memory_analysis()``, at any
 shape or any supported model's ``config.json``, without weights or an accelerator; ``--tpu`` compiles for one
 TPU chip or a slice's chips (FSDP over them, per-chip numbers) with libtpu (memory.py).
+
+``tpu-grid``: ``memory --tpu`` for each real model x TPU topology x full/LoRA, one compile per cell kept in a folder
+(the grid fills over several calls), and the tables of docs/tpu.md (tpu_grid.py).
 
 ``device``: the suite's tests that carry weight, then the step and the sampler at a ~1.7B shape in bf16, each phase
 under its own time limit, into one JSON and a table for docs/gpu.md (device.py).
@@ -64,6 +69,7 @@ import memory
 import program
 import real
 import sample
+import tpu_grid
 import train
 import workers
 from harness import PYTHIA_70M, Channel, machine, set_environment
@@ -74,7 +80,8 @@ SHAPE = dict(vocab=PYTHIA_70M["vocab_size"], hidden=PYTHIA_70M["hidden_size"], l
 BENCHMARKS = {"sample": (sample.bench_sample, sample.print_sample), "train": (train.bench_train, train.print_train),
               "program": (program.bench_program, program.print_program), "real": (real.bench_real, real.print_real),
               "memory": (memory.bench_memory, memory.print_memory),
-              "device": (device.bench_device, device.print_device)}
+              "device": (device.bench_device, device.print_device),
+              "tpu-grid": (tpu_grid.bench_tpu_grid, tpu_grid.print_tpu_grid)}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -86,6 +93,7 @@ def parser() -> argparse.ArgumentParser:
     real.add_parser(sub)
     memory.add_parser(sub, SHAPE)
     device.add_parser(sub)
+    tpu_grid.add_parser(sub)
     return ap
 
 
@@ -109,6 +117,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     show(result)
     if args.what == "device":  # its --out is a folder: the check's JSON, its table and the phases' logs
         device.write(result, args.out)
+    elif args.what == "tpu-grid":  # its --out is the folder of the cells: the tables beside them
+        (args.out / "grid.md").write_text(tpu_grid.table(result))
     elif args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
     return result

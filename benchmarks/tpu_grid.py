@@ -1,0 +1,193 @@
+"""Which real models train on which TPU chips: ``bench.py memory --tpu`` over a grid of models x chips x (full
+fine-tuning | LoRA), one compile per cell in a process of its own, kept in a folder so the grid fills over several
+sessions (a cell already there is not compiled again), then the tables of docs/tpu.md.
+
+  python benchmarks/bench.py tpu-grid [--models qwen3-0.6b ...] [--tpus v5e:1x1 v5e:2x4 ...] [--lora-ranks 0 16]
+                                      [--out runs/tpu-grid] [--table-only]
+
+Each cell is TRL's recipe batch of the Qwen3 and Gemma 3 recipes (8 prompts a chip, 2 micro-batches, prompts at the
+largest bucket, 512, 64 new tokens, bf16 compute, float32 weights and Adam, the frozen models in bf16, full remat) with
+a reward model of the policy's shape. A cell is **yes** when XLA:TPU compiles the fused step (its peak per chip in GiB
+is shown), **no** when it refuses it for the chip's HBM (the temporaries it named). A cell not compiled may still be
+settled by another one of the same family, chips and training, on the assumption that a step's memory grows with the
+model (every dimension of the larger of two models of one family is at least the smaller's): a larger model that fits
+says yes (``yes<``), a smaller one refused says no (``no>``); everything else is left open (``?``).
+"""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jodpo
+from harness import BENCH
+from memory import TPU_CHIPS, hf_models
+
+MODELS = ("qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "gemma-3-1b", "gemma-3-4b", "gemma-3-12b")
+TPUS = ("v5e:1x1", "v6e:1x1", "v5p:1x1x1", "v5e:2x4", "v6e:2x4", "v5p:2x2x2")
+RECIPE = ["--batch", "8", "--accumulation", "2", "--prompt-len", "512", "--new-tokens", "64", "--max-length", "512",
+          "--frozen-param-dtype", "bfloat16", "--pieces", "online_step"]
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("tpu-grid", help="bench.py memory --tpu over models x TPU chips x full/LoRA: docs/tpu.md")
+    p.add_argument("--models", nargs="+", default=list(MODELS), help="names in benchmarks/configs/, smallest first "
+                   "within a family")
+    p.add_argument("--tpus", nargs="+", default=list(TPUS), help="TPU topologies (libtpu's names)")
+    p.add_argument("--lora-ranks", nargs="+", type=int, default=[0, 16], help="0: full fine-tuning")
+    p.add_argument("--out", type=Path, default=Path("runs/tpu-grid"), help="one JSON per cell, kept between calls")
+    p.add_argument("--max-cells", type=int, default=10 ** 6, help="compile at most this many cells in this call")
+    p.add_argument("--table-only", action="store_true", help="compile nothing: the tables of the cells there")
+
+
+def cell_path(out: Path, model: str, tpu: str, rank: int) -> Path:
+    return out / f"{model}_{tpu.replace(':', '-')}_{'full' if rank == 0 else f'lora{rank}'}.json"
+
+
+def verdict(path: Path) -> tuple[bool, str] | None:
+    """(fits, what XLA:TPU said) of a compiled cell, or None when it was not compiled."""
+    if not path.exists():
+        return None
+    step = json.loads(path.read_text())["compiled"]["online_step"]
+    if "error" in step:
+        return False, (f"temporaries {step['needed_gib']:.1f} > {step['available_gib']:.2f}" if "needed_gib" in step
+                       else step["error"][:60])
+    return True, f"{step['peak_mib'] / 1024:.1f}"
+
+
+def floor_gib(model: str, rank: int, chips: int) -> float:
+    """What the step is passed per chip, exact arithmetic, no compile: 12 B per trained parameter (float32 weights
+    and two Adam moments), 2 B per parameter of the frozen reference (with LoRA, the base) and of the reward model,
+    split over the chips by FSDP. Above a chip's HBM it settles the cell (no), below only the compiler can."""
+    import tempfile
+
+    import jax
+
+    from jodpo.models import lora
+
+    with tempfile.TemporaryDirectory() as t:
+        policy, rm = hf_models(model, None, Path(t))
+    size = lambda tree: sum(x.size for x in jax.tree.leaves(tree))  # noqa: E731
+    shapes = lambda m: jax.eval_shape(lambda: jodpo.init_params(m, jax.random.key(0)))  # noqa: E731
+    n, n_rm = size(shapes(policy)), size(shapes(rm))
+    trained = n
+    if rank:
+        m = policy.replace(lora_rank=rank, lora_alpha=2.0 * rank)
+        targets = lora.resolve_targets(m, None)
+        trained = size(jax.eval_shape(lambda: lora.init_adapters(m, targets, jax.random.key(0))))
+    return (12 * trained + 2 * n + 2 * n_rm) / chips / 2 ** 30
+
+
+def chips_of(tpu: str) -> int:
+    return math.prod(int(d) for d in tpu.partition(":")[2].split("x"))
+
+
+def hbm_of(tpu: str) -> float:
+    return TPU_CHIPS[tpu.partition(":")[0]][2]
+
+
+def family(model: str) -> str:
+    return model.split("-")[0]
+
+
+def settle(models: list[str], tpus: list[str], ranks: list[int], compiled: dict, floors: dict) -> dict:
+    """Each cell's entry: what XLA:TPU said; else the floor above the chip's HBM; else what a compiled cell implies,
+    on the assumption that a step's memory per chip grows with the model within a family (a larger model that
+    fits, or a smaller one refused, on the same chips with the same training) and shrinks as FSDP splits it over
+    more chips of the same kind (fits on one chip -> fits on eight; refused on eight -> refused on one)."""
+    fits = {k: v[0] for k, v in compiled.items() if v is not None}
+    fits |= {k: False for k, f in floors.items() if k not in fits and f > hbm_of(k[1])}
+    why = {}
+    changed = True
+    while changed:  # implications chain (0.6b fits because 1.7b does, which fits because 4b does...)
+        changed = False
+        for m in models:
+            same = [x for x in models if family(x) == family(m)]
+            for tpu in tpus:
+                kind, one = tpu.partition(":")[0], chips_of(tpu) == 1
+                other = [t for t in tpus if t.partition(":")[0] == kind and (chips_of(t) == 1) != one]
+                for rank in ranks:
+                    if (m, tpu, rank) in fits:
+                        continue
+                    yes = [(x, f"as {x}") for x in same[same.index(m) + 1:]] + \
+                          ([] if one else [(m, "as 1 chip", t) for t in other])
+                    no = [(x, f"as {x}") for x in same[:same.index(m)]] + \
+                         ([(m, "as 8 chips", t) for t in other] if one else [])
+                    for cand, verdict in ((yes, True), (no, False)):
+                        for c in cand:
+                            key = (c[0], c[2] if len(c) == 3 else tpu, rank)
+                            if fits.get(key) is verdict:
+                                fits[m, tpu, rank], why[m, tpu, rank] = verdict, c[1]
+                                changed = True
+                                break
+                        if (m, tpu, rank) in fits:
+                            break
+    out = {}
+    for m in models:
+        for tpu in tpus:
+            for rank in ranks:
+                k = (m, tpu, rank)
+                if compiled.get(k) is not None:
+                    out[k] = f"**yes** {compiled[k][1]}" if compiled[k][0] else f"**no** ({compiled[k][1]})"
+                elif k in why:
+                    out[k] = f"{'yes' if fits[k] else 'no'} ({why[k]})"
+                elif k in fits:
+                    out[k] = f"no (floor {floors[k]:.1f})"
+                else:
+                    out[k] = f"? (floor {floors[k]:.1f})"
+    return out
+
+
+def next_cell(a, cells: dict):
+    """The open cell to compile next: one chip before eight (a yes on one settles eight), and within a family the
+    largest open model first (XLA:TPU refuses in seconds what does not fit; the first that fits, minutes, settles every
+    smaller one)."""
+    open_ = [k for k, v in cells.items() if v.startswith("?")]
+    return min(open_, key=lambda k: (k[2], chips_of(k[1]) > 1, a.tpus.index(k[1]), family(k[0]),
+                                     -a.models.index(k[0])), default=None)
+
+
+def bench_tpu_grid(a) -> dict:
+    a.out.mkdir(parents=True, exist_ok=True)
+    per_model = {(m, r): floor_gib(m, r, 1) for m in a.models for r in a.lora_ranks}
+    floors = {(m, tpu, r): per_model[m, r] / chips_of(tpu) for m in a.models for tpu in a.tpus for r in a.lora_ranks}
+
+    def cells() -> dict:
+        compiled = {(m, tpu, rank): verdict(cell_path(a.out, m, tpu, rank))
+                    for rank in a.lora_ranks for tpu in a.tpus for m in a.models}
+        return settle(a.models, a.tpus, a.lora_ranks, compiled, floors)
+
+    timings = {}
+    while not a.table_only and len(timings) < a.max_cells and (k := next_cell(a, cells())) is not None:
+        m, tpu, rank = k
+        path = cell_path(a.out, m, tpu, rank)
+        cmd = [sys.executable, str(BENCH), "memory", "--hf-config", m, "--tpu", tpu, *RECIPE,
+               "--lora-rank", str(rank), "--out", str(path)]
+        print(" ".join(cmd[1:]), flush=True)
+        t = time.perf_counter()
+        subprocess.run(cmd, check=True)
+        timings[path.name] = round(time.perf_counter() - t, 1)
+    final = cells()
+    k = next_cell(a, final)
+    return {"benchmark": "tpu-grid", "tpus": a.tpus, "models": a.models, "lora_ranks": a.lora_ranks,
+            "cells": {f"{m} {tpu} {rank}": c for (m, tpu, rank), c in final.items()},
+            "next": None if k is None else f"{k[0]} {k[1]} {k[2]}", "compiled_now_s": timings, "out": str(a.out)}
+
+
+def table(r: dict) -> str:
+    """One markdown table per training (full, LoRA r): models down, TPU topologies across."""
+    lines = []
+    for rank in r["lora_ranks"]:
+        lines += ["", f"{'full fine-tuning, with a reference' if rank == 0 else f'LoRA rank {rank}'} (peak GiB "
+                      "per chip):", "", "| model | " + " | ".join(r["tpus"]) + " |", "|" + " --- |" * (1 + len(r["tpus"]))]
+        for m in r["models"]:
+            lines.append(f"| {m} | " + " | ".join(r["cells"][f"{m} {tpu} {rank}"] for tpu in r["tpus"]) + " |")
+    return "\n".join(lines[1:]) + "\n"
+
+
+def print_tpu_grid(r: dict) -> None:
+    print(table(r))
+    print(f"next to compile (model, topology, LoRA rank): {r['next'] or 'none: every cell is settled'}")

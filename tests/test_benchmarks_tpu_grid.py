@@ -1,0 +1,40 @@
+"""benchmarks/tpu_grid.py (bench.py tpu-grid) without libtpu: the tables it prints from the cells in its folder
+(XLA:TPU's verdicts written as bench.py memory writes them), the floors' arithmetic, what a compiled cell implies
+for the others, and the cell it would compile next."""
+import json
+import subprocess
+import sys
+
+from tests import helpers
+
+
+def _cell(out, name, step):
+    (out / f"{name}.json").write_text(json.dumps({"compiled": {"online_step": step}}))
+
+
+def test_the_grid_settles_cells_from_compiled_ones_and_floors(tmp_path):
+    out = tmp_path / "grid"
+    out.mkdir()
+    _cell(out, "qwen3-4b_v5p-1x1x1_full", {"argument_mib": 61000.0, "peak_mib": 80000.0})
+    _cell(out, "qwen3-1.7b_v6e-1x1_full", {"error": "RESOURCE_EXHAUSTED: ... HLO temporaries (40.73G) exceeds "
+                                                    "available HBM (31.25G).", "needed_gib": 40.73,
+                                           "available_gib": 31.25})
+    proc = subprocess.run([sys.executable, str(helpers.ROOT / "scripts" / "bench.py"), "tpu-grid", "--table-only",
+                           "--out", str(out)], cwd=helpers.ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {line.split(" | ")[0].strip("| "): [c.strip(" |") for c in line.split(" | ")[1:]]
+            for line in (out / "grid.md").read_text().split("LoRA rank 16")[0].splitlines() if line.startswith("| ")}
+    assert rows["model"] == ["v5e:1x1", "v6e:1x1", "v5p:1x1x1", "v5e:2x4", "v6e:2x4", "v5p:2x2x2"]
+    # compiled: the peak per chip in GiB, or the refusal's numbers
+    assert rows["qwen3-4b"][2] == "**yes** 78.1" and rows["qwen3-1.7b"][1] == "**no** (temporaries 40.7 > 31.25)"
+    # a larger model of the family fits, so the smaller ones do; one chip fits, so eight do
+    assert rows["qwen3-1.7b"][2] == rows["qwen3-0.6b"][2] == "yes (as qwen3-4b)"
+    assert rows["qwen3-4b"][5] == rows["qwen3-1.7b"][5] == "yes (as 1 chip)"
+    # what is passed alone is more than the chip's HBM: 12 B per trained and 2 B per frozen parameter (Qwen3-4B:
+    # 4.022 B, and its reward model's), exact arithmetic
+    assert rows["qwen3-4b"][1] == "no (floor 59.9)" and rows["qwen3-8b"][2] == "no (floor 120.9)"
+    # a refusal settles the larger models of the family on those chips, not the smaller
+    assert rows["qwen3-8b"][1] == "no (floor 120.9)" and rows["qwen3-0.6b"][1] == "? (floor 8.9)"
+    assert rows["gemma-3-1b"][0] == "? (floor 14.9)" and rows["gemma-3-12b"][3] == "no (floor 21.9)"
+    # the next compile: one chip before eight, the largest open model of a family first
+    assert "next to compile (model, topology, LoRA rank): gemma-3-1b v5e:1x1 0" in proc.stdout
