@@ -8,7 +8,8 @@ sessions (a cell already there is not compiled again), then the tables of docs/t
 Each cell is TRL's recipe batch of the Qwen3 and Gemma 3 recipes (8 prompts a chip, 2 micro-batches, prompts at the
 largest bucket, 512, 64 new tokens, bf16 compute, float32 weights and Adam, the frozen models in bf16, full remat) with
 a reward model of the policy's shape. A cell is **yes** when XLA:TPU compiles the fused step (its peak per chip in GiB
-is shown), **no** when it refuses it for the chip's HBM (the temporaries it named). A cell not compiled may still be
+is shown), **no** when it refuses it for the chip's HBM (the temporaries it named) or when the peak it compiled
+is more than the chip's HBM (XLA:TPU checks the temporaries alone when it compiles). A cell not compiled may still be
 settled by another one of the same family, chips and training, on the assumption that a step's memory grows with the
 model (every dimension of the larger of two models of one family is at least the smaller's): a larger model that fits
 says yes (``yes<``), a smaller one refused says no (``no>``); everything else is left open (``?``).
@@ -47,15 +48,18 @@ def cell_path(out: Path, model: str, tpu: str, rank: int) -> Path:
     return out / f"{model}_{tpu.replace(':', '-')}_{'full' if rank == 0 else f'lora{rank}'}.json"
 
 
-def verdict(path: Path) -> tuple[bool, str] | None:
-    """(fits, what XLA:TPU said) of a compiled cell, or None when it was not compiled."""
+def verdict(path: Path, hbm: float) -> tuple[bool, str] | None:
+    """(fits, what XLA:TPU said) of a compiled cell, or None when it was not compiled. XLA:TPU refuses a program
+    whose temporaries alone exceed the chip's HBM; one that compiles fits only if its peak (arguments + outputs -
+    aliased + temporaries) does too."""
     if not path.exists():
         return None
     step = json.loads(path.read_text())["compiled"]["online_step"]
     if "error" in step:
         return False, (f"temporaries {step['needed_gib']:.1f} > {step['available_gib']:.2f}" if "needed_gib" in step
                        else step["error"][:60])
-    return True, f"{step['peak_mib'] / 1024:.1f}"
+    peak = step["peak_mib"] / 1024
+    return (True, f"{peak:.1f}") if peak <= hbm else (False, f"peak {peak:.1f} > {hbm:g}")
 
 
 def floor_gib(model: str, rank: int, chips: int) -> float:
@@ -85,8 +89,14 @@ def chips_of(tpu: str) -> int:
     return math.prod(int(d) for d in tpu.partition(":")[2].split("x"))
 
 
+# HBM a program may use per chip, GiB: XLA:TPU's own figure where its refusals name it (v5e, v6e), else Google's
+# user-allocatable figure (v5p: 96 GiB physical, 95 allocatable; docs.cloud.google.com/tpu/docs/v5p)
+HBM_USABLE = {"v5e": 15.75, "v6e": 31.25, "v5p": 95.0}
+
+
 def hbm_of(tpu: str) -> float:
-    return TPU_CHIPS[tpu.partition(":")[0]][2]
+    kind = tpu.partition(":")[0]
+    return HBM_USABLE.get(kind, TPU_CHIPS[kind][2])
 
 
 def family(model: str) -> str:
@@ -156,7 +166,7 @@ def bench_tpu_grid(a) -> dict:
     floors = {(m, tpu, r): per_model[m, r] / chips_of(tpu) for m in a.models for tpu in a.tpus for r in a.lora_ranks}
 
     def cells() -> dict:
-        compiled = {(m, tpu, rank): verdict(cell_path(a.out, m, tpu, rank))
+        compiled = {(m, tpu, rank): verdict(cell_path(a.out, m, tpu, rank), hbm_of(tpu))
                     for rank in a.lora_ranks for tpu in a.tpus for m in a.models}
         return settle(a.models, a.tpus, a.lora_ranks, compiled, floors)
 

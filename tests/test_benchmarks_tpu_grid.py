@@ -16,6 +16,7 @@ def test_the_grid_settles_cells_from_compiled_ones_and_floors(tmp_path):
     out = tmp_path / "grid"
     out.mkdir()
     _cell(out, "qwen3-4b_v5p-1x1x1_full", {"argument_mib": 61000.0, "peak_mib": 80000.0})
+    _cell(out, "gemma-3-4b_v5p-1x1x1_full", {"argument_mib": 59209.2, "peak_mib": 105909.4})  # compiled, too big
     _cell(out, "qwen3-1.7b_v6e-1x1_full", {"error": "RESOURCE_EXHAUSTED: ... HLO temporaries (40.73G) exceeds "
                                                     "available HBM (31.25G).", "needed_gib": 40.73,
                                            "available_gib": 31.25})
@@ -36,5 +37,7 @@ def test_the_grid_settles_cells_from_compiled_ones_and_floors(tmp_path):
     # a refusal settles the larger models of the family on those chips, not the smaller
     assert rows["qwen3-8b"][1] == "no (floor 120.9)" and rows["qwen3-0.6b"][1] == "? (floor 8.9)"
     assert rows["gemma-3-1b"][0] == "? (floor 14.9)" and rows["gemma-3-12b"][3] == "no (floor 21.9)"
+    # compiled is not enough: XLA:TPU checks only the temporaries against the HBM (v5p: 95 GiB a program may use)
+    assert rows["gemma-3-4b"][2] == "**no** (peak 103.4 > 95)" and rows["gemma-3-1b"][2] == "? (floor 14.9)"
     # the next compile: one chip before eight, the largest open model of a family first
     assert "next to compile (model, topology, LoRA rank): gemma-3-1b v5e:1x1 0" in proc.stdout
