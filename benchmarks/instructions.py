@@ -2,7 +2,7 @@
 OnlineDPOTrainer trained on the same task (jodpo/configs/smollm2_ifeval.py), evaluated the same way.
 
   python benchmarks/instructions.py [--variants k2 best_of_4 semi_online simpo trl] [--seeds 0 1 2] [--steps 30]
-                                    [--eval-prompts 96] [--out runs/evidence] [--set FIELD=VALUE ...]
+                                    [--eval-prompts 96] [--out runs/evidence] [--set FIELD=VALUE ...] [--table-only]
 
 Every variant samples the same number of completions per step (the recipe's prompts x 2):
 - ``k2``: the recipe as it is: TRL's two samples per prompt (``num_generations=2``), on-policy, sigmoid loss;
@@ -236,6 +236,8 @@ def main(argv=None) -> int:
                                                  "config's eval_dataset)")
     p.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE", help="config overrides (as --config.F=V)")
     p.add_argument("--out", type=Path, default=Path("runs/evidence"))
+    p.add_argument("--table-only", action="store_true", help="train nothing: the table of the finished runs among "
+                                                              "--variants x --seeds")
     a = p.parse_args(argv)
     from jodpo.program.config import load_config_file, parse_override
 
@@ -253,7 +255,8 @@ def main(argv=None) -> int:
                   **{f"{k}_tokens": s["mean_tokens"]["model"] for k, s in summ.items()},
                   "eval_s": time.perf_counter() - t}
         start.write_text(json.dumps(before, indent=2) + "\n")
-    results = [run_one(base, name, seed, a, a.out, eval_dir) for name in a.variants for seed in a.seeds]
+    results = [run_one(base, name, seed, a, a.out, eval_dir) for name in a.variants for seed in a.seeds
+               if not a.table_only or (a.out / f"{name}-seed{seed}" / "result.json").exists()]
     (a.out / "results.json").write_text(json.dumps({"start": before, "runs": results}, indent=2) + "\n")
     text = table(results, before, a.out, eval_dir)
     (a.out / "table.md").write_text(text + "\n")

@@ -53,3 +53,7 @@ def test_jodpo_and_trl_side_by_side_on_stand_ins(bench, checkpoints, tmp_path, c
             assert f"{r[key]['mean']:.3f}" in table
     assert runs["k2"]["train_s"] > 0 and runs["trl"]["episodes_per_s"] > 0
     assert "jodpo k2" in table and "no test: fewer than 2 seeds a side" in table
+    # --table-only: the finished runs among the variants x seeds asked for, nothing trained (seed 1 never ran)
+    assert bench.main(["--variants", "k2", "trl", "--seeds", "0", "1", "--steps", "1", "--eval-prompts", "4",
+                       "--eval-dir", str(data), "--out", str(out), "--set", *sets, "--table-only"]) == 0
+    assert (out / "table.md").read_text() == table and not (out / "k2-seed1").exists()
