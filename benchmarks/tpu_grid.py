@@ -48,16 +48,16 @@ def cell_path(out: Path, model: str, tpu: str, rank: int) -> Path:
     return out / f"{model}_{tpu.replace(':', '-')}_{'full' if rank == 0 else f'lora{rank}'}.json"
 
 
-def verdict(path: Path, hbm: float) -> tuple[bool, str] | None:
+def verdict(path: Path, hbm: float) -> tuple[bool | None, str] | None:
     """(fits, what XLA:TPU said) of a compiled cell, or None when it was not compiled. XLA:TPU refuses a program
     whose temporaries alone exceed the chip's HBM; one that compiles fits only if its peak (arguments + outputs -
     aliased + temporaries) does too."""
     if not path.exists():
         return None
     step = json.loads(path.read_text())["compiled"]["online_step"]
-    if "error" in step:
-        return False, (f"temporaries {step['needed_gib']:.1f} > {step['available_gib']:.2f}" if "needed_gib" in step
-                       else step["error"][:60])
+    if "error" in step:  # a refusal names the sizes; any other failure settles nothing
+        return ((False, f"temporaries {step['needed_gib']:.1f} > {step['available_gib']:.2f}") if "needed_gib" in step
+                else (None, step["error"][:80]))
     peak = step["peak_mib"] / 1024
     return (True, f"{peak:.1f}") if peak <= hbm else (False, f"peak {peak:.1f} > {hbm:g}")
 
@@ -108,7 +108,7 @@ def settle(models: list[str], tpus: list[str], ranks: list[int], compiled: dict,
     on the assumption that a step's memory per chip grows with the model within a family (a larger model that
     fits, or a smaller one refused, on the same chips with the same training) and shrinks as FSDP splits it over
     more chips of the same kind (fits on one chip -> fits on eight; refused on eight -> refused on one)."""
-    fits = {k: v[0] for k, v in compiled.items() if v is not None}
+    fits = {k: v[0] for k, v in compiled.items() if v is not None and v[0] is not None}
     fits |= {k: False for k, f in floors.items() if k not in fits and f > hbm_of(k[1])}
     why = {}
     changed = True
@@ -122,25 +122,25 @@ def settle(models: list[str], tpus: list[str], ranks: list[int], compiled: dict,
                 for rank in ranks:
                     if (m, tpu, rank) in fits:
                         continue
-                    yes = [(x, f"as {x}") for x in same[same.index(m) + 1:]] + \
-                          ([] if one else [(m, "as 1 chip", t) for t in other])
-                    no = [(x, f"as {x}") for x in same[:same.index(m)]] + \
-                         ([(m, "as 8 chips", t) for t in other] if one else [])
-                    for cand, verdict in ((yes, True), (no, False)):
-                        for c in cand:
-                            key = (c[0], c[2] if len(c) == 3 else tpu, rank)
-                            if fits.get(key) is verdict:
-                                fits[m, tpu, rank], why[m, tpu, rank] = verdict, c[1]
-                                changed = True
-                                break
-                        if (m, tpu, rank) in fits:
-                            break
+                    # (the cell that would settle this one, its label): yes from a larger model or from one chip,
+                    # no from a smaller model or from eight chips
+                    yes = [((x, tpu, rank), f"as {x}") for x in same[same.index(m) + 1:]] + \
+                          ([] if one else [((m, t, rank), "as 1 chip") for t in other])
+                    no = [((x, tpu, rank), f"as {x}") for x in same[:same.index(m)]] + \
+                         ([((m, t, rank), "as 8 chips") for t in other] if one else [])
+                    hit = next(((v, label) for v, cands in ((True, yes), (False, no)) for key, label in cands
+                                if fits.get(key) is v), None)
+                    if hit:
+                        fits[m, tpu, rank], why[m, tpu, rank] = hit
+                        changed = True
     out = {}
     for m in models:
         for tpu in tpus:
             for rank in ranks:
                 k = (m, tpu, rank)
-                if compiled.get(k) is not None:
+                if compiled.get(k) is not None and compiled[k][0] is None:
+                    out[k] = f"error: {compiled[k][1]}"  # not a verdict: the cell's JSON says what failed
+                elif compiled.get(k) is not None:
                     out[k] = f"**yes** {compiled[k][1]}" if compiled[k][0] else f"**no** ({compiled[k][1]})"
                 elif k in why:
                     out[k] = f"{'yes' if fits[k] else 'no'} ({why[k]})"
