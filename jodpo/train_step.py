@@ -191,11 +191,11 @@ def apply_gradients(cfg: StepConfig, state: TrainState, grads: Params, metrics: 
         return optax.apply_updates(state.params, updates), opt_state
 
     params, opt_state = jax.lax.cond(finite, apply, lambda _: (state.params, state.opt_state), None)
-    step = state.step + 1
     metrics = metrics | {"grad_norm": grad_norm, "skipped_update": (~finite).astype(jnp.float32),
-                         # transformers logs the scheduler's value after its step
-                         "lr": learning_rate_schedule(cfg.optimizer)(step)}
-    return state.replace(step=step, params=params, opt_state=opt_state), metrics
+                         # the rate this update used, as transformers (>= 4.50, TRL 1.16's) logs it: read before the
+                         # scheduler's step, so 0 at the first step of a linear warm-up
+                         "lr": learning_rate_schedule(cfg.optimizer)(state.step)}
+    return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 
 def update(cfg: StepConfig, state: TrainState, ref_params: Params, prompt_ids: jax.Array, prompt_mask: jax.Array,

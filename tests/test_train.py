@@ -212,8 +212,8 @@ def test_open_instruct_passes_over_each_rollout_resume_exactly(checkpoints, tmp_
     lines = [m for m in _metrics(out) if "loss" in m]
     assert all("objective/off_policy_kl" in m and "frac_reward_zero_std" in m for m in lines)
     assert [m["step"] for m in lines] == [1, 2, 3] and [m["episode"] for m in lines] == [4, 8, 12]
-    # the schedule after 4, 8, 12 of 12 updates: linear decay without warm-up
-    assert [m["lr"] for m in lines] == pytest.approx([1e-3 * 8 / 12, 1e-3 * 4 / 12, 0.0], abs=1e-9)
+    # the rate of each step's last update, the 4th, 8th and 12th of 12: linear decay without warm-up
+    assert [m["lr"] for m in lines] == pytest.approx([1e-3 * 9 / 12, 1e-3 * 5 / 12, 1e-3 * 1 / 12], abs=1e-9)
     resumed = tmp_path / "resumed"
     shutil.copytree(out, resumed)
     shutil.rmtree(resumed / "checkpoints" / "3")

@@ -2,6 +2,7 @@
 paths, offline DPO, no recompiles, NaN guard, and a short run that must raise a programmatic reward."""
 import dataclasses
 import functools
+import types
 
 import jax
 import jax.numpy as jnp
@@ -41,16 +42,19 @@ def test_optimizer_equals_torch_adamw():
     p = torch.nn.Parameter(torch.tensor(w0))
     opt = torch.optim.AdamW([p], lr=1e-2, weight_decay=0.1, betas=(0.9, 0.999), eps=1e-8)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: s / 1 if s < 1 else max(0.0, (5 - s) / 4))
-    tx, params = ts.make_optimizer(cfg), {"w": jnp.asarray(w0)}
-    state = tx.init(params)
+    params = {"w": jnp.asarray(w0)}
+    state = ts.TrainState(step=jnp.int32(0), params=params, opt_state=ts.make_optimizer(cfg).init(params),
+                          rng=jax.random.key(0))
+    step_cfg = types.SimpleNamespace(optimizer=cfg)  # what apply_gradients reads of a StepConfig
     for g in grads:
         p.grad = torch.tensor(g)
         torch.nn.utils.clip_grad_norm_(p, 0.5)
         opt.step()
+        logged = opt.param_groups[0]["lr"]  # transformers' Trainer logs the rate before the scheduler's step
         sched.step()
-        updates, state = tx.update({"w": jnp.asarray(g)}, state, params)
-        params = jax.tree.map(jnp.add, params, updates)
-    np.testing.assert_allclose(np.asarray(params["w"]), p.detach().numpy(), rtol=1e-6, atol=1e-6)  # float order of the decay
+        state, metrics = ts.apply_gradients(step_cfg, state, {"w": jnp.asarray(g)}, {"loss": jnp.float32(0)})
+        assert float(metrics["lr"]) == pytest.approx(logged, rel=1e-6, abs=1e-12)  # float32; 0 first (warm-up)
+    np.testing.assert_allclose(np.asarray(state.params["w"]), p.detach().numpy(), rtol=1e-6, atol=1e-6)  # decay order
 
 
 def test_beta_list_indexed_by_epoch(neox):
@@ -112,7 +116,7 @@ def test_fused_step_equals_split_path_and_does_not_recompile(checkpoints, neox):
     # the same update from gradients the two programs round differently (their fusions differ): Adam's first step
     # turns a gradient entry that is float noise into up to +-lr, so helpers.close_params' bound, not a float32 tolerance
     helpers.close_params(fused.params, split_state.params, 1e-3, 1)
-    assert int(fused.step) == 1 and float(metrics["lr"]) == pytest.approx(1e-3 * 9 / 10)
+    assert int(fused.step) == 1 and float(metrics["lr"]) == pytest.approx(1e-3)  # the first update's: no warm-up
     compiled = ts.jit_online_step._cache_size()
     fused, metrics, _, _ = ts.jit_online_step(cfg, fused, params, rm_params, ids, mask)
     assert int(fused.step) == 2 and ts.jit_online_step._cache_size() == compiled
