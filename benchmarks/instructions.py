@@ -219,9 +219,9 @@ def two_sample(jodpo_runs: list[dict], trl_runs: list[dict]) -> str:
         out.append(f"{k}: jodpo k2 {statistics.mean(a):.3f} (seeds {a}) vs TRL {statistics.mean(b):.3f} (seeds {b}); "
                    f"{test}")
     speed = [[r["episodes_per_s"] for r in rs if r["episodes_per_s"] is not None] for rs in (jodpo_runs, trl_runs)]
-    out.append("episodes/s (training, compilation included): " + ", ".join(
-        f"{side} {statistics.mean(v):.3f}" if v else f"{side} not timed here"
-        for side, v in zip(("jodpo", "TRL"), speed)))
+    out.append("episodes/s of each run (training, compilation included; a run sharing the machine reads slower): " +
+               "; ".join(f"{side} " + (", ".join(f"{x:.3f}" for x in v) if v else "not timed here")
+                         for side, v in zip(("jodpo", "TRL"), speed)))
     return "\n\n".join(out)
 
 
