@@ -34,6 +34,11 @@ CONFIGS = Path(__file__).resolve().parent / "configs"  # real models' config.jso
 TPU_CHIPS = {"v4": ("v4", 2, 32), "v5p": ("v5p", 2, 95), "v5e": ("v5litepod", 1, 16), "v6e": ("v6e", 1, 32)}
 
 
+def topology_chips(tpu: str) -> int:
+    """The chips of a TPU topology (``v5e:2x4``: 8)."""
+    return math.prod(int(d) for d in tpu.partition(":")[2].split("x") if d.isdigit()) or 1
+
+
 def _devices(a) -> list:
     """The devices the pieces are compiled for: jax's default one, or every chip of the TPU topology ``a.tpu``
     (``jax.experimental.topologies``: libtpu's compiler, no TPU attached; jax itself stays on the CPU)."""
@@ -48,9 +53,9 @@ def _devices(a) -> list:
                          "environment")
     # No TPU metadata server, worker list or accelerator type here: libtpu asks for each (and warns) unless told.
     # Nothing runs on a chip, so another process holding libtpu's lock (a jax that found it installed) is no conflict.
-    family, _, dims = a.tpu.partition(":")
+    family = a.tpu.partition(":")[0]
     name, cores, _ = TPU_CHIPS.get(family, (family, 1, None))
-    chips = math.prod(int(d) for d in dims.split("x") if d.isdigit()) or 1
+    chips = topology_chips(a.tpu)
     for k, v in dict(TPU_SKIP_MDS_QUERY="1", TPU_WORKER_HOSTNAMES="localhost", TPU_WORKER_ID="0",
                      TPU_ACCELERATOR_TYPE=f"{name}-{cores * chips}", ALLOW_MULTIPLE_LIBTPU_LOAD="1").items():
         os.environ.setdefault(k, v)

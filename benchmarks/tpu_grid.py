@@ -17,15 +17,13 @@ says yes (``yes<``), a smaller one refused says no (``no>``); everything else is
 from __future__ import annotations
 
 import json
-import math
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import jodpo
 from harness import BENCH
-from memory import TPU_CHIPS, hf_models
+from memory import TPU_CHIPS, hf_models, topology_chips
 
 MODELS = ("qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "gemma-3-1b", "gemma-3-4b", "gemma-3-12b")
 TPUS = ("v5e:1x1", "v6e:1x1", "v5p:1x1x1", "v5e:2x4", "v6e:2x4", "v5p:2x2x2")
@@ -62,31 +60,25 @@ def verdict(path: Path, hbm: float) -> tuple[bool | None, str] | None:
     return (True, f"{peak:.1f}") if peak <= hbm else (False, f"peak {peak:.1f} > {hbm:g}")
 
 
-def floor_gib(model: str, rank: int, chips: int) -> float:
-    """What the step is passed per chip, exact arithmetic, no compile: 12 B per trained parameter (float32 weights
-    and two Adam moments), 2 B per parameter of the frozen reference (with LoRA, the base) and of the reward model,
-    split over the chips by FSDP. Above a chip's HBM it settles the cell (no), below only the compiler can."""
+def floor_gib(model: str, rank: int) -> float:
+    """What the step is passed on one chip, exact arithmetic, no compile: 12 B per trained parameter (float32 weights
+    and two Adam moments), 2 B per parameter of the frozen reference (with LoRA, the base) and of the reward model;
+    FSDP splits it evenly over the chips. Above a chip's HBM it settles the cell (no), below only the compiler can."""
     import tempfile
 
     import jax
 
     from jodpo.models import lora
+    from jodpo.models.params import param_shapes
 
     with tempfile.TemporaryDirectory() as t:
         policy, rm = hf_models(model, None, Path(t))
     size = lambda tree: sum(x.size for x in jax.tree.leaves(tree))  # noqa: E731
-    shapes = lambda m: jax.eval_shape(lambda: jodpo.init_params(m, jax.random.key(0)))  # noqa: E731
-    n, n_rm = size(shapes(policy)), size(shapes(rm))
-    trained = n
+    n, n_rm, trained = size(param_shapes(policy)), size(param_shapes(rm)), None
     if rank:
         m = policy.replace(lora_rank=rank, lora_alpha=2.0 * rank)
-        targets = lora.resolve_targets(m, None)
-        trained = size(jax.eval_shape(lambda: lora.init_adapters(m, targets, jax.random.key(0))))
-    return (12 * trained + 2 * n + 2 * n_rm) / chips / 2 ** 30
-
-
-def chips_of(tpu: str) -> int:
-    return math.prod(int(d) for d in tpu.partition(":")[2].split("x"))
+        trained = size(jax.eval_shape(lambda: lora.init_adapters(m, lora.resolve_targets(m, None), jax.random.key(0))))
+    return (12 * (trained or n) + 2 * n + 2 * n_rm) / 2 ** 30
 
 
 # HBM a program may use per chip, GiB: XLA:TPU's own figure where its refusals name it (v5e, v6e), else Google's
@@ -117,8 +109,8 @@ def settle(models: list[str], tpus: list[str], ranks: list[int], compiled: dict,
         for m in models:
             same = [x for x in models if family(x) == family(m)]
             for tpu in tpus:
-                kind, one = tpu.partition(":")[0], chips_of(tpu) == 1
-                other = [t for t in tpus if t.partition(":")[0] == kind and (chips_of(t) == 1) != one]
+                kind, one = tpu.partition(":")[0], topology_chips(tpu) == 1
+                other = [t for t in tpus if t.partition(":")[0] == kind and (topology_chips(t) == 1) != one]
                 for rank in ranks:
                     if (m, tpu, rank) in fits:
                         continue
@@ -156,14 +148,15 @@ def next_cell(a, cells: dict):
     largest open model first (XLA:TPU refuses in seconds what does not fit; the first that fits, minutes, settles every
     smaller one)."""
     open_ = [k for k, v in cells.items() if v.startswith("?")]
-    return min(open_, key=lambda k: (k[2], chips_of(k[1]) > 1, a.tpus.index(k[1]), family(k[0]),
+    return min(open_, key=lambda k: (k[2], topology_chips(k[1]) > 1, a.tpus.index(k[1]), family(k[0]),
                                      -a.models.index(k[0])), default=None)
 
 
 def bench_tpu_grid(a) -> dict:
     a.out.mkdir(parents=True, exist_ok=True)
-    per_model = {(m, r): floor_gib(m, r, 1) for m in a.models for r in a.lora_ranks}
-    floors = {(m, tpu, r): per_model[m, r] / chips_of(tpu) for m in a.models for tpu in a.tpus for r in a.lora_ranks}
+    per_model = {(m, r): floor_gib(m, r) for m in a.models for r in a.lora_ranks}
+    floors = {(m, tpu, r): per_model[m, r] / topology_chips(tpu)
+              for m in a.models for tpu in a.tpus for r in a.lora_ranks}
 
     def cells() -> dict:
         compiled = {(m, tpu, rank): verdict(cell_path(a.out, m, tpu, rank), hbm_of(tpu))
@@ -191,8 +184,9 @@ def table(r: dict) -> str:
     """One markdown table per training (full, LoRA r): models down, TPU topologies across."""
     lines = []
     for rank in r["lora_ranks"]:
-        lines += ["", f"{'full fine-tuning, with a reference' if rank == 0 else f'LoRA rank {rank}'} (peak GiB "
-                      "per chip):", "", "| model | " + " | ".join(r["tpus"]) + " |", "|" + " --- |" * (1 + len(r["tpus"]))]
+        title = "full fine-tuning, with a reference" if rank == 0 else f"LoRA rank {rank}"
+        lines += ["", f"{title} (peak GiB per chip):", "", "| model | " + " | ".join(r["tpus"]) + " |",
+                  "|" + " --- |" * (1 + len(r["tpus"]))]
         for m in r["models"]:
             lines.append(f"| {m} | " + " | ".join(r["cells"][f"{m} {tpu} {rank}"] for tpu in r["tpus"]) + " |")
     return "\n".join(lines[1:]) + "\n"
