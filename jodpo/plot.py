@@ -99,11 +99,28 @@ def figure(runs: Sequence[str | Path], labels: Sequence[str] | None = None, metr
     if len(data) > 1:
         handles = [h for ax in axes for h in ax.get_lines()]
         first = {h.get_label(): h for h in reversed(handles)}  # one legend entry per run, in the runs' order
-        fig.legend([first[n] for n in names if n in first], [n for n in names if n in first],
-                   loc="outside lower center", ncols=min(len(data), 6), fontsize=9)
+        shown = [n for n in names if n in first]
+        _legend(fig, [first[n] for n in shown], shown)
     if title:
         fig.suptitle(title)
     return fig
+
+
+def _legend(fig, handles, labels) -> None:
+    """The runs' legend below the panels in as few rows as fit the figure's width, the rows balanced (six long
+    labels: two rows of three, not five and one)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    for fit in range(len(labels), 0, -1):
+        legend = fig.legend(handles, labels, loc="outside lower center", ncols=fit, fontsize=9)
+        if fit == 1 or legend.get_window_extent(renderer).width <= fig.bbox.width:
+            break
+        legend.remove()
+    rows = math.ceil(len(labels) / fit)
+    if math.ceil(len(labels) / rows) != fit:
+        legend.remove()
+        fig.legend(handles, labels, loc="outside lower center", ncols=math.ceil(len(labels) / rows), fontsize=9)
 
 
 def plot_runs(runs: Sequence[str | Path], out: str | Path, labels: Sequence[str] | None = None,

@@ -40,6 +40,19 @@ def test_figure_draws_each_metric_of_each_run(two_runs):
     assert sum(ax.get_visible() for ax in alone.axes) == len(plot.CURVES) - 1 and not alone.legends
 
 
+def test_legend_of_many_long_labels_wraps_into_balanced_rows_within_the_figure(two_runs):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    full, half, _, _ = two_runs
+    labels = [f"a long run name, seed {i}" for i in range(6)]
+    fig = plot.figure([full, half] * 3, labels=labels, metrics=["objective/scores", "loss"])
+    (legend,) = fig.legends
+    assert [t.get_text() for t in legend.get_texts()] == labels
+    box = legend.get_window_extent(FigureCanvasAgg(fig).get_renderer())
+    assert box.width <= fig.bbox.width and legend._ncols in (2, 3)  # 6 entries: rows of 3 or of 2, never 5 + 1
+    assert plot.figure([full, half], labels=["a", "b"]).legends[0]._ncols == 2  # short labels stay on one row
+
+
 def test_plot_command_writes_a_png_of_several_runs(two_runs, tmp_path):
     from PIL import Image
 
