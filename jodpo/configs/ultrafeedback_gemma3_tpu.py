@@ -2,7 +2,8 @@
 (its own tokenizer: completions are decoded and re-tokenized for it), at TRL's Online DPO settings. jodpo's defaults
 suit a TPU: bf16 compute with float32 master weights, the layers rematerialised, the batch split over every chip of
 the slice with the weights, gradients and Adam state (mesh_fsdp=-1); the frozen reference and reward model are read
-in bf16."""
+in bf16. What fits (docs/tpu.md, compiled for each chip ahead of time): one v6e or v5p chip, or a v5litepod-8; not one
+v5e chip (use_peft=True fits there)."""
 from jodpo import TrainConfig
 from jodpo.program.config import load_config_file
 

@@ -1,7 +1,9 @@
 """Qwen3-1.7B with the Skywork-Reward-V2 Qwen3-1.7B reward model on UltraFeedback prompts (chat data), at TRL's Online
 DPO settings (as ultrafeedback_qwen2.py). Both share Qwen3's tokenizer, so the rewards are read from the policy's
 token ids on the device. Qwen3's EOS ids (<|im_end|>, <|endoftext|>) come from its generation_config.json; its chat
-template renders the prompts as TRL renders them (thinking on, the template's default)."""
+template renders the prompts as TRL renders them (thinking on, the template's default). What fits on TPUs (docs/tpu.md,
+compiled for each chip ahead of time): one v5p chip, a v5litepod-8 or 8 v6e chips; not one v5e or v6e chip
+(use_peft=True fits one v5e chip)."""
 from jodpo import TrainConfig
 from jodpo.program.config import load_config_file
 
