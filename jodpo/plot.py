@@ -112,15 +112,19 @@ def _legend(fig, handles, labels) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
     renderer = FigureCanvasAgg(fig).get_renderer()
-    for fit in range(len(labels), 0, -1):
-        legend = fig.legend(handles, labels, loc="outside lower center", ncols=fit, fontsize=9)
-        if fit == 1 or legend.get_window_extent(renderer).width <= fig.bbox.width:
+
+    def place(ncols: int):
+        return fig.legend(handles, labels, loc="outside lower center", ncols=ncols, fontsize=9)
+
+    fit = len(labels)
+    while fit > 1:
+        trial = place(fit)
+        wide = trial.get_window_extent(renderer).width > fig.bbox.width
+        trial.remove()
+        if not wide:
             break
-        legend.remove()
-    rows = math.ceil(len(labels) / fit)
-    if math.ceil(len(labels) / rows) != fit:
-        legend.remove()
-        fig.legend(handles, labels, loc="outside lower center", ncols=math.ceil(len(labels) / rows), fontsize=9)
+        fit -= 1
+    place(math.ceil(len(labels) / math.ceil(len(labels) / fit)))
 
 
 def plot_runs(runs: Sequence[str | Path], out: str | Path, labels: Sequence[str] | None = None,

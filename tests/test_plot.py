@@ -41,6 +41,17 @@ def test_figure_draws_each_metric_of_each_run(two_runs):
     assert sum(ax.get_visible() for ax in alone.axes) == len(plot.CURVES) - 1 and not alone.legends
 
 
+def _legend_rows(fig) -> list[int]:
+    """How many entries each row of the figure's legend holds, from where its texts are drawn."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    return sorted(collections.Counter(round(t.get_window_extent(renderer).y0) for t in fig.legends[0].get_texts())
+                  .values())
+
+
 def test_legend_of_many_long_labels_wraps_into_balanced_rows_within_the_figure(two_runs):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
@@ -49,16 +60,9 @@ def test_legend_of_many_long_labels_wraps_into_balanced_rows_within_the_figure(t
     fig = plot.figure([full, half] * 3, labels=labels, metrics=["objective/scores", "loss"])
     (legend,) = fig.legends
     assert [t.get_text() for t in legend.get_texts()] == labels
-    def rows(fig, legend):  # the legend's rows, by where its texts are drawn
-        canvas = FigureCanvasAgg(fig)
-        canvas.draw()
-        renderer = canvas.get_renderer()
-        return sorted(collections.Counter(round(t.get_window_extent(renderer).y0) for t in legend.get_texts()).values())
-
     assert legend.get_window_extent(FigureCanvasAgg(fig).get_renderer()).width <= fig.bbox.width
-    assert rows(fig, legend) in ([3, 3], [2, 2, 2])  # balanced, never 5 + 1
-    short = plot.figure([full, half], labels=["a", "b"])
-    assert rows(short, short.legends[0]) == [2]  # short labels stay on one row
+    assert _legend_rows(fig) in ([3, 3], [2, 2, 2])  # balanced, never 5 + 1
+    assert _legend_rows(plot.figure([full, half], labels=["a", "b"])) == [2]  # short labels stay on one row
 
 
 def test_plot_command_writes_a_png_of_several_runs(two_runs, tmp_path):
