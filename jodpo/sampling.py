@@ -1,8 +1,9 @@
 """Sampling: one prefill over the prompt, then decoding over a KV cache in ``lax.scan`` chunks.
 
-The decode loop is a ``while_loop`` over chunks of ``SamplingConfig.chunk`` steps, each a ``lax.scan``; it
-stops as soon as every row has produced an EOS (TL;DR completions often end early) or the budget is spent.
-Everything after a row's first EOS is padding.
+The decode loop is a ``while_loop`` over chunks of ``SamplingConfig.chunk`` steps, each a ``lax.scan`` of
+branch-free steps (run the model on the last token, choose the next); between chunks it stops as soon as every row
+has produced an EOS (TL;DR completions often end early) or the budget is spent. Everything after a row's first EOS
+is padding.
 
 Filtering follows transformers exactly, in its order: repetition penalty, then temperature, top-k, top-p
 (nucleus, keeping the token that crosses p), min-p (relative to the top token's probability).
@@ -37,6 +38,7 @@ class SamplingConfig:
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int = 0
     chunk: int = 8  # decode steps between checks for "every row has ended"
+    unroll: int = 1  # decode steps per iteration of the compiled loop (lax.scan's unroll); results do not depend on it
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -47,8 +49,8 @@ class SamplingConfig:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.min_p < 1:
             raise ValueError(f"min_p must be in [0, 1), got {self.min_p}")
-        if self.top_k < 0 or self.chunk < 1 or self.repetition_penalty <= 0:
-            raise ValueError("top_k must be >= 0, chunk >= 1 and repetition_penalty > 0")
+        if self.top_k < 0 or self.chunk < 1 or self.unroll < 1 or self.repetition_penalty <= 0:
+            raise ValueError("top_k must be >= 0, chunk and unroll >= 1, and repetition_penalty > 0")
         object.__setattr__(self, "eos_token_ids", tuple(int(e) for e in self.eos_token_ids))
 
 
@@ -135,8 +137,9 @@ def _inverse_cdf(x_BV: jax.Array, rng: jax.Array, block: int = 128) -> jax.Array
 
 @flax.struct.dataclass
 class _State:
-    step: jax.Array  # i32[]: decode steps taken
-    logits: jax.Array  # f32[B, V]: logits for the next token
+    step: jax.Array  # i32[]: tokens chosen so far (the next one chosen is token ``step``)
+    token: jax.Array  # i32[B]: the last token chosen, which the next decode step runs the model on
+    alive: jax.Array  # bool[B]: whether that token is a real one (its row had not ended before it)
     cache: Cache
     seen: jax.Array | None  # bool[B, V] tokens seen (repetition penalty only)
     done: jax.Array  # bool[B]: row has produced an EOS
@@ -145,33 +148,31 @@ class _State:
     logprobs: jax.Array
 
 
-def _decode_step(model, params, cfg, rng, state: _State, _) -> tuple[_State, None]:
-    """Choose token ``step``, then run the model on it unless nothing more is needed. Steps past
-    ``max_new_tokens`` (the last chunk's overhang) do nothing."""
-    T = cfg.max_new_tokens
+def _emit(cfg: SamplingConfig, rng: jax.Array, state: _State, logits_BV: jax.Array) -> _State:
+    """Choose token ``state.step`` of every row from its logits and record it. A step past ``max_new_tokens`` (the
+    last chunk's overhang) records nothing: its token is never part of the result."""
+    t = state.step
+    token, logp = choose(logits_BV, state.seen, jax.random.fold_in(rng, t), cfg)
+    alive = ~state.done
+    token = jnp.where(alive, token, cfg.pad_token_id)
+    done = state.done | (jnp.isin(token, jnp.asarray(cfg.eos_token_ids or (-1,), jnp.int32)) & alive)
+    seen = state.seen
+    if seen is not None:
+        seen = seen | (jax.nn.one_hot(token, seen.shape[-1], dtype=bool) & alive[:, None])
+    keep = t < cfg.max_new_tokens
+    upd = lambda buf, v: jnp.where(  # noqa: E731
+        keep, jax.lax.dynamic_update_slice(buf, v[:, None].astype(buf.dtype), (0, t)), buf)
+    return state.replace(step=t + 1, token=token, alive=alive, seen=seen, done=done,
+                         tokens=upd(state.tokens, token), mask=upd(state.mask, alive),
+                         logprobs=upd(state.logprobs, jnp.where(alive, logp, 0.0)))
 
-    def step(state: _State) -> _State:
-        t = state.step
-        token, logp = choose(state.logits, state.seen, jax.random.fold_in(rng, t), cfg)
-        alive = ~state.done
-        token = jnp.where(alive, token, cfg.pad_token_id)
-        done = state.done | (jnp.isin(token, jnp.asarray(cfg.eos_token_ids or (-1,), jnp.int32)) & alive)
-        upd = lambda buf, v: jax.lax.dynamic_update_slice(buf, v[:, None].astype(buf.dtype), (0, t))
-        seen = state.seen
-        if seen is not None:
-            seen = seen | (jax.nn.one_hot(token, seen.shape[-1], dtype=bool) & alive[:, None])
 
-        def forward(cache):
-            h, cache = hidden_states(model, params, token[:, None], alive[:, None].astype(jnp.int32), cache)
-            return lm_head(model, params, h[:, -1]), cache
-
-        more = (t + 1 < T) & ~jnp.all(done)
-        logits, cache = jax.lax.cond(more, forward, lambda c: (state.logits, c), state.cache)
-        return _State(step=t + 1, logits=logits, cache=cache, seen=seen, done=done,
-                      tokens=upd(state.tokens, token), mask=upd(state.mask, alive),
-                      logprobs=upd(state.logprobs, jnp.where(alive, logp, 0.0)))
-
-    return jax.lax.cond(state.step < T, step, lambda s: s, state), None
+def _decode_step(model: Model, params: Params, cfg: SamplingConfig, rng: jax.Array, state: _State) -> _State:
+    """One decode step, straight-line (no branch: on a GPU every ``lax.cond`` waits for its predicate to reach the
+    host, and the kernels behind it then start only after it): run the model on the last token (a row that has
+    ended runs on padding, unseen by any real token), then choose the next."""
+    h, cache = hidden_states(model, params, state.token[:, None], state.alive[:, None].astype(jnp.int32), state.cache)
+    return _emit(cfg, rng, state.replace(cache=cache), lm_head(model, params, h[:, -1]))
 
 
 def sample(model: Model, params: Params, prompt_ids: jax.Array, prompt_mask: jax.Array, rng: jax.Array,
@@ -208,15 +209,19 @@ def sample(model: Model, params: Params, prompt_ids: jax.Array, prompt_mask: jax
         cache = {"k": tuple(map(tile, cache["k"])), "v": tuple(map(tile, cache["v"])), "mask": tile(cache["mask"]),
                  "index": cache["index"]}
         logits, seen, B = tile(logits), None if seen is None else tile(seen), B * num_samples
-    zeros = lambda dt: jnp.zeros((B, T), dt)
-    state = _State(step=jnp.zeros((), jnp.int32), logits=logits, cache=cache, seen=seen,
-                   done=jnp.zeros((B,), bool), tokens=zeros(jnp.int32), mask=zeros(jnp.int32),
-                   logprobs=zeros(jnp.float32))
+    zeros = lambda dt: jnp.zeros((B, T), dt)  # noqa: E731
+    state = _State(step=jnp.zeros((), jnp.int32), token=jnp.zeros((B,), jnp.int32), alive=jnp.zeros((B,), bool),
+                   cache=cache, seen=seen, done=jnp.zeros((B,), bool), tokens=zeros(jnp.int32),
+                   mask=zeros(jnp.int32), logprobs=zeros(jnp.float32))
+    state = _emit(config, rng, state, logits)  # token 0, from the prefill's logits
 
     def chunk(state):
-        return jax.lax.scan(lambda s, x: _decode_step(model, params, config, rng, s, x), state, None,
-                            length=config.chunk)[0]
+        return jax.lax.scan(lambda s, _: (_decode_step(model, params, config, rng, s), None), state, None,
+                            length=config.chunk, unroll=config.unroll)[0]
 
+    # Tokens 1 .. T-1, ``chunk`` decode steps at a time, until every row has ended. Only this loop's predicate is
+    # read between chunks; a scan's trip count is known, so its steps run without a check. The last chunk may run
+    # past T - 1: those steps record nothing (their cache writes land in the last slot, which nothing reads after).
     state = jax.lax.while_loop(lambda s: (s.step < T) & ~jnp.all(s.done), chunk, state)
     pad = jnp.int32(config.pad_token_id)
     return Samples(tokens=jnp.where(state.mask > 0, state.tokens, pad), mask=state.mask, logprobs=state.logprobs)
