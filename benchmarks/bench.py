@@ -14,7 +14,8 @@ ratios within a run, not seconds across runs). docs/performance.md has the figur
                                  [--remat full|none|dots] [--tpu v5p:1x1x1|v5e:2x4] [--out F.json]
                                  [--hf-config qwen3-1.7b|CONFIG.json] [--lora-rank 16] [--pieces online_step]
                                  (same shape flags, or a transformers config; memory.py)
-  python benchmarks/bench.py device [--out DIR] [--dry-run] [--tests-timeout 330] [--step-timeout 130]
+  python benchmarks/bench.py device [--out DIR] [--dry-run] [--tests-timeout 100] [--step-timeout 210]
+                                 [--variant-timeout 40] [--baseline DIR]
                                  (the GPU check of a short lease: device.py, scripts/device_check.sh)
   python benchmarks/bench.py tpu-grid [--models qwen3-0.6b ...] [--tpus v5e:1x1 v5e:2x4 ...] [--lora-ranks 0 16]
                                    [--out runs/tpu-grid] [--table-only]  (memory --tpu over a grid: tpu_grid.py)
@@ -65,6 +66,7 @@ import sys
 from pathlib import Path
 
 import device
+import device_measure
 import memory
 import program
 import real
@@ -107,8 +109,8 @@ def main(argv: list[str] | None = None) -> dict | None:
         if side == "trl_program":
             return workers.worker_trl_program(spec)
         return {"jodpo": workers.worker_jodpo, "trl": workers.worker_trl}[side](spec, Channel())
-    if argv[:1] == ["_device_step"]:  # the device check's step phase, in a process of its own (device.py)
-        return device.step_phase(json.loads(argv[1]))
+    if argv[:1] == ["_device_step"]:  # the device check's measurements, in a process of their own (device.py)
+        return device_measure.run(json.loads(argv[1]))
     args = parser().parse_args(argv)
     run, show = BENCHMARKS[args.what]
     result = run(args)

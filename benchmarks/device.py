@@ -1,37 +1,37 @@
 """``bench.py device``: the GPU check that fits a short lease (``scripts/device_check.sh`` runs it on a lent machine).
 
-Two phases, each in a process of its own under its own time limit, one after the other:
+Three phases, each in processes of its own under its own time limit, one after the other:
 
 1. **tests**: the suite's tests that carry weight (``WEIGHTY``: precision, every family's logits and reward scores,
    KV-cache decoding, the sampler against transformers and a Python loop, the step against TRL's recorded step,
    resume, and the tests marked ``gpu``), selected by name (``pytest -k``), so a new family's parametrized tests
-   are in it the day they land. jax's default backend is whatever the machine has: the GPU on a lent one.
-2. **step**: the fused online step (``train_step.jit_online_step``: sample, score with the reward model, update)
-   and the sampler alone (``jit_sample_completions``) at a ~1.7B GPT-NeoX shape in bf16 (hidden 2304, 24 layers, 18
-   heads: 1.76B parameters), models built from a ``config.json`` with random weights (nothing read from disk):
-   episodes/s, completion tokens/s, and MFU (useful FLOPs, ``harness.step_flops``, against the chip's nominal
-   dense bf16 peak and against the matmul peak measured in the run).
+   are in it the day they land; the files of ``FIRST`` run first, so a phase that runs out of time has covered them.
+   jax's default backend is whatever the machine has: the GPU on a lent one.
+2. **step**: the fused online step and the sampler alone at a ~1.7B GPT-NeoX shape in bf16 (hidden 2304, 24 layers,
+   18 heads: 1.76B parameters, random weights; ``device_measure``): episodes/s, completion tokens/s, MFU against the
+   chip's nominal dense bf16 peak and the matmul peak measured in the run, the sampler's share of its bandwidth bound;
+   then ``IN_PROCESS`` variants, each one choice changed, timed in the same process.
+3. **variants**: ``FLAG_SETS``, the sampler in a process under other XLA flags (command buffers that capture the
+   decode loop), and with ``--baseline DIR`` (a copy of an earlier ``jodpo`` package) the same on that version: the
+   sampler as it was, measured side by side in the same call.
 
 Each phase's results go to ``DIR/device_check.json`` as soon as the phase ends (a phase that runs out of time is
-recorded as ``timed out``, with what it finished: the tests that reported, the step's pieces that were timed), and
+recorded as ``timed out``, with what it finished: the tests that reported, the measurements made), and
 ``DIR/device_check.md`` is the table for docs/gpu.md. ``--dry-run`` is the suite's check of this code on a CPU:
-the test phase only collects (each group must select tests, the logits every family), the step phase runs at a
-tiny shape.
+the test phase only collects (each group must select tests, the logits every family), the step and variants phases
+run at a tiny shape.
 """
 from __future__ import annotations
 
 import json
 import os
 import signal
-import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-from harness import BENCH, ROOT, config_models, jax_matmul_peak, step_flops, timed
+from harness import BENCH, ROOT
 
 # group: fragments of test names (pytest -k matches a fragment anywhere in a test's name or its file's)
 WEIGHTY = {
@@ -42,27 +42,53 @@ WEIGHTY = {
     "resume": ("resumes_exactly", "resume_exactly", "kill_and_resume", "resume_without_determinism"),
     "gpu": ("test_gpu",),
 }
+# test files run first (the sampler, the step against TRL, precision, the GPU's own): the rest of the selection follows
+FIRST = ("test_sampling.py", "test_losses_vs_trl.py", "test_precision.py", "test_gpu.py")
+# one choice changed each, timed in the step phase's process against its default (device_measure.run), by name
+IN_PROCESS = {
+    "update (xla attention, remat full)": {"what": "update"},
+    "update, cudnn attention": {"what": "update", "attention": "cudnn"},
+    "update, remat dots": {"what": "update", "remat": "dots"},
+    "update, cudnn attention + remat dots": {"what": "update", "attention": "cudnn", "remat": "dots"},
+    "step, cudnn attention + remat dots": {"what": "step", "attention": "cudnn", "remat": "dots"},
+    "step, remat dots": {"what": "step", "remat": "dots"},
+    "sampler, 4x rows": {"what": "sampler", "batch_factor": 4},
+    "sampler, scan unroll 2": {"what": "sampler", "unroll": 2},
+    "sampler, cudnn prefill": {"what": "sampler", "attention": "cudnn"},
+}
+# what the dry run times of them (one of each kind: its processes are the suite's)
+DRY_IN_PROCESS = ("update (xla attention, remat full)", "step, remat dots", "sampler, scan unroll 2")
+# XLA's command buffers (CUDA graphs) for the decode loop and its branches too, not only runs of kernels
+COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
+# the variants phase: (name, XLA flags added, on the --baseline package)
+FLAG_SETS = (("baseline", "", True), ("command buffers", COMMAND_BUFFERS, False),
+             ("baseline, command buffers", COMMAND_BUFFERS, True))
+# the issue's targets: the sampler's share of its bandwidth bound, the fused step's MFU of the nominal peak
+SAMPLER_TARGET, STEP_TARGET = 0.70, 0.35
 # the ~1.7B shape of the step phase, and the tiny one of --dry-run
 SHAPES = {"1.7b": dict(vocab=50304, hidden=2304, layers=24, heads=18, batch=16, prompt_len=128, new_tokens=128,
                        peak_size=None),
           "tiny": dict(vocab=512, hidden=64, layers=2, heads=4, batch=2, prompt_len=16, new_tokens=8, peak_size=256)}
-# nominal dense bf16 TFLOP/s by device kind (the first fragment found in jax's device_kind wins)
-NOMINAL_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100", 989.4), ("H200", 989.4), ("A100", 312.0), ("L4", 121.0))
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("device", help="the GPU check of a short lease: the weighty tests, then the step at ~1.7B")
     p.add_argument("--out", type=Path, default=Path("device-check"), help="folder of device_check.json/.md and logs")
     p.add_argument("--dry-run", action="store_true", help="collect the tests only, and the step at a tiny shape")
-    p.add_argument("--tests-timeout", type=float, default=330, help="seconds for the test phase")
-    p.add_argument("--step-timeout", type=float, default=130, help="seconds for the step phase")
+    p.add_argument("--tests-timeout", type=float, default=100, help="seconds for the test phase")
+    p.add_argument("--step-timeout", type=float, default=210, help="seconds for the step phase and its variants")
+    p.add_argument("--variant-timeout", type=float, default=40, help="seconds for each process of the variants phase")
+    p.add_argument("--baseline", type=Path, help="a folder holding an earlier jodpo package, measured side by side")
+    p.add_argument("--groups", nargs="+", choices=tuple(WEIGHTY), default=tuple(WEIGHTY), help="weighty test groups")
+    p.add_argument("--variants", nargs="+", choices=tuple(IN_PROCESS), help="in-process variants (default: all)")
+    p.add_argument("--flag-sets", nargs="+", choices=[n for n, _, _ in FLAG_SETS], help="variant processes (all)")
     p.add_argument("--steps", type=int, default=3, help="timed calls of the step and of the sampler")
     p.add_argument("--nominal-peak-tflops", type=float, help="the chip's dense bf16 peak (default: by device kind)")
 
 
-def selection() -> str:
-    """The ``pytest -k`` expression of every weighty group."""
-    return " or ".join(f for fragments in WEIGHTY.values() for f in fragments)
+def selection(groups=tuple(WEIGHTY)) -> str:
+    """The ``pytest -k`` expression of the weighty ``groups``."""
+    return " or ".join(f for g in groups for f in WEIGHTY[g])
 
 
 def groups_of(nodeid: str) -> list[str]:
@@ -90,11 +116,11 @@ def parse_pytest(log: str) -> dict:
     return out
 
 
-def run_phase(cmd: list[str], timeout: float, log: Path) -> dict:
+def run_phase(cmd: list[str], timeout: float, log: Path, env: dict | None = None) -> dict:
     """``cmd`` in a session of its own, its output to ``log``; at ``timeout`` the session is stopped (SIGTERM, then
     SIGKILL after 10 s) and the phase recorded as timed out."""
     t = time.perf_counter()
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     with log.open("w") as f:
         p = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
@@ -113,6 +139,12 @@ def run_phase(cmd: list[str], timeout: float, log: Path) -> dict:
             "log": log.name}
 
 
+def test_files() -> list[str]:
+    """Every test file, ``FIRST``'s first."""
+    rest = sorted(p.name for p in (ROOT / "tests").glob("test_*.py") if p.name not in FIRST)
+    return [f"tests/{name}" for name in (*FIRST, *rest)]
+
+
 def bench_device(a) -> dict:
     a.out.mkdir(parents=True, exist_ok=True)
     shape = SHAPES["tiny" if a.dry_run else "1.7b"]
@@ -121,8 +153,8 @@ def bench_device(a) -> dict:
     def save():
         (a.out / "device_check.json").write_text(json.dumps(result, indent=2))
 
-    pytest = [sys.executable, "-m", "pytest", "tests", "-p", "no:cacheprovider", "--continue-on-collection-errors",
-              "-k", selection()]
+    pytest = [sys.executable, "-m", "pytest", *test_files(), "-p", "no:cacheprovider", "--given-order",
+              "--continue-on-collection-errors", "-k", selection(a.groups)]
     pytest += ["--collect-only", "-q"] if a.dry_run else ["-v", "--durations=25"]
     tests = run_phase(pytest, a.tests_timeout, a.out / "tests.log")
     if a.dry_run and tests["status"] == "failed" and tests["exit_code"] == 5:
@@ -130,98 +162,59 @@ def bench_device(a) -> dict:
     tests["groups"] = parse_pytest((a.out / "tests.log").read_text())
     result["phases"]["tests"] = tests
     save()
-    spec = dict(shape, out=str(a.out / "step.json"), steps=a.steps, nominal_peak_tflops=a.nominal_peak_tflops)
-    step = run_phase([sys.executable, str(BENCH), "_device_step", json.dumps(spec)], a.step_timeout,
-                     a.out / "step.log")
-    if (a.out / "step.json").exists():
-        step.update(json.loads((a.out / "step.json").read_text()))
-    result["phases"]["step"] = step
-    result["complete"] = all(p["status"] == "passed" for p in result["phases"].values())
+
+    def measure(name: str, timeout: float, flags: str = "", env: dict | None = None, **spec) -> dict:
+        """``device_measure.run`` in a process of its own under ``flags`` (added to XLA_FLAGS), the sampler's
+        optimised HLO dumped beside its results (``hlo-NAME/``: what the GPU compiler made of the decode loop)."""
+        out, dump = a.out / f"{name}.json", a.out / f"hlo-{name}"
+        spec = dict(shape, out=str(out), steps=a.steps, nominal_peak_tflops=a.nominal_peak_tflops, profile=True,
+                    **spec)
+        flags += f" --xla_dump_to={dump} --xla_dump_hlo_module_re=sample_completions --xla_dump_hlo_as_text"
+        env = {**(env or {}), "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()}
+        phase = run_phase([sys.executable, str(BENCH), "_device_step", json.dumps(spec)], timeout,
+                          a.out / f"{name}.log", env)
+        for f in dump.rglob("*"):
+            if f.is_file() and not f.name.endswith("after_optimizations.txt"):
+                f.unlink()
+        if out.exists():
+            phase.update(json.loads(out.read_text()))
+        return phase
+
+    names = a.variants or (DRY_IN_PROCESS if a.dry_run else tuple(IN_PROCESS))
+    result["phases"]["step"] = measure("step", a.step_timeout, variants=[{"name": n, **IN_PROCESS[n]} for n in names])
+    save()
+    variants = {}
+    for name, flags, baseline in FLAG_SETS:
+        if ((baseline or a.dry_run) and not a.baseline) or (a.flag_sets and name not in a.flag_sets):
+            continue  # (a dry run without a baseline skips these: each process compiles)
+        env = {"PYTHONPATH": f"{a.baseline.resolve()}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"} if baseline else {}
+        variants[name] = measure(name.replace(", ", "-").replace(" ", "_"), a.variant_timeout, flags, env, step=False)
+        result["phases"]["variants"] = variants
+        save()
+    result["complete"] = all(p["status"] == "passed" for p in [*result["phases"].values(), *variants.values()]
+                             if "status" in p)
     save()
     return result
 
 
+# what stays beside raw.tar.gz: the device tool brings back few files from a lent machine (8 in 2026-11)
+KEPT = ("device_check.json", "device_check.md", "tests.log")
+
+
 def write(result: dict, folder: Path) -> None:
-    """The finished check, with the machine and the command: ``device_check.json`` and its table, ``.md``."""
+    """The finished check, with the machine and the command: ``device_check.json`` and its table, ``.md``; the
+    phases' own files (logs, JSON, the sampler's optimised HLO and profiler traces) packed into ``raw.tar.gz``."""
+    import shutil
+    import tarfile
+
     (folder / "device_check.json").write_text(json.dumps(result, indent=2))
     (folder / "device_check.md").write_text(table(result))
-
-
-def step_phase(spec: dict) -> None:
-    """The step phase (``bench.py _device_step SPEC``): writes ``spec["out"]`` after each measurement."""
-    import types
-
-    import jax
-    import jax.numpy as jnp
-
-    import jodpo
-    from jodpo import train_step as ts
-    from jodpo.models.params import frozen_params
-
-    out, r = Path(spec["out"]), {"device": str(jax.devices()[0]), "device_kind": jax.devices()[0].device_kind}
-
-    def save(**kv):
-        r.update(kv)
-        out.write_text(json.dumps(r, indent=2))
-
-    a = types.SimpleNamespace(**spec)
-    kind = r["device_kind"]
-    nominal = a.nominal_peak_tflops or next((v for k, v in NOMINAL_BF16_TFLOPS if k in kind), None)
-    save(nominal_peak_tflops=nominal, matmul_peak_tflops=jax_matmul_peak("bfloat16", 3, a.peak_size) / 1e3)
-    with tempfile.TemporaryDirectory() as tmp:
-        policy, rm = config_models(a, Path(tmp))
-    model, rm = policy.replace(dtype="bfloat16", remat="full"), rm.replace(dtype="bfloat16")
-    cfg = ts.StepConfig(model=model, reward_model=rm, beta=0.1, missing_eos_penalty=1.0, max_length=a.prompt_len +
-                        a.new_tokens, optimizer=ts.OptimizerConfig(learning_rate=5e-7, total_steps=1000),
-                        sampling=jodpo.SamplingConfig(max_new_tokens=a.new_tokens, temperature=0.9,
-                                                      eos_token_ids=(0,), pad_token_id=1))
-    t = time.perf_counter()
-    params = jodpo.init_params(model, jax.random.key(0), jnp.float32)
-    ref = frozen_params(model, params)  # the reference as the program holds it: bf16, as its forwards read it
-    rm_params = frozen_params(rm, jodpo.init_params(rm, jax.random.key(1), jnp.float32))
-    state = ts.init_state(cfg, params, jax.random.key(2))
-    del params
-    ids = jax.random.randint(jax.random.key(3), (1, a.batch, a.prompt_len), 2, a.vocab, jnp.int32)
-    mask = jnp.ones_like(ids)
-    jax.block_until_ready((state, ref, rm_params))
-    save(parameters=sum(x.size for x in jax.tree.leaves(state.params)), init_s=time.perf_counter() - t)
-    peak = 1e12 * nominal if nominal else None
-
-    # the sampler alone: two completions of every prompt, [1, 2B, T]
-    first = timed(lambda: jax.block_until_ready(ts.jit_sample_completions(cfg, state, ids, mask)))
-    times, tokens = [], []
-    for _ in range(a.steps):
-        t = time.perf_counter()
-        samples = jax.block_until_ready(ts.jit_sample_completions(cfg, state, ids, mask))
-        times.append(time.perf_counter() - t)
-        tokens.append(int(samples.mask.sum()))
-    med = statistics.median(times)
-    lens_p, lens_c = np.full(a.batch, a.prompt_len), np.asarray(samples.mask).sum(-1).ravel()
-    flops = step_flops(vars(a), lens_p, lens_c, a.prompt_len, a.new_tokens)
-    sampling_flops = 1e9 * flops["sampling"]["useful"]
-    save(sampler={"compile_plus_first_s": first, "times_s": times, "median_s": med, "completion_tokens": tokens,
-                  "tokens_per_s": statistics.median(tokens) / med, "useful_tflops_per_s": sampling_flops / med / 1e12,
-                  "mfu_nominal": sampling_flops / med / peak if peak else None})
-
-    # the fused step: sample, score on device, update (the state donated)
-    t = time.perf_counter()
-    state, metrics, samples, _ = jax.block_until_ready(ts.jit_online_step(cfg, state, ref, rm_params, ids, mask))
-    first, times = time.perf_counter() - t, []
-    for _ in range(a.steps):
-        t = time.perf_counter()
-        state, metrics, samples, _ = jax.block_until_ready(ts.jit_online_step(cfg, state, ref, rm_params, ids, mask))
-        times.append(time.perf_counter() - t)
-    med = statistics.median(times)
-    lens_c = np.asarray(samples.mask).sum(-1).ravel()
-    flops = step_flops(vars(a), lens_p, lens_c, a.prompt_len, a.new_tokens)
-    useful = 1e9 * flops["step"]["useful"]
-    measured = 1e12 * r["matmul_peak_tflops"]
-    save(step={"compile_plus_first_s": first, "times_s": times, "median_s": med, "episodes_per_s": a.batch / med,
-               "loss": float(metrics["loss"]), "useful_tflop": useful / 1e12,
-               "useful_tflops_per_s": useful / med / 1e12,
-               "mfu_nominal": useful / med / peak if peak else None, "mfu_measured_peak": useful / med / measured},
-         device_peak_mib=(jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0) / 2 ** 20
-         if jax.default_backend() != "cpu" else None)
+    rest = [p for p in sorted(folder.iterdir()) if p.name not in KEPT and p.name != "raw.tar.gz"]
+    with tarfile.open(folder / "raw.tar.gz", "w:gz") as tar:
+        for p in rest:
+            tar.add(p, arcname=p.name)
+    for p in rest:
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
 
 
 def table(r: dict) -> str:
@@ -245,17 +238,46 @@ def table(r: dict) -> str:
         x = s["sampler"]
         rows.append(f"| sampler, {sh['batch']} prompts x 2 x {sh['new_tokens']} tokens | {x['tokens_per_s']:.0f} "
                     f"tokens/s ({x['median_s']:.3f} s; compile + first {x['compile_plus_first_s']:.1f} s), MFU "
-                    f"{pct(x['mfu_nominal'])} |")
+                    f"{pct(x['mfu_nominal'])}, {pct(x['bandwidth_fraction'])} of its bandwidth bound at the "
+                    f"{s['memory_bandwidth_gbps']:,.0f} GB/s measured (target {pct(SAMPLER_TARGET)}) |")
     if "step" in s:
         x = s["step"]
         nominal = f" of {s['nominal_peak_tflops']} TFLOP/s" if s["nominal_peak_tflops"] else ""
         rows.append(f"| fused step, {s['parameters'] / 1e6:,.0f}M parameters, bf16 | {x['episodes_per_s']:.2f} "
                     f"episodes/s "
                     f"({x['median_s']:.3f} s; compile + first {x['compile_plus_first_s']:.1f} s), MFU "
-                    f"{pct(x['mfu_nominal'])}{nominal}, {pct(x['mfu_measured_peak'])} of the "
-                    f"{s['matmul_peak_tflops']:.3g} TFLOP/s measured |")
+                    f"{pct(x['mfu_nominal'])}{nominal} (target {pct(STEP_TARGET)}), {pct(x['mfu_measured_peak'])} "
+                    f"of the {s['matmul_peak_tflops']:.3g} TFLOP/s measured |")
     rows.append(f"| step phase | {s['status']}, {s['seconds']} s of {s['timeout_s']:.0f} |")
-    return "\n".join(rows) + "\n"
+    return "\n".join(rows + variant_rows(r)) + "\n"
+
+
+def variant_rows(r: dict) -> list[str]:
+    """The variants, each against its default: a sampler's tokens/s against the step phase's sampler, an update's
+    time against the first update's (the defaults)."""
+    s = r["phases"]["step"]
+    rows = ["", "| variant | measured | against the default |", "| --- | --- | --- |"]
+    update = next((x for x in s.get("variants", {}).values() if "mfu_nominal" in x and "rows" not in x
+                   and "episodes_per_s" not in x), None)
+    done = {**s.get("variants", {}), **{f"sampler, {k} (own process)": v.get("sampler")
+                                        for k, v in r["phases"].get("variants", {}).items()}}
+    for name, x in done.items():
+        if x is None:
+            rows.append(f"| {name} | not measured (its process stopped first) | |")
+        elif "error" in x:
+            rows.append(f"| {name} | failed: {x['error']} | |")
+        elif "tokens_per_s" in x:
+            base = s.get("sampler")
+            vs = f"{x['tokens_per_s'] / base['tokens_per_s']:.2f}x the tokens/s" if base else "-"
+            rows.append(f"| {name} | {x['tokens_per_s']:.0f} tokens/s, {x['rows']} rows ({x['median_s']:.3f} s), "
+                        f"{100 * x['bandwidth_fraction']:.1f}% of its bandwidth bound | {vs} |")
+        else:
+            base = s.get("step") if "episodes_per_s" in x else update
+            vs = f"{base['median_s'] / x['median_s']:.2f}x the speed" if base else "-"
+            rows.append(f"| {name} | {x['median_s']:.3f} s, MFU {100 * (x['mfu_nominal'] or 0):.1f}% | {vs} |")
+    for name, x in r["phases"].get("variants", {}).items():
+        rows.append(f"| {name} process | {x['status']}, {x['seconds']} s of {x['timeout_s']:.0f} | |")
+    return rows if len(rows) > 3 else []
 
 
 def print_device(r: dict) -> None:

@@ -151,6 +151,20 @@ def jax_matmul_peak(dtype: str = "float32", repeats: int = 5, n: int | None = No
     return 2 * n ** 3 / median_time(lambda: mm(a, b).block_until_ready(), repeats) / 1e9
 
 
+def jax_memory_bandwidth(repeats: int = 5) -> float:
+    """Bytes/s that jax's default device moves over a large bf16 array (1 GiB on an accelerator, 32 MiB on a CPU): the
+    better of one elementwise pass (read and write) and one reduction (read only), the bandwidth a decode step's bound
+    is reckoned against."""
+    import jax
+    import jax.numpy as jnp
+
+    n = 2 ** 29 if jax.default_backend() != "cpu" else 2 ** 24
+    x = jnp.ones((n,), jnp.bfloat16)
+    add, total = jax.jit(lambda x: x + 1), jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32))
+    return max(2 * 2 * n / median_time(lambda: add(x).block_until_ready(), repeats),
+               2 * n / median_time(lambda: total(x).block_until_ready(), repeats))
+
+
 def jax_device_peak_mib(jax) -> float | None:
     """Peak memory on the accelerator (None on the CPU, whose memory is the process's RSS)."""
     stats = jax.devices()[0].memory_stats() if jax.default_backend() != "cpu" else None

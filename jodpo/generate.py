@@ -99,7 +99,7 @@ def load_policy(name: str, step: int | None = None, overrides: dict | None = Non
         params = jax.device_put(jax.tree.map(lambda x: x.astype(cfg.param_dtype), params),
                                 S.param_shardings(model, mesh))
     model = model.replace(dtype="bfloat16" if cfg.bf16 else "float32", remat="none", precision=cfg.matmul_precision,
-                          attention=cfg.attn_implementation)
+                          attention=backend.attention_kernel(cfg, model))
 
     eos = [*model.eos_token_ids, *([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []),
            *stop_token_ids(cfg, tokenizer)]

@@ -77,6 +77,9 @@ set_compilation_cache("auto")
 def pytest_addoption(parser):
     parser.addoption("--gpu-tests-on-cpu", action="store_true",
                      help="also run the tests marked gpu when jax's default backend is not a GPU (to check the tests)")
+    parser.addoption("--given-order", action="store_true",
+                     help="run the files in the order given on the command line (the device check's priorities), "
+                          "not the slowest first")
 
 
 # The files that take longest (most of their time compiling, or in subprocesses), longest first: pytest-xdist's
@@ -100,8 +103,9 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the order within a file is kept
+    if not config.getoption("--given-order"):
+        rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+        items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the order within a file is kept
     gpu_items = [item for item in items if "gpu" in item.keywords]
     if not gpu_items or config.getoption("--gpu-tests-on-cpu"):
         return

@@ -76,6 +76,32 @@ def test_run_length_from_steps_episodes_or_epochs():
         run_length(C.TrainConfig(total_episodes=10), 16, 100)
 
 
+def test_auto_attention_is_cudnn_only_where_it_runs_and_pays(monkeypatch):
+    """attn_implementation="auto" (the default) is cuDNN's flash attention on an Ampere-or-later NVIDIA GPU in bf16 for
+    heads of <= 128 dims without soft-capping, unless the run must be deterministic; jodpo's XLA attention elsewhere."""
+    import types
+
+    import jax
+
+    from jodpo.program.backend import attention_kernel
+
+    model = types.SimpleNamespace(head_dim=128, attn_softcap=0.0)
+    assert C.TrainConfig().attn_implementation == "auto"
+    h100 = types.SimpleNamespace(compute_capability="9.0")
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(jax, "devices", lambda *a: [h100])
+    assert attention_kernel(C.TrainConfig(bf16=True), model) == "cudnn"
+    assert attention_kernel(C.TrainConfig(bf16=False), model) == "xla"
+    assert attention_kernel(C.TrainConfig(bf16=True, deterministic=True), model) == "xla"
+    assert attention_kernel(C.TrainConfig(bf16=True), types.SimpleNamespace(head_dim=256, attn_softcap=0.0)) == "xla"
+    assert attention_kernel(C.TrainConfig(bf16=True), types.SimpleNamespace(head_dim=64, attn_softcap=50.0)) == "xla"
+    assert attention_kernel(C.TrainConfig(bf16=True, attn_implementation="xla"), model) == "xla"
+    monkeypatch.setattr(jax, "devices", lambda *a: [types.SimpleNamespace(compute_capability="7.0")])  # a V100
+    assert attention_kernel(C.TrainConfig(bf16=True), model) == "xla"
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    assert attention_kernel(C.TrainConfig(bf16=True), model) == "xla"
+
+
 def test_cudnn_attention_needs_bf16_and_a_gpu():
     cfg = C.TrainConfig(model_name_or_path="/no/such/model", attn_implementation="cudnn", bf16=True)
     with pytest.raises(C.ConfigError, match="attn_implementation='cudnn' needs bf16=True"):

@@ -141,8 +141,9 @@ class TrainConfig:
                                                   "$JODPO_CACHE/xla, default ~/.cache/jodpo/xla; None: off)")
     matmul_precision: str = _f("highest", "float32 dots: highest (float32 on every backend, as torch) | high | default "
                                           "(TF32 on GPUs, fewer bf16 passes on TPUs: faster); bf16 compute ignores it")
-    attn_implementation: str = _f("xla", "attention of the forwards and the prefill: xla (any backend) | cudnn "
-                                         "(cuDNN flash attention: an NVIDIA GPU and bf16 compute)")
+    attn_implementation: str = _f("auto", "attention of the forwards and the prefill: auto (cudnn where it runs and "
+                                          "pays: an NVIDIA GPU, bf16, not deterministic; else xla) | xla (any backend) "
+                                          "| cudnn (cuDNN flash attention: an NVIDIA GPU and bf16 compute)")
     # --- jodpo's own
     remat: str = _f("auto", "auto (from gradient_checkpointing) | none | full | dots; in every mode the backward "
                             "recomputes the norms and the MLP's activation from their inputs rather than keep float32 "
@@ -220,8 +221,8 @@ def _check(c: TrainConfig) -> None:
         raise ConfigError(f"mesh_data, mesh_fsdp, mesh_tensor must be >= 1, with at most one -1; got {sizes}")
     if c.matmul_precision not in PRECISIONS:
         raise ConfigError(f"matmul_precision must be one of {PRECISIONS}, got {c.matmul_precision!r}")
-    if c.attn_implementation not in ATTENTIONS:
-        raise ConfigError(f"attn_implementation must be one of {ATTENTIONS}, got {c.attn_implementation!r}")
+    if c.attn_implementation not in ("auto", *ATTENTIONS):
+        raise ConfigError(f"attn_implementation must be one of {('auto', *ATTENTIONS)}, got {c.attn_implementation!r}")
     if c.attn_implementation == "cudnn" and not c.bf16:
         raise ConfigError("attn_implementation='cudnn' needs bf16=True (cuDNN's flash attention has no float32 "
                           "kernel); use 'xla' for float32 compute")

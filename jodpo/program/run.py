@@ -12,6 +12,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jodpo.errors import ConfigError
+from jodpo.program import backend
 from jodpo.program import data as D
 from jodpo.parallel import sharding as S
 from jodpo import train_step as ts
@@ -169,7 +170,7 @@ def build(cfg: TrainConfig, given: Given = Given()) -> Run:
         policy_params = None  # when the run starts from it: Run.policy()
     remat = cfg.remat if cfg.remat != "auto" else ("full" if cfg.gradient_checkpointing else "none")
     model = model.replace(dtype="bfloat16" if cfg.bf16 else "float32", remat=remat, precision=cfg.matmul_precision,
-                          attention=cfg.attn_implementation)
+                          attention=backend.attention_kernel(cfg, model))
     say_attention(model, "model_name_or_path")
     # the reference as its bf16 forwards read it (the same numbers; with LoRA the base stays as loaded, since the
     # adapters are merged into it in float32); the policy's own copy (policy_params) is untouched
