@@ -1,0 +1,235 @@
+"""The gated delta rule, the recurrence at the core of Gated DeltaNet (Qwen3.5's linear-attention layers), as pure,
+jittable functions: token by token (``recurrent_delta_rule``, also the sampler's one-token decode step) and chunk by
+chunk in the WY/UT form (``chunked_delta_rule``, for training and prefill), whose backward recomputes the states
+instead of keeping them from the forward.
+
+The semantics are transformers' ``torch_recurrent_gated_delta_rule`` / ``torch_chunk_gated_delta_rule``
+(models/qwen3_next), per value head, token by token::
+
+    S_t = S_{t-1} * exp(g_t)                 # g_t <= 0: the log of the state's decay
+    delta_t = (v_t - k_t^T S_t) * beta_t     # what the decayed state mispredicts for k_t, times the write strength
+    S_t = S_t + k_t delta_t^T
+    out_t = q_t^T S_t
+
+Shapes: q, k ``[B, T, Hk, Dk]``; v ``[B, T, Hv, Dv]``; g, beta ``[B, T, Hv]``; the state ``[B, Hv, Dk, Dv]``. Value
+head h reads query/key head ``h // (Hv // Hk)`` (transformers' ``repeat_interleave`` on the head axis: consecutive
+value heads share a key head). The functions view the value heads as ``[Hk, G]`` (G = Hv // Hk) and never repeat q or
+k G times. Unlike transformers, q and k arrive as the kernel reads them: the caller L2-normalises both (transformers'
+``use_qk_l2norm_in_kernel``) and scales q by ``Dk ** -0.5`` (transformers' in-kernel scaling).
+
+Everything here runs in float32 (inputs in bf16 are cast on the way in, as transformers does), and every dot at
+``Precision.HIGHEST``: the state is summed over the whole sequence, and TF32 or one bf16 pass (a GPU's or a TPU's
+default for float32 dots) would put their rounding into it at every step.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def _dot(spec: str, *operands: jax.Array) -> jax.Array:
+    return jnp.einsum(spec, *operands, precision=_HIGHEST)
+
+
+def _grouped(q_BTHD, k_BTHD, v_BTVD, g_BTV, beta_BTV):
+    """float32 copies, the value heads (and g, beta) split into [Hk, G]; q and k keep their Hk heads."""
+    B, T, Hk, _ = k_BTHD.shape
+    Hv, Dv = v_BTVD.shape[-2:]
+    if Hv % Hk:
+        raise ValueError(f"the value heads ({Hv}) must be a multiple of the key heads ({Hk})")
+    G = Hv // Hk
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    return (f32(q_BTHD), f32(k_BTHD), f32(v_BTVD).reshape(B, T, Hk, G, Dv), f32(g_BTV).reshape(B, T, Hk, G),
+            f32(beta_BTV).reshape(B, T, Hk, G))
+
+
+def _initial_state(state, B, Hk, G, Dk, Dv):
+    if state is None:
+        return jnp.zeros((B, Hk, G, Dk, Dv), jnp.float32)
+    return state.astype(jnp.float32).reshape(B, Hk, G, Dk, Dv)
+
+
+def _token_step(S_BHGKV, x):
+    """One token of the recurrence: the state after it and the token's output."""
+    q_BHK, k_BHK, v_BHGV, g_BHG, beta_BHG = x
+    S_BHGKV = S_BHGKV * jnp.exp(g_BHG)[..., None, None]
+    delta_BHGV = (v_BHGV - _dot("bhk,bhgkv->bhgv", k_BHK, S_BHGKV)) * beta_BHG[..., None]
+    S_BHGKV = S_BHGKV + k_BHK[:, :, None, :, None] * delta_BHGV[:, :, :, None, :]
+    return S_BHGKV, _dot("bhk,bhgkv->bhgv", q_BHK, S_BHGKV)
+
+
+def recurrent_delta_rule(q, k, v, g, beta, state=None) -> tuple[jax.Array, jax.Array]:
+    """The gated delta rule token by token: a ``lax.scan`` over T (none for T = 1, the decode step).
+
+    Args:
+      q: ``[B, T, Hk, Dk]`` queries, already L2-normalised and scaled by ``Dk ** -0.5`` by the caller.
+      k: ``[B, T, Hk, Dk]`` keys, already L2-normalised by the caller.
+      v: ``[B, T, Hv, Dv]`` values; Hv a multiple of Hk, value head h reading query/key head ``h // (Hv // Hk)``.
+      g: ``[B, T, Hv]`` log-decays (<= 0): the state is multiplied by ``exp(g_t)`` before token t writes.
+      beta: ``[B, T, Hv]`` write strengths (0 = token t leaves the state as it is).
+      state: ``[B, Hv, Dk, Dv]`` the state before the first token (None: zeros).
+
+    Inputs may be bf16; all arithmetic is float32. A position with ``k = 0, beta = 0, g = 0`` (padding) leaves the
+    state unchanged and outputs ``q^T S``.
+
+    Returns:
+      ``(out [B, T, Hv, Dv], state [B, Hv, Dk, Dv])``, both float32: each token's ``q_t^T S_t`` and the state after
+      the last token.
+    """
+    B, T, Hk, Dk = k.shape
+    Hv, Dv = v.shape[-2:]
+    xs = _grouped(q, k, v, g, beta)
+    S = _initial_state(state, B, Hk, Hv // Hk, Dk, Dv)
+    if T == 1:  # the decode step: no loop to enter
+        S, out_BHGV = _token_step(S, [x[:, 0] for x in xs])
+        out_BTHGV = out_BHGV[:, None]
+    else:
+        S, out_TBHGV = jax.lax.scan(_token_step, S, [jnp.moveaxis(x, 1, 0) for x in xs])
+        out_BTHGV = jnp.moveaxis(out_TBHGV, 0, 1)
+    return out_BTHGV.reshape(B, T, Hv, Dv), S.reshape(B, Hv, Dk, Dv)
+
+
+# --------------------------------------------------------------------------------------------------
+# chunks: the WY/UT form, one triangular solve per chunk
+# --------------------------------------------------------------------------------------------------
+
+
+def _chunk_step(S_BHGKV, x):
+    """One chunk of C tokens from the state before it: the state after it and the chunk's outputs
+    ``[B, C, Hk, G, Dv]``, equal to C steps of ``_token_step``.
+
+    With gamma_i the cumulative log-decay up to position i of the chunk and D_ij = exp(gamma_i - gamma_j) (i >= j),
+    the C writes of the chunk are ``U - W S`` for the state S before it, where (I + A) [U W] = [beta v, beta k e^gamma]
+    and A_ij = beta_i (k_i . k_j) D_ij below the diagonal (the UT transform: each write corrects for the earlier
+    writes of the same chunk that its key reads back).
+    """
+    q_BCHK, k_BCHK, v_BCHGV, g_BCHG, beta_BCHG = x
+    C = k_BCHK.shape[1]
+    gamma_BHGC = jnp.moveaxis(jnp.cumsum(g_BCHG, axis=1), 1, -1)
+    beta_BHGC = jnp.moveaxis(beta_BCHG, 1, -1)
+    row, col = jnp.arange(C)[:, None], jnp.arange(C)[None, :]
+    # Above the diagonal gamma_i - gamma_j > 0 and its exp could overflow: masked before the exp, not after.
+    decay_BHGCC = jnp.exp(jnp.where(row >= col, gamma_BHGC[..., :, None] - gamma_BHGC[..., None, :], -jnp.inf))
+
+    kk_BHCC = _dot("bihk,bjhk->bhij", k_BCHK, k_BCHK)  # once per key head, shared by its G value heads
+    # The unit diagonal is built, not taken from A: the solve reads none of A's diagonal, so neither may its gradient.
+    A_BHGCC = jnp.where(row > col, beta_BHGC[..., :, None] * kk_BHCC[:, :, None] * decay_BHGCC, 0.0)
+    L_BHGCC = A_BHGCC + jnp.eye(C, dtype=jnp.float32)
+    Dv = v_BCHGV.shape[-1]
+    rhs = jnp.concatenate([jnp.einsum("bchgv->bhgcv", v_BCHGV) * beta_BHGC[..., None],
+                           jnp.einsum("bchk->bhck", k_BCHK)[:, :, None] * (beta_BHGC * jnp.exp(gamma_BHGC))[..., None]],
+                          axis=-1)  # one solve for both right-hand sides
+    UW = jax.lax.linalg.triangular_solve(L_BHGCC, rhs, left_side=True, lower=True, unit_diagonal=True)
+    U_BHGCV, W_BHGCK = UW[..., :Dv], UW[..., Dv:]
+
+    new_BHGCV = U_BHGCV - _dot("bhgck,bhgkv->bhgcv", W_BHGCK, S_BHGKV)  # the chunk's writes given the state before
+    qk_BHCC = _dot("bihk,bjhk->bhij", q_BCHK, k_BCHK)
+    inter_BCHGV = _dot("bchk,bhgkv->bchgv", q_BCHK, S_BHGKV) * jnp.einsum("bhgc->bchg", jnp.exp(gamma_BHGC))[..., None]
+    intra_BCHGV = _dot("bhgij,bhgjv->bihgv", qk_BHCC[:, :, None] * decay_BHGCC, new_BHGCV)
+    # Each write decays from its position to the chunk's end; the old state by the whole chunk's decay.
+    tail_BHGC = jnp.exp(gamma_BHGC[..., -1:] - gamma_BHGC)
+    S_BHGKV = (S_BHGKV * jnp.exp(gamma_BHGC[..., -1])[..., None, None]
+               + _dot("bchk,bhgcv->bhgkv", k_BCHK, new_BHGCV * tail_BHGC[..., None]))
+    return S_BHGKV, inter_BCHGV + intra_BCHGV
+
+
+def _chunked_inputs(q, k, v, g, beta, chunk: int):
+    """The grouped float32 inputs padded to whole chunks (k = v = q = 0, beta = g = 0: no write, no decay) and laid
+    out chunk-major for the scan: ``[N, B, C, ...]``."""
+    T = k.shape[1]
+    N = -(-T // chunk)
+    out = []
+    for x in _grouped(q, k, v, g, beta):
+        x = jnp.pad(x, [(0, 0), (0, N * chunk - T)] + [(0, 0)] * (x.ndim - 2))
+        out.append(jnp.moveaxis(x.reshape(x.shape[0], N, chunk, *x.shape[2:]), 1, 0))
+    return out
+
+
+def _scan_chunks(xs, S):
+    S, out_NBCHGV = jax.lax.scan(_chunk_step, S, xs)
+    return out_NBCHGV, S
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _chunked_recomputing(q, k, v, g, beta, S, chunk):
+    return _scan_chunks(_chunked_inputs(q, k, v, g, beta, chunk), S)
+
+
+def _chunked_fwd(q, k, v, g, beta, S, chunk):
+    # Only the inputs (in their own dtype) and the initial state cross to the backward, never a state per chunk.
+    return _chunked_recomputing(q, k, v, g, beta, S, chunk), (q, k, v, g, beta, S)
+
+
+def _chunked_bwd(chunk, res, cts):
+    *inputs, S0 = res
+    d_out_NBCHGV, d_S = cts
+    xs, inputs_vjp = jax.vjp(functools.partial(_chunked_inputs, chunk=chunk), *inputs)
+
+    # The states entering each chunk, recomputed (the outputs are not needed here and are not computed).
+    def state_before(S, x):
+        return _chunk_step(S, x)[0], S
+
+    _, S_before_N = jax.lax.scan(state_before, S0, xs)
+
+    # Backward through the chunks, last first: each chunk's vjp from the state before it (its intermediates live
+    # for one iteration only).
+    def chunk_back(d_S, item):
+        x, S, d_out = item
+        _, vjp = jax.vjp(_chunk_step, S, x)
+        d_S_before, d_x = vjp((d_S, d_out))
+        return d_S_before, d_x
+
+    d_S0, d_xs = jax.lax.scan(chunk_back, d_S, (xs, S_before_N, d_out_NBCHGV), reverse=True)
+    return (*inputs_vjp(d_xs), d_S0)
+
+
+_chunked_recomputing.defvjp(_chunked_fwd, _chunked_bwd)
+
+
+def _chunked(q, k, v, g, beta, state, chunk: int, recompute: bool):
+    B, T, Hk, Dk = k.shape
+    Hv, Dv = v.shape[-2:]
+    S = _initial_state(state, B, Hk, Hv // Hk, Dk, Dv)
+    if T == 0:
+        return jnp.zeros((B, 0, Hv, Dv), jnp.float32), S.reshape(B, Hv, Dk, Dv)
+    chunk = min(chunk, T)  # a sequence shorter than a chunk is one chunk of its own length, not padded
+    if recompute:
+        out_NBCHGV, S = _chunked_recomputing(q, k, v, g, beta, S, chunk)
+    else:
+        out_NBCHGV, S = _scan_chunks(_chunked_inputs(q, k, v, g, beta, chunk), S)
+    N = out_NBCHGV.shape[0]
+    out_BTVD = jnp.moveaxis(out_NBCHGV, 0, 1).reshape(B, N * chunk, Hv, Dv)[:, :T]
+    return out_BTVD, S.reshape(B, Hv, Dk, Dv)
+
+
+def chunked_delta_rule(q, k, v, g, beta, state=None, chunk: int = 64) -> tuple[jax.Array, jax.Array]:
+    """The gated delta rule chunk by chunk: the same outputs and final state as ``recurrent_delta_rule`` (up to
+    float32 rounding), computed ``chunk`` tokens at a time in the WY/UT form (one unit-lower-triangular solve per
+    chunk and value head) with a ``lax.scan`` over the chunks.
+
+    Its gradient is exact and cheap in memory: the forward keeps only its inputs and the initial state for the
+    backward, which recomputes the state before each chunk (a forward scan), then runs backward through the chunks
+    with each chunk's ``jax.vjp`` from its recomputed state. Autodiff through the scan instead would keep every
+    chunk's state and intermediates from the forward until the backward (``chunked_delta_rule_autodiff``).
+
+    Args:
+      q, k, v, g, beta, state: as ``recurrent_delta_rule``'s (q and k L2-normalised by the caller, q also scaled by
+        ``Dk ** -0.5``; value head h reads key head ``h // (Hv // Hk)``).
+      chunk: tokens per chunk (static). T is padded up to a multiple of it with positions that neither write nor
+        decay; a T below it is one chunk of T tokens.
+
+    Returns:
+      ``(out [B, T, Hv, Dv], state [B, Hv, Dk, Dv])``, both float32.
+    """
+    return _chunked(q, k, v, g, beta, state, chunk, recompute=True)
+
+
+def chunked_delta_rule_autodiff(q, k, v, g, beta, state=None, chunk: int = 64) -> tuple[jax.Array, jax.Array]:
+    """``chunked_delta_rule`` without its custom backward: jax differentiates through the scan over chunks, keeping
+    each chunk's state and intermediates from the forward. The same forward; the reference its gradient and memory
+    are measured against (tests/test_delta_rule.py, ``bench.py deltanet``)."""
+    return _chunked(q, k, v, g, beta, state, chunk, recompute=False)

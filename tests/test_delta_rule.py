@@ -1,0 +1,171 @@
+"""The gated delta rule (jodpo.models.delta_rule): the chunked form equals the recurrence and a token-by-token numpy
+loop, both equal transformers' Qwen3-Next functions, the chunked form's recomputing backward equals autodiff of the
+recurrence, padding (ragged rows) changes nothing, and the recomputing backward holds less than autodiff would.
+
+Shapes are tiny and few (each is a compile): the functions are jitted once here and the cases share shapes."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jodpo.models.delta_rule import chunked_delta_rule, chunked_delta_rule_autodiff, recurrent_delta_rule
+
+B, HK, DK, DV = 2, 2, 8, 6
+recurrent = jax.jit(recurrent_delta_rule)
+chunked = jax.jit(chunked_delta_rule, static_argnames="chunk")
+
+
+def inputs(T: int, G: int, seed: int = 0, state: bool = True, Bs: int = B) -> list[np.ndarray]:
+    """q (L2-normalised, scaled by Dk**-0.5), k (L2-normalised), v, g (<= 0), beta in (0, 1), a state or None."""
+    rng = np.random.default_rng(seed)
+    l2 = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
+    q = l2(rng.normal(size=(Bs, T, HK, DK))) * DK ** -0.5
+    k = l2(rng.normal(size=(Bs, T, HK, DK)))
+    v = rng.normal(size=(Bs, T, HK * G, DV))
+    g = -rng.uniform(0.02, 1.5, (Bs, T, HK * G))
+    beta = rng.uniform(0.05, 1.0, (Bs, T, HK * G))
+    S = rng.normal(size=(Bs, HK * G, DK, DV)) if state else None
+    return [None if x is None else x.astype(np.float32) for x in (q, k, v, g, beta, S)]
+
+
+def numpy_delta_rule(q, k, v, g, beta, S=None):
+    """The recurrence as its definition reads, in float64, one token and one value head at a time."""
+    Bs, T, Hk, Dk = k.shape
+    Hv, Dv = v.shape[-2:]
+    S = np.zeros((Bs, Hv, Dk, Dv)) if S is None else S.astype(np.float64).copy()
+    out = np.zeros((Bs, T, Hv, Dv))
+    for b in range(Bs):
+        for h in range(Hv):
+            kh = h // (Hv // Hk)  # consecutive value heads share a key head
+            for t in range(T):
+                S[b, h] *= np.exp(g[b, t, h])
+                delta = (v[b, t, h] - k[b, t, kh] @ S[b, h]) * beta[b, t, h]
+                S[b, h] += np.outer(k[b, t, kh], delta)
+                out[b, t, h] = q[b, t, kh] @ S[b, h]
+    return out, S
+
+
+def assert_close(got, want, rtol=2e-5, name=""):
+    """Equal to float32 rounding, relative to the largest entry (outputs are sums over the sequence)."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert got.shape == want.shape, name
+    np.testing.assert_allclose(got, want, rtol=0, atol=rtol * np.abs(want).max(), err_msg=name)
+
+
+# (T, chunk, G, initial state): T not a multiple of the chunk, T below it, several chunks; Hv = Hk, 2 Hk, 4 Hk
+CASES = [(13, 4, 1, True), (5, 8, 2, False), (19, 4, 4, True)]
+
+
+@pytest.mark.parametrize("T, C, G, state", CASES)
+def test_chunked_equals_the_recurrence_and_its_definition(T, C, G, state):
+    x = inputs(T, G, state=state)
+    out_r, S_r = recurrent(*x)
+    out_c, S_c = chunked(*x, chunk=C)
+    assert out_c.dtype == S_c.dtype == jnp.float32 and S_c.shape == (B, HK * G, DK, DV)
+    want_out, want_S = numpy_delta_rule(*x)
+    for got_out, got_S in ((out_r, S_r), (out_c, S_c)):
+        assert_close(got_out, want_out)
+        assert_close(got_S, want_S)
+    assert_close(out_c, out_r)
+    assert_close(S_c, S_r)
+
+
+def test_one_token_decode_step_reads_bf16_and_continues_the_state():
+    """T = 1 (the sampler's step, no scan) from bf16 inputs: the float32 recurrence on the bf16 values, continuing
+    from the state a chunked prefill left."""
+    x = inputs(6, 2, seed=3)
+    _, S = chunked(*[a[:, :5] for a in x[:5]], x[5], chunk=4)
+    step = [jnp.asarray(a[:, 5:], jnp.bfloat16) for a in x[:5]]
+    out, S1 = recurrent(*step, S)
+    assert out.dtype == S1.dtype == jnp.float32 and out.shape == (B, 1, HK * 2, DV)
+    want_out, want_S = numpy_delta_rule(*[np.asarray(a, np.float32) for a in x[:5]], x[5])
+    # the state is as the float32 recurrence leaves it; the last token's inputs rounded to bf16 move its output
+    np.testing.assert_allclose(np.asarray(out)[:, 0], want_out[:, 5], atol=2e-2 * np.abs(want_out[:, 5]).max())
+    want_step = numpy_delta_rule(*[np.asarray(a.astype(jnp.float32)) for a in step], np.asarray(S))
+    assert_close(out, want_step[0])
+    assert_close(S1, want_step[1])
+    assert np.abs(np.asarray(S1) - want_S).max() < 2e-2 * np.abs(want_S).max()
+
+
+@pytest.fixture(scope="module")
+def transformers_delta_rule():
+    torch = pytest.importorskip("torch")
+    qwen3_next = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+    return torch, qwen3_next
+
+
+def test_equals_transformers(transformers_delta_rule):
+    """transformers scales q by Dk**-0.5 itself (after its optional L2 norm, off here): it gets q unscaled."""
+    torch, m = transformers_delta_rule
+    T, C, G, _ = CASES[2]
+    x = inputs(T, G)
+    t = [torch.tensor(a) for a in x]
+    t[0] = t[0] * DK ** 0.5
+    kw = dict(initial_state=t[5], output_final_state=True, use_qk_l2norm_in_kernel=False)
+    want_c = m.torch_chunk_gated_delta_rule(*t[:5], chunk_size=C, **kw)
+    want_r = m.torch_recurrent_gated_delta_rule(*t[:5], **kw)
+    for got in (recurrent(*x), chunked(*x, chunk=C)):
+        for want in (want_c, want_r):
+            assert_close(got[0], want[0].numpy())
+            assert_close(got[1], want[1].numpy())
+
+
+def loss(f):
+    """A scalar of every output and the final state (weights so that no cotangent is uniform)."""
+    def fn(q, k, v, g, beta, S):
+        out, S1 = f(q, k, v, g, beta, S)
+        w_out = jnp.cos(jnp.arange(out.size, dtype=jnp.float32)).reshape(out.shape)
+        w_S = jnp.sin(jnp.arange(S1.size, dtype=jnp.float32)).reshape(S1.shape)
+        return (out * w_out).sum() + (out ** 2).sum() + (S1 * w_S).sum()
+    return fn
+
+
+ARGS = tuple(range(6))
+grad_recurrent = jax.jit(jax.grad(loss(recurrent_delta_rule), argnums=ARGS))
+
+
+@pytest.mark.parametrize("T, C, G, state", [CASES[0], CASES[2]])
+def test_recomputing_backward_equals_autodiff_of_the_recurrence(T, C, G, state):
+    x = inputs(T, G, seed=1, state=state)
+    want = grad_recurrent(*x)
+    got = jax.jit(jax.grad(loss(lambda *a: chunked_delta_rule(*a, chunk=C)), argnums=ARGS))(*x)
+    for name, a, b in zip(("q", "k", "v", "g", "beta", "state"), got, want):
+        assert np.abs(np.asarray(b)).max() > 0, name  # every input moves the loss
+        assert_close(a, b, rtol=5e-5, name=name)
+
+
+def test_left_and_right_padding_change_nothing():
+    """Ragged rows: row 0 with 4 positions of padding before its 9 tokens, row 1 with 4 after (k = v = q = 0,
+    beta = 0, g = 0), against each row's 9 tokens alone. Same shapes as CASES[0], so no new compile."""
+    T, C, G, _ = CASES[0]
+    real = inputs(9, G, seed=2)
+    x = [np.zeros((B, T) + a.shape[2:], np.float32) for a in real[:5]]
+    for a, r in zip(x, real):
+        a[0, 4:], a[1, :9] = r[0], r[1]
+    out, S = chunked(*x, real[5], chunk=C)
+    out_r, S_r = recurrent(*x, real[5])
+    want_out, want_S = numpy_delta_rule(*real)
+    for got_out, got_S in ((out, S), (out_r, S_r)):
+        assert_close(np.asarray(got_out)[0, 4:], want_out[0])
+        assert_close(np.asarray(got_out)[1, :9], want_out[1])
+        assert_close(got_S, want_S)
+
+
+def test_recomputing_backward_keeps_less_than_autodiff():
+    """XLA's temporaries of the gradient at T = 256 in chunks of 16: autodiff through the chunk scan keeps every
+    chunk's state and its (C x C) intermediates for the backward; the recomputing backward keeps the inputs
+    and, inside the backward, one state per chunk (arrays the size of the inputs: their float32 chunked copies and
+    cotangents)."""
+    Bs, T, H, D, C = 1, 256, 2, 16, 16
+    sd = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)  # noqa: E731
+    args = (sd(Bs, T, H, D), sd(Bs, T, H, D), sd(Bs, T, H, D), sd(Bs, T, H), sd(Bs, T, H), sd(Bs, H, D, D))
+
+    def temp_bytes(f):
+        grad = jax.jit(jax.grad(loss(lambda *a: f(*a, chunk=C)), argnums=ARGS))
+        return grad.lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+    ours, autodiff = temp_bytes(chunked_delta_rule), temp_bytes(chunked_delta_rule_autodiff)
+    inputs_bytes = 4 * (3 * Bs * T * H * D + 2 * Bs * T * H + Bs * H * D * D)
+    states_bytes = 4 * (T // C) * Bs * H * D * D
+    assert ours <= 4 * (inputs_bytes + states_bytes), (ours, inputs_bytes, states_bytes)
+    assert 2 * ours < autodiff, (ours, autodiff)
