@@ -19,6 +19,8 @@ ratios within a run, not seconds across runs). docs/performance.md has the figur
                                  (the GPU check of a short lease: device.py, scripts/device_check.sh)
   python benchmarks/bench.py tpu-grid [--models qwen3-0.6b ...] [--tpus v5e:1x1 v5e:2x4 ...] [--lora-ranks 0 16]
                                    [--out runs/tpu-grid] [--table-only]  (memory --tpu over a grid: tpu_grid.py)
+  python benchmarks/bench.py deltanet [--lengths 512 2048] [--chunk 64] [--repeats 3] [--out F.json]
+                                   (Gated DeltaNet's delta rule, forward+backward: deltanet.py)
 
 ``sample``: jodpo's sampler vs transformers' ``generate`` (KV cache on) on the same random
 Pythia-70m-shaped GPT-NeoX (hidden 512, 6 layers, 8 heads, vocab 50304), batch and lengths, fp32 on the
@@ -39,6 +41,11 @@ TPU chip or a slice's chips (FSDP over them, per-chip numbers) with libtpu (memo
 
 ``tpu-grid``: ``memory --tpu`` for each real model x TPU topology x full/LoRA, one compile per cell kept in a folder
 (the grid fills over several calls), and the tables of docs/tpu.md (tpu_grid.py).
+
+``deltanet``: one Gated DeltaNet core (the gated delta rule) at Qwen3.5-0.8B's sizes, forward and backward:
+jodpo's chunked form with its recomputing backward, jax's autodiff of the token-by-token recurrence, and
+transformers' ``torch_chunk_gated_delta_rule`` under torch autograd, alternated; XLA's temporaries of each jax
+gradient (deltanet.py).
 
 ``device``: the suite's tests that carry weight, then the step and the sampler at a ~1.7B shape in bf16, each phase
 under its own time limit, into one JSON and a table for docs/gpu.md (device.py).
@@ -65,6 +72,7 @@ import json
 import sys
 from pathlib import Path
 
+import deltanet
 import device
 import device_measure
 import memory
@@ -83,7 +91,8 @@ BENCHMARKS = {"sample": (sample.bench_sample, sample.print_sample), "train": (tr
               "program": (program.bench_program, program.print_program), "real": (real.bench_real, real.print_real),
               "memory": (memory.bench_memory, memory.print_memory),
               "device": (device.bench_device, device.print_device),
-              "tpu-grid": (tpu_grid.bench_tpu_grid, tpu_grid.print_tpu_grid)}
+              "tpu-grid": (tpu_grid.bench_tpu_grid, tpu_grid.print_tpu_grid),
+              "deltanet": (deltanet.bench_deltanet, deltanet.print_deltanet)}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -96,6 +105,7 @@ def parser() -> argparse.ArgumentParser:
     memory.add_parser(sub, SHAPE)
     device.add_parser(sub)
     tpu_grid.add_parser(sub)
+    deltanet.add_parser(sub)
     return ap
 
 

@@ -85,6 +85,9 @@ def test_one_token_decode_step_reads_bf16_and_continues_the_state():
     assert_close(out, want_step[0])
     assert_close(S1, want_step[1])
     assert np.abs(np.asarray(S1) - want_S).max() < 2e-2 * np.abs(want_S).max()
+    out_c, S1_c = chunked(*step, S)  # one chunk of one token
+    assert_close(out_c, out)
+    assert_close(S1_c, S1)
 
 
 @pytest.fixture(scope="module")
@@ -152,10 +155,11 @@ def test_left_and_right_padding_change_nothing():
 
 
 def test_recomputing_backward_keeps_less_than_autodiff():
-    """XLA's temporaries of the gradient at T = 256 in chunks of 16: autodiff through the chunk scan keeps every
-    chunk's state and its (C x C) intermediates for the backward; the recomputing backward keeps the inputs
-    and, inside the backward, one state per chunk (arrays the size of the inputs: their float32 chunked copies and
-    cotangents)."""
+    """XLA's temporaries of the gradient at T = 256 in chunks of 16 (C = D, so a chunk's C x C intermediates are the
+    size of its state): autodiff through the chunk scan keeps every chunk's state and its intermediates (the decays,
+    the triangular system and its inverse's levels, the writes) for the backward; the recomputing backward holds the
+    states only, one per chunk, beside arrays the size of the inputs (their float32 chunked copies, their
+    cotangents) and one chunk's intermediates at a time."""
     Bs, T, H, D, C = 1, 256, 2, 16, 16
     sd = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)  # noqa: E731
     args = (sd(Bs, T, H, D), sd(Bs, T, H, D), sd(Bs, T, H, D), sd(Bs, T, H), sd(Bs, T, H), sd(Bs, H, D, D))
@@ -167,5 +171,5 @@ def test_recomputing_backward_keeps_less_than_autodiff():
     ours, autodiff = temp_bytes(chunked_delta_rule), temp_bytes(chunked_delta_rule_autodiff)
     inputs_bytes = 4 * (3 * Bs * T * H * D + 2 * Bs * T * H + Bs * H * D * D)
     states_bytes = 4 * (T // C) * Bs * H * D * D
-    assert ours <= 4 * (inputs_bytes + states_bytes), (ours, inputs_bytes, states_bytes)
-    assert 2 * ours < autodiff, (ours, autodiff)
+    assert ours <= 2 * (inputs_bytes + states_bytes), (ours, inputs_bytes, states_bytes)  # measured: 0.9x
+    assert 3 * ours < autodiff, (ours, autodiff)  # measured: 5.4x
