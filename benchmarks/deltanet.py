@@ -17,7 +17,7 @@ import statistics
 from pathlib import Path
 
 import numpy as np
-from harness import timed
+from harness import Phases, disturbance_warning, timed
 
 MiB = 2 ** 20
 
@@ -77,7 +77,7 @@ def bench_deltanet(args) -> dict:
         loss.backward()
         return loss.item(), [a.grad.numpy() for a in t[:6]]
 
-    rows = []
+    rows, clock = [], Phases()
     for T in args.lengths:
         x = _inputs(B, T, Hk, Hv, D)
         sds = [jax.ShapeDtypeStruct(a.shape, jnp.float32) for a in x]
@@ -90,10 +90,12 @@ def bench_deltanet(args) -> dict:
         if T <= args.no_recurrent_above:
             sides["recurrent_autodiff"] = lambda: jax.block_until_ready(grads["recurrent_autodiff"](*xj))
         first = {name: timed(run) for name, run in sides.items()}  # compiles (jax), warms up (torch)
+        clock.end(f"build T={T}")
         times = {name: [] for name in sides}
         for _ in range(args.repeats):
             for name, run in sides.items():
                 times[name].append(timed(run))
+        clock.end(f"T={T}")
         med = {name: statistics.median(v) for name, v in times.items()}
         (loss_j, grads_j), (loss_t, grads_t) = grads["chunked"](*xj), torch_grad(x)
         diff = max(float(np.abs(np.asarray(a) - b).max() / np.abs(b).max()) for a, b in zip(grads_j, grads_t))
@@ -107,7 +109,7 @@ def bench_deltanet(args) -> dict:
                      "grad_max_relative_difference_vs_transformers": diff})
     return {"benchmark": "deltanet", "batch": B, "key_heads": Hk, "value_heads": Hv, "head_dim": D, "chunk": C,
             "repeats": args.repeats, "device": str(jax.devices()[0]), "torch_threads": torch.get_num_threads(),
-            "rows": rows}
+            "rows": rows, "cores_taken_by_others_share": clock.foreign}  # > 0.05 in a timed phase: disturbed
 
 
 def print_deltanet(result: dict) -> None:
@@ -122,3 +124,6 @@ def print_deltanet(result: dict) -> None:
               f"{m['transformers']:10.3f}{r['ratio_transformers_over_chunked']:11.2f}x"
               f"{r['ratio_recurrent_over_chunked']:8.2f}x  |           {t['chunked']:8.1f}{t['recurrent_autodiff']:9.1f}"
               f"{t['chunked_autodiff']:9.1f}  | {r['grad_max_relative_difference_vs_transformers']:.1e}")
+    shares = result["cores_taken_by_others_share"]
+    if warning := disturbance_warning({k: v for k, v in shares.items() if not k.startswith("build")}):
+        print(warning)
