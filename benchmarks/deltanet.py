@@ -23,7 +23,7 @@ MiB = 2 ** 20
 
 
 def add_parser(sub) -> None:
-    s = sub.add_parser("deltanet", help="the gated delta rule's forward+backward: chunked vs recurrence vs transformers")
+    s = sub.add_parser("deltanet", help="the gated delta rule's forward+backward: chunked, recurrence, transformers")
     s.add_argument("--lengths", type=int, nargs="+", default=[512, 2048])
     s.add_argument("--chunk", type=int, default=64)
     s.add_argument("--heads", type=int, default=16, help="key heads (the value heads: --value-heads)")
@@ -122,8 +122,9 @@ def print_deltanet(result: dict) -> None:
         m, t = r["median_s"], r["temp_mib"]
         print(f"{r['T']:6d}{m['chunked']:10.3f}{m.get('recurrent_autodiff', float('nan')):11.3f}"
               f"{m['transformers']:10.3f}{r['ratio_transformers_over_chunked']:11.2f}x"
-              f"{r['ratio_recurrent_over_chunked']:8.2f}x  |           {t['chunked']:8.1f}{t['recurrent_autodiff']:9.1f}"
-              f"{t['chunked_autodiff']:9.1f}  | {r['grad_max_relative_difference_vs_transformers']:.1e}")
+              f"{r['ratio_recurrent_over_chunked']:8.2f}x  |           {t['chunked']:8.1f}"
+              f"{t['recurrent_autodiff']:9.1f}{t['chunked_autodiff']:9.1f}"
+              f"  | {r['grad_max_relative_difference_vs_transformers']:.1e}")
     shares = result["cores_taken_by_others_share"]
     if warning := disturbance_warning({k: v for k, v in shares.items() if not k.startswith("build")}):
         print(warning)

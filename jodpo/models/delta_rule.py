@@ -100,13 +100,14 @@ def recurrent_delta_rule(q, k, v, g, beta, state=None) -> tuple[jax.Array, jax.A
 
 def _unit_lower_inverse(A_NCC: jax.Array) -> jax.Array:
     """``(I + A)^-1`` for strictly lower triangular ``A`` (batched over the leading axes), by merging the inverses of
-    diagonal blocks of 1, 2, 4, ... rows: ``[[X1, 0], [L21, L22]]^-1 = [[X1, 0], [-X2 L21 X1, X2]]`` with X2 the
-    inverse of L22 (recursive triangular inversion, as flash-linear-attention's chunk kernels do by blocks).
+    diagonal blocks of 1, 2, 4, ... rows: ``[[L11, 0], [L21, L22]]^-1 = [[X1, 0], [-X2 L21 X1, X2]]`` with X1, X2
+    the inverses of L11, L22 (recursive triangular inversion, as flash-linear-attention's chunk kernels merge blocks).
 
     Batched matmuls only, on every backend: XLA:CPU would run ``triangular_solve`` as a LAPACK call through scipy's
     OpenBLAS, whose threads fight XLA's own for the cores (measured on the project's shared 2-core VM, 16 systems of
-    64 rows and 256 right-hand sides: 250 ms against this function's 2 ms, and 2-10 ms with OPENBLAS_NUM_THREADS=1). C is padded to a power of two
-    with identity rows, which leave the leading block's inverse as it is."""
+    64 rows and 256 right-hand sides: 250 ms against this function's 1-4 ms, and 2-10 ms with
+    OPENBLAS_NUM_THREADS=1). C is padded to a power of two with identity rows, which leave the leading block's
+    inverse as it is."""
     C = A_NCC.shape[-1]
     P = 1 << max(C - 1, 0).bit_length()
     batch = A_NCC.shape[:-2]
