@@ -197,7 +197,7 @@ def sample(model: Model, params: Params, prompt_ids: jax.Array, prompt_mask: jax
     # Once per call, not on every decode step: the weights split per layer (the decode steps then slice nothing), any
     # LoRA adapters merged into them, and in the compute dtype (float32 master weights of a bf16 run are converted
     # here, not 53 times a step).
-    params = compute_params(model, split_layers(params))
+    params = compute_params(model, split_layers(model, params))
     h, cache = hidden_states(model, params, prompt_ids, prompt_mask, cache, empty_cache=True)
     logits = lm_head(model, params, h[:, -1])
     seen = None
@@ -206,8 +206,7 @@ def sample(model: Model, params: Params, prompt_ids: jax.Array, prompt_mask: jax
         seen = jnp.any(hit, axis=1)
     if num_samples > 1:  # copy the prompt's cache (and first logits) for every sample: block layout
         tile = lambda x: jnp.concatenate([x] * num_samples, 0)  # noqa: E731
-        cache = {"k": tuple(map(tile, cache["k"])), "v": tuple(map(tile, cache["v"])), "mask": tile(cache["mask"]),
-                 "index": cache["index"]}
+        cache = {"state": jax.tree.map(tile, cache["state"]), "mask": tile(cache["mask"]), "index": cache["index"]}
         logits, seen, B = tile(logits), None if seen is None else tile(seen), B * num_samples
     zeros = lambda dt: jnp.zeros((B, T), dt)  # noqa: E731
     state = _State(step=jnp.zeros((), jnp.int32), token=jnp.zeros((B,), jnp.int32), alive=jnp.zeros((B,), bool),

@@ -2,10 +2,11 @@
 
 Each family variant exercises a different switch of jodpo's decoder: Pythia's parallel residual and
 partial rotary, Llama-3 RoPE scaling with grouped-query attention, tied embeddings, Mistral's sliding
-window, Qwen2's q/k/v biases, Qwen3's q/k norms (with an explicit head_dim and a sliding-window layer), Gemma 2's
-(1 + w) norms, four a layer, scaled embeddings, GeGLU, query_pre_attn_scalar and soft-capping (caps small enough to
-bite on these weights), Gemma 3's q/k norms and its local layers' own RoPE base beside scaled global RoPE. Every
-sliding window (4 to 6 slots) is shorter than the prompts the tests feed them.
+window, Qwen2's q/k/v biases, Qwen3's q/k norms (with an explicit head_dim and a sliding-window layer), Qwen3.5's
+Gated DeltaNet and gated-attention layers (alternating), Gemma 2's (1 + w) norms, four a layer, scaled embeddings,
+GeGLU, query_pre_attn_scalar and soft-capping (caps small enough to bite on these weights), Gemma 3's q/k norms and
+its local layers' own RoPE base beside scaled global RoPE. Every sliding window (4 to 6 slots) is shorter than the
+prompts the tests feed them.
 """
 from __future__ import annotations
 
@@ -41,14 +42,14 @@ def build_tokenizer(out: Path):
     return fast
 
 
-FAMILIES = ("neox", "neox_seq", "llama", "llama_tied", "mistral", "qwen2", "qwen3", "gemma2",
+FAMILIES = ("neox", "neox_seq", "llama", "llama_tied", "mistral", "qwen2", "qwen3", "qwen3_5", "gemma2",
             "gemma3")  # family_configs' keys, in order
 
 
 def family_configs(pad_id: int, eos_id: int) -> dict:
     """transformers configs of the tiny variants, keyed by fixture name."""
     from transformers import (Gemma2Config, Gemma3TextConfig, GPTNeoXConfig, LlamaConfig, MistralConfig, Qwen2Config,
-                              Qwen3Config)
+                              Qwen3_5TextConfig, Qwen3Config)
 
     common = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                   intermediate_size=128, max_position_embeddings=128, pad_token_id=pad_id, eos_token_id=eos_id,
@@ -66,6 +67,12 @@ def family_configs(pad_id: int, eos_id: int) -> dict:
         # layer 0 full, layer 1 a window of 4 (layers from max_window_layers on slide)
         "qwen3": Qwen3Config(num_key_value_heads=2, head_dim=32, tie_word_embeddings=True, use_sliding_window=True,
                              sliding_window=4, max_window_layers=1, **common),
+        # the hybrid: DeltaNet and gated attention alternating (one scan of two-layer periods), value heads grouped
+        # two per key head, key and value head dims unlike, partial RoPE over a quarter of each attention head
+        "qwen3_5": Qwen3_5TextConfig(num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
+                                     layer_types=["linear_attention", "full_attention"] * 2, linear_num_key_heads=2,
+                                     linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
+                                     linear_conv_kernel_dim=4, **{**common, "num_hidden_layers": 4}),
         "gemma2": Gemma2Config(num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=24, sliding_window=4,
                                layer_types=["sliding_attention", "full_attention"], attn_logit_softcapping=1.0,
                                final_logit_softcapping=2.0, **common),

@@ -91,7 +91,9 @@ def check_step_equals_trl(paths, rec, loss_type, use_rm, tmp_path, scale: float 
         ours = rewards.score_texts(rm, rm_params, tok, *rec["texts"])
     else:
         ours = rewards.call_reward_functions([length_reward], *rec["texts"], completion_ids=None)
-    np.testing.assert_allclose(ours, rec["rewards"], rtol=1e-5, atol=1e-6)
+    # relative to the largest reward: a reward near 0 is a difference of terms of the largest's size (Qwen3.5's
+    # delta rule, a triangular solve per chunk, rounds at a few 1e-6 of that scale in float32)
+    np.testing.assert_allclose(ours, rec["rewards"], rtol=t, atol=t * np.abs(rec["rewards"]).max())
 
     def loss_fn(p, ref):
         return losses.online_dpo_loss(model, p, ref, P, rec["prompt_mask"], C, cm, rec["rewards"], beta=0.1,

@@ -1,5 +1,5 @@
-"""scripts/export_hf.py: train two steps, export, load with transformers; sharded and bf16 files; a checkpoint
-written on 8 devices exports on 1; refusals and unreadable checkpoints."""
+"""scripts/export_hf.py: train a few steps (``python -m jodpo.train``'s main), export, load with transformers; sharded
+and bf16 files; a checkpoint written on 8 devices exports on 1; refusals and unreadable checkpoints."""
 import importlib.util
 import json
 import shutil
@@ -15,9 +15,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import jodpo
-from jodpo.program import loop
+from jodpo import train
 from jodpo.program.checkpoint import restore_params
-from jodpo.program.config import TrainConfig
 from tests import hf_fixtures, subproc
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,14 +26,14 @@ export_hf = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(export_hf)
 
 
-def _train_two_steps(checkpoints, family: str, root: Path) -> Path:
+def _train(checkpoints, family: str, root: Path, steps: int) -> Path:
+    """``python -m jodpo.train`` (its main, in this process) for ``steps`` steps of a tiny family variant."""
     out = root / "run"
-    cfg = TrainConfig(model_name_or_path=str(checkpoints[family]["causal_lm"]),
-                      reward_model_path=str(checkpoints[family]["reward"]),
-                      dataset_name=str(hf_fixtures.prompt_dataset(root / "data")), output_dir=str(out), max_steps=2,
-                      save_steps=1, per_device_train_batch_size=2, max_new_tokens=4, max_length=96,
-                      max_prompt_length=64, learning_rate=1e-2, bf16=False, logging_steps=1)
-    loop.train(cfg)
+    fields = dict(model_name_or_path=checkpoints[family]["causal_lm"], reward_model_path=checkpoints[family]["reward"],
+                  dataset_name=hf_fixtures.prompt_dataset(root / "data"), output_dir=out, max_steps=steps,
+                  save_steps=1, per_device_train_batch_size=2, max_new_tokens=4, max_length=96,
+                  max_prompt_length=64, learning_rate=1e-2, bf16=False, logging_steps=1)
+    assert train.main([f"--config.{k}={v}" for k, v in fields.items()]) == 0
     return out
 
 
@@ -44,15 +43,16 @@ def _relative_error(a, b) -> float:
 
 @pytest.fixture(scope="module")
 def neox_run(checkpoints, tmp_path_factory):
-    return _train_two_steps(checkpoints, "neox", tmp_path_factory.mktemp("neox"))
+    return _train(checkpoints, "neox", tmp_path_factory.mktemp("neox"), steps=2)
 
 
-@pytest.mark.parametrize("family", ["neox", "llama", "llama_tied", "mistral", "qwen2"])
+@pytest.mark.parametrize("family", ["neox", "llama", "llama_tied", "mistral", "qwen2", "qwen3_5"])
 def test_trained_policy_exports_to_transformers(checkpoints, tmp_path, family, neox_run):
-    run = neox_run if family == "neox" else _train_two_steps(checkpoints, family, tmp_path)
+    steps = 2 if family == "neox" else 3
+    run = neox_run if family == "neox" else _train(checkpoints, family, tmp_path, steps)
     out, checks = export_hf.export(str(run), str(tmp_path / "hf"))
     assert "bitwise" in checks[0] and "transformers" in checks[1]
-    trained = restore_params(run / "checkpoints" / "2")
+    trained = restore_params(run / "checkpoints" / str(steps))
     model, exported = jodpo.load_model(str(out))
     for a, b in zip(jax.tree.leaves(trained), jax.tree.leaves(exported)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # bitwise in fp32
@@ -70,7 +70,7 @@ def test_trained_policy_exports_to_transformers(checkpoints, tmp_path, family, n
     if model.tie_embeddings:
         assert hf.get_output_embeddings().weight.data_ptr() == hf.get_input_embeddings().weight.data_ptr()
     card = (out / "README.md").read_text()
-    assert "step 2" in card and '"learning_rate": 0.01' in card
+    assert f"step {steps}" in card and '"learning_rate": 0.01' in card
 
 
 def test_cli_bf16_sharded_export_and_refusals(neox_run, tmp_path):

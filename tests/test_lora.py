@@ -20,6 +20,7 @@ export_hf = helpers.script("export_hf")
 
 @pytest.mark.parametrize("family,targets", [("neox", None), ("neox", ["all-linear"]), ("llama", ["all-linear"]),
                                             ("qwen2", ["q_proj", "v_proj", "down_proj"]), ("qwen3", None),
+                                            ("qwen3_5", ["all-linear"]),
                                             ("gemma2", ["all-linear"]), ("gemma3", None)])
 def test_adapters_are_the_base_at_start_and_equal_peft(checkpoints, tmp_path, family, targets):
     path = checkpoints[family]["causal_lm"]
@@ -52,6 +53,10 @@ def test_unknown_target_module_names_the_family_s_modules(checkpoints):
     model, _ = jodpo.load_model(str(checkpoints["neox"]["causal_lm"]))
     with pytest.raises(ValueError, match="query_key_value"):
         lora.resolve_targets(model.replace(lora_rank=2, lora_alpha=2.0), ["q_proj"])
+    # PEFT has no default target_modules for Qwen3.5 (it refuses target_modules=None): neither has jodpo
+    qwen3_5, _ = jodpo.load_model(str(checkpoints["qwen3_5"]["causal_lm"]))
+    with pytest.raises(ValueError, match="no default target modules for qwen3_5.*in_proj_qkv"):
+        lora.resolve_targets(qwen3_5.replace(lora_rank=2, lora_alpha=2.0), None)
     with pytest.raises(C.ConfigError, match="lora_r >= 1"):
         C.TrainConfig(use_peft=True, lora_r=0)
 

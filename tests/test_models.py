@@ -73,7 +73,7 @@ def test_reward_reads_last_non_pad_token_like_transformers():
 def test_kv_cache_decoding_equals_full_forward(checkpoints, family, per_layer):
     model, stacked = jodpo.load_model(str(checkpoints[family]["causal_lm"]))
     # per_layer is the sampler's layout: split weights, one cache buffer per layer, layers unrolled.
-    params = mparams.split_layers(stacked) if per_layer else stacked
+    params = mparams.split_layers(model, stacked) if per_layer else stacked
     rng = np.random.default_rng(2)
     prompt, pmask = hf_fixtures.padded_batch(rng, [7, 3, 5], model.pad_token_id, "left")
     steps = 6
@@ -243,7 +243,7 @@ def test_gemma3_multimodal_checkpoint_loads_its_language_model(checkpoints, tmp_
     from transformers import Gemma3ForConditionalGeneration
 
     hf = _gemma3_multimodal(Gemma3ForConditionalGeneration, checkpoints, tmp_path / "mm")
-    with pytest.warns(UserWarning, match=r"its language model loads as a text gemma3 model and its vision tower "
+    with pytest.warns(UserWarning, match=r"its language model loads as a text gemma3 model; its vision tower "
                                          r"\(\d+ tensors\) is left out"):
         model, params = jodpo.load_model(str(tmp_path / "mm"))
     assert model.family == "gemma3" and model.local_inv_freq and model.tie_embeddings
@@ -299,7 +299,7 @@ def test_cudnn_attention_cannot_soft_cap_so_a_gemma2_runs_its_own(checkpoints):
     assert attention_note(jodpo.load_model(str(checkpoints["gemma3"]["causal_lm"]))[0].replace(attention="cudnn")) is None
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma2", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "gemma2", "gemma3"])
 def test_bfloat16_forward_matches_transformers_in_bfloat16(checkpoints, family):
     """bf16 weights and compute against transformers' bf16 model: Gemma's (1 + w) norms in float32, its embedding
     scale rounded to bf16 (sqrt(64) = 8 is exact; the scale is checked at a width where it is not, below). The

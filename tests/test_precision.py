@@ -46,11 +46,15 @@ HIGHEST = (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST)
 HIGH = (jax.lax.Precision.HIGH, jax.lax.Precision.HIGH)
 
 
+def _pair(checkpoints, family):
+    model, params = jodpo.load_model(str(checkpoints[family]["causal_lm"]))
+    rm, rm_params = jodpo.load_model(str(checkpoints[family]["reward"]), task="reward")
+    return model, params, rm, rm_params
+
+
 @pytest.fixture(scope="module")
 def llama(checkpoints):
-    model, params = jodpo.load_model(str(checkpoints["llama"]["causal_lm"]))
-    rm, rm_params = jodpo.load_model(str(checkpoints["llama"]["reward"]), task="reward")
-    return model, params, rm, rm_params
+    return _pair(checkpoints, "llama")
 
 
 def _step_fns(model, params, rm, rm_params):
@@ -75,8 +79,9 @@ def _step_fns(model, params, rm, rm_params):
 
 
 @pytest.mark.parametrize("precision,expected", [("highest", HIGHEST), ("high", HIGH), ("tensorfloat32", HIGH)])
-def test_every_float32_dot_carries_the_policy(llama, precision, expected):
-    model, params, rm, rm_params = llama
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])  # Qwen3.5: the delta rule's float32 state dots too
+def test_every_float32_dot_carries_the_policy(checkpoints, llama, family, precision, expected):
+    model, params, rm, rm_params = llama if family == "llama" else _pair(checkpoints, family)
     model, rm = model.replace(precision=precision), rm.replace(precision=precision)
     for name, fn, args in _step_fns(model, params, rm, rm_params):
         found = _precisions(fn, *args)

@@ -295,9 +295,10 @@ def test_an_8_device_run_started_again_reads_the_compilation_cache_and_runs_the_
 
 
 def test_qwen3_and_gemma_parameters_split_over_8_devices_equal_one(checkpoints):
-    """Qwen3's and Gemma 3's q/k norms, Gemma's four norms a layer, its local RoPE and Gemma 2's soft-capping, with
-    every parameter split by its logical axes over (data, fsdp, tensor) = (2, 2, 2) (the norms' head_dim never split):
-    the completions' log-probs and their gradient equal one device's."""
+    """Qwen3's and Gemma 3's q/k norms, Gemma's four norms a layer, its local RoPE and Gemma 2's soft-capping, Qwen3.5's
+    DeltaNet layers (their key and value heads split over the tensor axis) and gated attention, with every parameter
+    split by its logical axes over (data, fsdp, tensor) = (2, 2, 2) (the norms' head_dim never split): the
+    completions' log-probs and their gradient equal one device's."""
     code = (
         "import sys, jax, jax.numpy as jnp, numpy as np\n"
         "import jodpo\n"
@@ -309,6 +310,8 @@ def test_qwen3_and_gemma_parameters_split_over_8_devices_equal_one(checkpoints):
         "    model, one = jodpo.load_model(path)\n"
         "    _, split = jodpo.load_model(path, place=S.placer(mesh))\n"
         "    assert not split['layers']['attn']['q'].sharding.is_fully_replicated\n"
+        "    for w in ('in_q', 'in_v', 'out') if 'deltanet' in one['layers'] else ():\n"
+        "        assert 'tensor' in str(split['layers']['deltanet'][w].sharding.spec), w\n"
         "    if 'q_norm' in one['layers']['attn']:\n"
         "        assert split['layers']['attn']['q_norm']['scale'].sharding.is_fully_replicated\n"
         "    prompt = rng.integers(3, 290, (4, 7)).astype(np.int32); pmask = np.ones_like(prompt); pmask[1, :3] = 0\n"
@@ -324,6 +327,6 @@ def test_qwen3_and_gemma_parameters_split_over_8_devices_equal_one(checkpoints):
         "                                   atol=1e-5 * float(np.abs(np.asarray(x)).max() or 1), err_msg=jax.tree_util.keystr(k))\n"
         "print('SPLIT OK')\n")
     python, env = subproc.without_torch(subproc.cpu_env(8))
-    paths = [str(checkpoints[f]["causal_lm"]) for f in ("qwen3", "gemma2", "gemma3")]
+    paths = [str(checkpoints[f]["causal_lm"]) for f in ("qwen3", "qwen3_5", "gemma2", "gemma3")]
     done = subprocess.run([*python, "-c", code, *paths], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0 and "SPLIT OK" in done.stdout, done.stderr[-3000:]

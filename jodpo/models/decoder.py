@@ -1,51 +1,66 @@
 """The decoder every family shares, as pure functions of ``(model, params, ...)``.
 
-``Model`` (``jodpo.models.model``) is the static architecture; ``params`` is a plain nested dict of arrays whose
-per-layer leaves are stacked on a leading ``layers`` axis, so the layers run as one ``lax.scan`` (one compiled
-layer body, whatever the depth).
+``Model`` (``jodpo.models.model``) is the static architecture; ``params`` is a plain nested dict of arrays. A layer is
+a *mixer* (``Model.kinds``: softmax attention, ``jodpo.models.attention_mixer``; Gated DeltaNet,
+``jodpo.models.deltanet``) plus an MLP, with norms around both. ``params["layers"]`` holds what every layer has (norms,
+MLP) stacked on a leading axis over all layers, and each mixer kind's parameters (``"attn"``, ``"deltanet"``) stacked
+over the layers of that kind. The layers run as ``lax.scan``s over ``layer_runs``: a run repeats a period of kinds
+(one layer for a uniform model; Qwen3.5's three DeltaNet layers and one attention layer), so one compiled body
+serves any depth.
 
-The families differ only in switches on ``Model`` (the pieces that read them are in ``jodpo.models.layers``):
+Where families differ inside a mixer or the MLP, a field of ``Model`` says so (``jodpo.models.layers`` reads them):
   GPT-NeoX  LayerNorm with bias, parallel residual, partial rotary, GELU MLP with biases;
   Llama     RMSNorm, sequential residual, full rotary, SwiGLU, grouped-query attention;
   Qwen2     Llama with q/k/v biases;
   Qwen3     Llama with an RMSNorm on each head's queries and keys;
   Gemma 2   (1 + w) RMSNorms in float32, four a layer (post_norms), scaled embeddings, GeGLU, query_pre_attn_scalar,
             local (sliding-window) and global layers, soft-capped attention scores and logits;
-  Gemma 3   Gemma 2 with q/k norms instead of soft-capping, and the local layers' own RoPE base.
+  Gemma 3   Gemma 2 with q/k norms instead of soft-capping, and the local layers' own RoPE base;
+  Qwen3.5   (1 + w) RMSNorms; Gated DeltaNet layers and gated attention (an output gate, partial RoPE), 3 : 1.
 
-The KV cache is a dict pytree passed in and returned (never a mutable collection):
-  k, v   [layers, B, kv_heads, S, head_dim]   keys/values by slot (head-major, as attention reads them)
-  mask   bool[B, S]                           which slots hold a real (non-pad) token
-  index  i32[]                                the next slot to write
+The cache is a dict pytree passed in and returned (never a mutable collection):
+  state  each layer's mixer state: per kind, stacked over that kind's layers ({"attention": {"k", "v"}, ...}), or,
+         with ``per_layer=True`` (the sampler's), a tuple of per-layer states (attention: keys/values by slot
+         ``[B, kv_heads, S, head_dim]``; DeltaNet: its convolution window and recurrent state)
+  mask   bool[B, S]   which slots hold a real (non-pad) token
+  index  i32[]        the next slot to write
 Positions always come from the masks (count of real tokens before), so left padding shifts nothing.
 """
 from __future__ import annotations
+
+import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jodpo.models.layers import (FULL_WINDOW, attention, embed, forward_attention, layer_rope, mlp, norm, qkv,
-                                 rope_tables)
+from jodpo.models import attention_mixer, deltanet
+from jodpo.models.layers import FULL_WINDOW, Context, embed, mlp, norm, rope_tables
 from jodpo.models.model import ATTENTIONS, PRECISIONS, Cache, Model, Params, einsum  # noqa: F401 - re-exported
 
-
-ATTENTION_WEIGHTS = ("q", "k", "v", "o")
+# mixer kind -> its module, and where its parameters sit in params["layers"]
+MIXERS = {"attention": attention_mixer, "deltanet": deltanet}
+KEYS = {"attention": "attn", "deltanet": "deltanet"}
+KIND_OF_KEY = {v: k for k, v in KEYS.items()}
+# a weight LoRA can adapt -> the subtree of params["layers"] it sits in
+SUBTREES = {w: KEYS[k] for k, m in MIXERS.items() for w in m.WEIGHTS} | {w: "mlp" for w in ("up", "gate", "down")}
 
 
 def merge_adapters(model: Model, p: Params) -> Params:
     """Layer parameters (stacked ``[N, ...]`` or one layer's) with their LoRA adapters folded in:
     ``W + lora_alpha / lora_rank * a.b`` in float32, the adapters gone. ``p["lora"]`` maps a group (a HF module name)
-    to ``{"a": [..., in..., r], "b": {weight: [..., r, out...]}}``; several weights sharing one ``a`` are GPT-NeoX's
-    fused ``query_key_value``. Without adapters ``p`` comes back as it is."""
+    to ``{"a": [..., in..., r], "b": {weight: [..., r, out...]}}``; several weights sharing one ``a`` are a fused HF
+    module (GPT-NeoX's ``query_key_value``, Qwen3.5's ``in_proj_qkv``, a gated ``q_proj``)."""
     if "lora" not in p:
         return p
-    p = {**p, "attn": dict(p["attn"]), "mlp": dict(p["mlp"])}
+    p = dict(p)
     scale = model.lora_alpha / model.lora_rank
     for group in p.pop("lora").values():
         a = group["a"]
         for name, b in group["b"].items():
-            sub = "attn" if name in ATTENTION_WEIGHTS else "mlp"
+            sub = SUBTREES[name]
+            p[sub] = dict(p[sub])
             w = p[sub][name]
             lead = a.ndim + b.ndim - 2 - w.ndim  # the stacked layer axis, if any
             n_in = a.ndim - 1 - lead
@@ -56,30 +71,114 @@ def merge_adapters(model: Model, p: Params) -> Params:
     return p
 
 
-def _block(model: Model, p: Params, xs, rope, attend) -> tuple:
-    """One decoder layer over groups of tokens ``xs`` (a tuple of ``[B_i, L_i, D]``, with their ``(cos, sin)``
-    tables in ``rope``). ``attend(qs, ks, vs)`` gets the groups' queries ``[B_i, L_i, H, Dh]``, keys and
-    values ``[B_i, L_i, K, Dh]`` and returns their attended values ``[B_i, L_i, H, Dh]``: it decides which keys
-    each query sees (and writes them to a cache if there is one). LoRA adapters are folded into the layer's weights
-    here, one layer at a time (inside the scan and its rematerialisation: no whole merged copy of the model)."""
+# --------------------------------------------------------------------------------------------------
+# The layer stack: runs of a repeated period of kinds, each a lax.scan
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """Layers ``start .. start + reps * len(period)``: ``period`` (their kinds) repeated ``reps`` times."""
+
+    start: int
+    period: tuple[str, ...]
+    reps: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.reps * len(self.period)
+
+
+@functools.lru_cache(maxsize=None)
+def layer_runs(kinds: tuple[str, ...]) -> tuple[Run, ...]:
+    """The layers as few scans as possible, each with a short body: from the first layer on, the period (shortest
+    first) that covers the most layers by repeating, then the same for the layers after it. A uniform model is one
+    run of one layer; Qwen3.5's 24 layers one run of (deltanet x 3, attention) x 6."""
+    runs, start = [], 0
+    while start < len(kinds):
+        rest, best = kinds[start:], None
+        for p in range(1, len(rest) + 1):
+            reps = 1
+            while rest[reps * p:(reps + 1) * p] == rest[:p] and (reps + 1) * p <= len(rest):
+                reps += 1
+            if (reps > 1 or p == len(rest)) and (best is None or reps * p > best.reps * len(best.period)):
+                best = Run(start, rest[:p], reps)
+        runs.append(best)
+        start = best.end
+    return tuple(runs)
+
+
+def _leaf_kinds(layers: Params) -> dict:
+    """For each subtree of ``params["layers"]``: the kind whose layers it is stacked over (None: every layer). A LoRA
+    group follows the weights it adapts."""
+    out = {}
+    for key, sub in layers.items():
+        if key == "lora":
+            out[key] = {g: KIND_OF_KEY.get(SUBTREES[next(iter(ad["b"]))]) for g, ad in sub.items()}
+        else:
+            out[key] = KIND_OF_KEY.get(key)
+    return out
+
+
+def _map_layers(layers: Params, fn) -> Params:
+    """``fn(leaf, kind)`` on every leaf of ``params["layers"]``, ``kind`` the one it is stacked over (None: all)."""
+    kinds = _leaf_kinds(layers)
+    out = {}
+    for key, sub in layers.items():
+        if key == "lora":
+            out[key] = {g: jax.tree.map(lambda x, k=kinds[key][g]: fn(x, k), ad) for g, ad in sub.items()}
+        else:
+            out[key] = jax.tree.map(lambda x, k=kinds[key]: fn(x, k), sub)
+    return out
+
+
+def _for_kinds(layers: Params, kinds) -> Params:
+    """The subtrees of ``params["layers"]`` that layers of these kinds read: what every layer has, their mixers',
+    and the LoRA groups of either."""
+    which = _leaf_kinds(layers)
+    out = {k: v for k, v in layers.items() if k != "lora" and which[k] in (None, *kinds)}
+    lora = {g: ad for g, ad in layers.get("lora", {}).items() if which["lora"][g] in (None, *kinds)}
+    return out | ({"lora": lora} if lora else {})
+
+
+def layer_params(model: Model, layers: Params, i: int) -> Params:
+    """Layer ``i``'s own parameters out of stacked ``params["layers"]``: what every layer has at ``i``, and its
+    mixer's at ``i``'s place among the layers of its kind."""
+    kind = model.kinds[i]
+    j = model.layers_of(kind).index(i)
+    return _map_layers(_for_kinds(layers, (kind,)), lambda x, k: x[i if k is None else j])
+
+
+def _positions(mask_BL: jax.Array, n_before_B: jax.Array) -> jax.Array:
+    """Rotary positions: the count of real tokens before each one (padding repeats its neighbour's)."""
+    return n_before_B[:, None] + jnp.maximum(jnp.cumsum(mask_BL, -1, dtype=jnp.int32) - 1, 0)
+
+
+def _windows(model: Model) -> np.ndarray:
+    """Each layer's attention window in slots (full attention, and the other kinds: the largest int)."""
+    windows = np.asarray(model.sliding_windows or (0,) * model.num_layers, np.int32)
+    return np.where(windows > 0, windows, FULL_WINDOW)
+
+
+def _layer(model: Model, kind: str, p: Params, xs: tuple, window, mix, state=None, j=None):
+    """One decoder layer over groups of tokens ``xs`` (a tuple of ``[B_i, L_i, D]``): norm, the mixer
+    (``mix(kind, p, normed, window, state, j)`` returns its outputs, one per group, and its updated cache state, in
+    the caller's mode), residual, MLP. LoRA adapters are folded into the layer's weights here, one layer at a time
+    (inside the scan and its rematerialisation: no merged copy of the model)."""
     p = merge_adapters(model, p)
-    projected = [qkv(model, p["attn"], norm(model, p["ln1"], x), cos, sin) for x, (cos, sin) in zip(xs, rope)]
-    outs = attend(*zip(*projected))
+    outs, state = mix(kind, p, tuple(norm(model, p["ln1"], x) for x in xs), window, state, j)
     new = []
     for x, a in zip(xs, outs):
-        attn = einsum(model, "blhk,hkd->bld", a, p["attn"]["o"].astype(x.dtype))
-        if model.out_bias:
-            attn = attn + p["attn"]["o_bias"].astype(x.dtype)
-        if model.post_norms:  # Gemma: the attention's output is normed before the residual
-            attn = norm(model, p["post_attn"], attn)
+        if model.post_norms:  # Gemma: the mixer's output is normed before the residual
+            a = norm(model, p["post_attn"], a)
         if model.parallel_residual:
-            x = x + attn + mlp(model, p["mlp"], norm(model, p["ln2"], x))
+            x = x + a + mlp(model, p["mlp"], norm(model, p["ln2"], x))
         else:
-            x = x + attn
+            x = x + a
             out = mlp(model, p["mlp"], norm(model, p["ln2"], x))
             x = x + (norm(model, p["post_mlp"], out) if model.post_norms else out)
         new.append(x)
-    return tuple(new)
+    return tuple(new), state
 
 
 _REMAT_POLICIES = {
@@ -89,146 +188,123 @@ _REMAT_POLICIES = {
 REMAT_POLICIES = ("none",) + tuple(_REMAT_POLICIES)
 
 
+def _stack(model: Model, params: Params, xs: tuple, mix, states=None, remat: bool = False):
+    """``xs`` (a tuple of token groups) through every layer, one ``lax.scan`` per run of ``layer_runs``; with
+    ``states`` (the cache's states, per kind stacked over its layers) each mixer reads and writes its layer's, at its
+    index among its kind's layers, and the scan carries them (updated in place). ``remat``: each layer
+    rematerialised as ``model.remat`` says (the forwards that are differentiated)."""
+    windows, layers = _windows(model), params["layers"]
+    for run in layer_runs(model.kinds):
+        period, n = run.period, len(run.period)
+        occ = [period[:q].count(k) for q, k in enumerate(period)]  # layer q's place among its kind in the period
+        lo = {k: model.layers_of(k).index(next(i for i in range(run.start, run.end) if model.kinds[i] == k))
+              for k in set(period)}  # the run's first layer of each kind, among that kind's layers
+
+        def take(leaf, kind, run=run, lo=lo, n=n):  # the run's layers, [reps, layers of the kind in a period, ...]
+            start, count = (run.start, n) if kind is None else (lo[kind], run.period.count(kind))
+            return leaf[start:start + run.reps * count].reshape(run.reps, count, *leaf.shape[1:])
+
+        scanned = (_map_layers(_for_kinds(layers, period), take),
+                   jnp.asarray(windows[run.start:run.end].reshape(run.reps, n)), jnp.arange(run.reps, dtype=jnp.int32))
+
+        def body(carry, scanned, period=period, occ=occ, lo=lo):
+            x, states = carry
+            p_run, w_run, rep = scanned
+            for q, kind in enumerate(period):
+                p = _map_layers(_for_kinds(p_run, (kind,)), lambda leaf, k, q=q: leaf[q if k is None else occ[q]])
+                j = lo[kind] + rep * period.count(kind) + occ[q]
+
+                def one(x, states, p, window, kind=kind, j=j):
+                    x, state = _layer(model, kind, p, x, window, mix, None if states is None else states[kind], j)
+                    return x, None if states is None else {**states, kind: state}
+
+                if remat and model.remat != "none":
+                    one = jax.checkpoint(one, policy=_REMAT_POLICIES[model.remat], prevent_cse=False)
+                x, states = one(x, states, p, w_run[q])
+            return (x, states), None
+
+        (xs, states), _ = jax.lax.scan(body, (xs, states), scanned)
+    return xs, states
+
+
 # --------------------------------------------------------------------------------------------------
-# The forward pass
+# The forward passes
 # --------------------------------------------------------------------------------------------------
 
 
 def init_cache(model: Model, batch: int, length: int, dtype=None, per_layer: bool = False) -> Cache:
-    """An empty KV cache of ``length`` slots for ``batch`` rows (``per_layer``: a tuple of per-layer
-    slabs, to go with ``split_layers`` params)."""
+    """An empty cache of ``length`` slots for ``batch`` rows (``per_layer``: a tuple of per-layer states, to go with
+    ``split_layers`` params). Attention layers' keys and values in ``dtype`` (the compute dtype by default); a
+    DeltaNet layer's convolution window in it too, its recurrent state in float32."""
     dtype = jnp.dtype(dtype or model.dtype)
-    shape = (model.num_layers, batch, model.num_kv_heads, length, model.head_dim)
     if per_layer:
-        k = v = tuple(jnp.zeros(shape[1:], dtype) for _ in range(model.num_layers))
+        state = tuple(MIXERS[k].init_state(model, batch, length, dtype) for k in model.kinds)
     else:
-        k = v = jnp.zeros(shape, dtype)
-    return {
-        "k": k,
-        "v": v,
-        "mask": jnp.zeros((batch, length), bool),
-        "index": jnp.zeros((), jnp.int32),
-    }
-
-
-def _positions(mask_BL: jax.Array, n_before_B: jax.Array) -> jax.Array:
-    """Rotary positions: the count of real tokens before each one (padding repeats its neighbour's)."""
-    return n_before_B[:, None] + jnp.maximum(jnp.cumsum(mask_BL, -1, dtype=jnp.int32) - 1, 0)
-
-
-def _windows(model: Model) -> np.ndarray:
-    """Each layer's attention window in slots (full attention: the largest int)."""
-    windows = np.asarray(model.sliding_windows or (0,) * model.num_layers, np.int32)
-    return np.where(windows > 0, windows, FULL_WINDOW)
-
-
-def _run_layers(model: Model, params: Params, x, block):
-    """``x`` (any pytree of activations) through every layer as one ``lax.scan`` of ``block(x, p, window)``,
-    rematerialised as ``model.remat`` says, then the final norm on each of its arrays. No cache: these are
-    the training and scoring passes."""
-    def layer(x, xs):
-        return block(x, *xs), None
-
-    if model.remat != "none":
-        layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[model.remat], prevent_cse=False)
-    x, _ = jax.lax.scan(layer, x, (params["layers"], jnp.asarray(_windows(model))))
-    return jax.tree.map(lambda a: norm(model, params["final_norm"], a), x)
+        state = {k: jax.tree.map(lambda a, n=len(model.layers_of(k)): jnp.zeros((n, *a.shape), a.dtype),
+                                 MIXERS[k].init_state(model, batch, length, dtype))
+                 for k in MIXERS if model.layers_of(k)}
+    return {"state": state, "mask": jnp.zeros((batch, length), bool), "index": jnp.zeros((), jnp.int32)}
 
 
 def hidden_states(model: Model, params: Params, tokens_BL: jax.Array, mask_BL: jax.Array,
                   cache: Cache | None = None, *, empty_cache: bool = False) -> tuple[jax.Array, Cache | None]:
     """Final-normed hidden states ``[B, L, D]`` (compute dtype) and the updated cache.
 
-    ``mask_BL`` marks real tokens (1) and padding (0). With ``cache``, the tokens are appended at
-    ``cache["index"]`` and attend to every earlier real slot; their positions continue each row's count.
-    ``empty_cache=True`` promises the cache holds nothing yet (a prefill): the tokens then attend among
-    themselves with the forward's kernel (``Model.attention``) instead of over the whole cache slab.
+    ``mask_BL`` marks real tokens (1) and padding (0). With ``cache``, the tokens follow what it holds: attention
+    layers write their keys and values at ``cache["index"]`` and attend to every earlier real slot (positions continue
+    each row's count), DeltaNet layers continue from their states. ``empty_cache=True`` promises the cache holds
+    nothing yet (a prefill): attention then attends among the new tokens with the forward's kernel
+    (``Model.attention``) instead of over the whole cache slab.
     """
     B, L = tokens_BL.shape
     mask_BL = mask_BL.astype(bool)
     x = embed(model, params, tokens_BL)
-    if cache is None:
-        start = jnp.zeros((), jnp.int32)
-        kv_mask_BS = mask_BL
-        n_before_B = jnp.zeros((B,), jnp.int32)
-        S = L
-    else:
-        start = cache["index"]
-        n_before_B = jnp.sum(cache["mask"], -1, dtype=jnp.int32)
-        kv_mask_BS = jax.lax.dynamic_update_slice(cache["mask"], mask_BL, (0, start))
-        S = cache["mask"].shape[1]
-    tables = rope_tables(model, _positions(mask_BL, n_before_B))
-    q_slot_L = start + jnp.arange(L, dtype=jnp.int32)
-    k_slot_S = jnp.arange(S, dtype=jnp.int32)
-    dist_LS = q_slot_L[:, None] - k_slot_S[None, :]
-    attend_BLS = kv_mask_BS[:, None, :] & (dist_LS >= 0)[None]
     dist_LL = jnp.arange(L)[:, None] - jnp.arange(L)[None, :]
-    attend_BLL = mask_BL[:, None, :] & (dist_LL >= 0)[None]  # among the new tokens only
-    windows = _windows(model)
-
-    def block(x, p, window, write):
-        """One layer; ``write(k, v)`` puts the new keys/values in the cache and returns the slabs to attend
-        over, or None when the new tokens attend among themselves only (no cache, or an empty one)."""
-        def attend(q, k, v):
-            slabs = write(k[0], v[0])
-            if slabs is None:
-                return (forward_attention(model, q[0], k[0], v[0], attend_BLL & (dist_LL < window)[None]),)
-            return (attention(model, q[0], *slabs, attend_BLS & (dist_LS < window)[None]),)
-
-        return _block(model, p, (x,), (layer_rope(model, tables, window),), attend)[0]
-
     split = isinstance(params["layers"], (tuple, list))
-    if split != (cache is not None and isinstance(cache["k"], (tuple, list))):
+    if split != (cache is not None and isinstance(cache["state"], (tuple, list))):
         raise ValueError("split_layers params go with a per-layer cache (init_cache(..., per_layer=True)) and "
                          "stacked params with a stacked cache or none")
-    xs = None if split else (params["layers"], jnp.asarray(windows), jnp.arange(model.num_layers, dtype=jnp.int32))
     if cache is None:
-        return _run_layers(model, params, x, lambda x, p, window: block(x, p, window, lambda k, v: None)), None
+        ctx = Context(mask=(mask_BL,), dist=(dist_LL,), rope=(rope_tables(model, _positions(mask_BL, jnp.zeros(
+            (B,), jnp.int32))),))
 
-    # The cache rides in the scan carry and is updated in place: only the new tokens' slots are written,
-    # instead of every layer's whole slab being copied through the scan's inputs and outputs.
-    def cached_layer(carry, xs):
-        x, k_cache, v_cache = carry
-        p, window, i = xs
+        def mix(kind, p, normed, window, state, j):
+            return (MIXERS[kind].full(model, p[KEYS[kind]], normed[0], ctx, window),), None
 
-        def write(k, v):
-            nonlocal k_cache, v_cache
-            k = k.transpose(0, 2, 1, 3)[None].astype(k_cache.dtype)
-            v = v.transpose(0, 2, 1, 3)[None].astype(v_cache.dtype)
-            k_cache = jax.lax.dynamic_update_slice(k_cache, k, (i, 0, 0, start, 0))
-            v_cache = jax.lax.dynamic_update_slice(v_cache, v, (i, 0, 0, start, 0))
-            return None if empty_cache else (k_cache[i], v_cache[i])
+        (x,), _ = _stack(model, params, (x,), mix, remat=True)
+        return norm(model, params["final_norm"], x), None
 
-        x = block(x, p, window, write)
-        return (x, k_cache, v_cache), None
+    start = cache["index"]
+    kv_mask_BS = jax.lax.dynamic_update_slice(cache["mask"], mask_BL, (0, start))
+    S = cache["mask"].shape[1]
+    tables = rope_tables(model, _positions(mask_BL, jnp.sum(cache["mask"], -1, dtype=jnp.int32)))
+    dist_LS = (start + jnp.arange(L, dtype=jnp.int32))[:, None] - jnp.arange(S, dtype=jnp.int32)[None, :]
+    ctx = Context(mask=(mask_BL, kv_mask_BS), dist=(dist_LL, dist_LS), rope=(tables,), start=start, empty=empty_cache)
+
+    def mix(kind, p, normed, window, state, j):
+        y, state = MIXERS[kind].cached(model, p[KEYS[kind]], normed[0], state, j, ctx, window)
+        return (y,), state
 
     if split:
-        # Unrolled (see split_layers): per-layer weights and cache buffers, so a decode step slices
-        # nothing; each layer's cache is updated in place where it lives.
-        k_new, v_new = list(cache["k"]), list(cache["v"])
+        # Unrolled (see split_layers): per-layer weights and cache states, so a decode step slices nothing; each
+        # layer's state is updated in place where it lives.
+        windows, states = _windows(model), list(cache["state"])
         for i, p in enumerate(params["layers"]):
-            def write(k, v, i=i):
-                k_new[i] = jax.lax.dynamic_update_slice(k_new[i], k.transpose(0, 2, 1, 3).astype(k_new[i].dtype),
-                                                        (0, 0, start, 0))
-                v_new[i] = jax.lax.dynamic_update_slice(v_new[i], v.transpose(0, 2, 1, 3).astype(v_new[i].dtype),
-                                                        (0, 0, start, 0))
-                return None if empty_cache else (k_new[i], v_new[i])
-
-            x = block(x, p, int(windows[i]), write)
-        k_new, v_new = tuple(k_new), tuple(v_new)
+            (x,), states[i] = _layer(model, model.kinds[i], p, (x,), int(windows[i]), mix, states[i], None)
+        states = tuple(states)
     else:
-        (x, k_new, v_new), _ = jax.lax.scan(cached_layer, (x, cache["k"], cache["v"]), xs)
+        (x,), states = _stack(model, params, (x,), mix, states=cache["state"])
     x = norm(model, params["final_norm"], x)
-    return x, {"k": k_new, "v": v_new, "mask": kv_mask_BS, "index": start + L}
+    return x, {"state": states, "mask": kv_mask_BS, "index": start + L}
 
 
 def prefixed_hidden_states(model: Model, params: Params, prefix_ids_BP: jax.Array, prefix_mask_BP: jax.Array,
                            suffix_ids_NC: jax.Array, suffix_mask_NC: jax.Array) -> jax.Array:
     """``hidden_states`` of ``concatenate([tile(prefix), suffix], 1)``, ``[N, P + C, D]``, computing every
     prefix once instead of once per suffix: N = n x B suffix rows in block layout (row r continues prefix
-    ``r % B``). The suffix tokens attend to the prefix's keys and values (shared, so their gradients add up);
-    the result equals the plain forward of the concatenated rows up to float rounding. Online DPO's two
-    completions of a prompt share its forward this way (policy, reference and reward model)."""
+    ``r % B``). The suffix tokens attend to the prefix's keys and values, or continue its DeltaNet states (shared,
+    so their gradients add up); the result equals the plain forward of the concatenated rows up to float rounding.
+    Online DPO's two completions of a prompt share its forward this way (policy, reference and reward model)."""
     (B, P), (N, C) = prefix_ids_BP.shape, suffix_ids_NC.shape
     if N % B:
         raise ValueError(f"{N} suffix rows do not continue {B} prefixes in block layout (need a multiple of {B})")
@@ -240,22 +316,13 @@ def prefixed_hidden_states(model: Model, params: Params, prefix_ids_BP: jax.Arra
     tables = (rope_tables(model, _positions(pmask, jnp.zeros((B,), jnp.int32))),
               rope_tables(model, _positions(smask, tile(jnp.sum(pmask, -1, dtype=jnp.int32)))))
     slots = jnp.arange(P + C, dtype=jnp.int32)
-    dist_PP = slots[:P, None] - slots[None, :P]  # query slot - key slot, as in the concatenated sequence
-    dist_CS = slots[P:, None] - slots[None, :]
-    kv_mask_NS = jnp.concatenate([tile(pmask), smask], 1)
+    ctx = Context(mask=(pmask, jnp.concatenate([tile(pmask), smask], 1)),
+                  dist=(slots[:P, None] - slots[None, :P], slots[P:, None] - slots[None, :]), rope=tables)
 
-    def block(x, p, window):
-        attend_p = pmask[:, None, :] & ((dist_PP >= 0) & (dist_PP < window))[None]
-        attend_s = kv_mask_NS[:, None, :] & ((dist_CS >= 0) & (dist_CS < window))[None]
-
-        def attend(q, k, v):
-            k_all = jnp.concatenate([tile(k[0]), k[1]], 1)
-            v_all = jnp.concatenate([tile(v[0]), v[1]], 1)
-            return (forward_attention(model, q[0], k[0], v[0], attend_p),
-                    forward_attention(model, q[1], k_all, v_all, attend_s))
-
-        return _block(model, p, x, tuple(layer_rope(model, t, window) for t in tables), attend)
+    def mix(kind, p, normed, window, state, j):  # query slot - key slot, as in the concatenated sequence
+        return MIXERS[kind].prefixed(model, p[KEYS[kind]], normed, ctx, window), None
 
     x = (embed(model, params, prefix_ids_BP), embed(model, params, suffix_ids_NC))
-    h_prefix, h_suffix = _run_layers(model, params, x, block)
+    (h_prefix, h_suffix), _ = _stack(model, params, x, mix, remat=True)
+    h_prefix, h_suffix = norm(model, params["final_norm"], h_prefix), norm(model, params["final_norm"], h_suffix)
     return jnp.concatenate([tile(h_prefix), h_suffix], 1)

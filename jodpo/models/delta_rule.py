@@ -18,8 +18,8 @@ k G times. Unlike transformers, q and k arrive as the kernel reads them: the cal
 ``use_qk_l2norm_in_kernel``) and scales q by ``Dk ** -0.5`` (transformers' in-kernel scaling).
 
 Everything here runs in float32 (inputs in bf16 are cast on the way in, as transformers does), and every dot at
-``Precision.HIGHEST``: the state is summed over the whole sequence, and TF32 or one bf16 pass (a GPU's or a TPU's
-default for float32 dots) would put their rounding into it at every step.
+``precision`` (the model's, ``Model.precision``: ``"highest"`` unless a run opts into TF32 or fewer bf16 passes): the
+state is summed over the whole sequence, and TF32 or one bf16 pass would put their rounding into it at every step.
 """
 from __future__ import annotations
 
@@ -28,11 +28,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-_HIGHEST = jax.lax.Precision.HIGHEST
-
-
-def _dot(spec: str, *operands: jax.Array) -> jax.Array:
-    return jnp.einsum(spec, *operands, precision=_HIGHEST)
+def _dot(spec: str, *operands: jax.Array, precision) -> jax.Array:
+    return jnp.einsum(spec, *operands, precision=jax.lax.Precision(precision))
 
 
 def _grouped(q_BTHD, k_BTHD, v_BTVD, g_BTV, beta_BTV):
@@ -53,16 +50,16 @@ def _initial_state(state, B, Hk, G, Dk, Dv):
     return state.astype(jnp.float32).reshape(B, Hk, G, Dk, Dv)
 
 
-def _token_step(S_BHGKV, x):
+def _token_step(S_BHGKV, x, precision):
     """One token of the recurrence: the state after it and the token's output."""
     q_BHK, k_BHK, v_BHGV, g_BHG, beta_BHG = x
     S_BHGKV = S_BHGKV * jnp.exp(g_BHG)[..., None, None]
-    delta_BHGV = (v_BHGV - _dot("bhk,bhgkv->bhgv", k_BHK, S_BHGKV)) * beta_BHG[..., None]
+    delta_BHGV = (v_BHGV - _dot("bhk,bhgkv->bhgv", k_BHK, S_BHGKV, precision=precision)) * beta_BHG[..., None]
     S_BHGKV = S_BHGKV + k_BHK[:, :, None, :, None] * delta_BHGV[:, :, :, None, :]
-    return S_BHGKV, _dot("bhk,bhgkv->bhgv", q_BHK, S_BHGKV)
+    return S_BHGKV, _dot("bhk,bhgkv->bhgv", q_BHK, S_BHGKV, precision=precision)
 
 
-def recurrent_delta_rule(q, k, v, g, beta, state=None) -> tuple[jax.Array, jax.Array]:
+def recurrent_delta_rule(q, k, v, g, beta, state=None, precision: str = "highest") -> tuple[jax.Array, jax.Array]:
     """The gated delta rule token by token: a ``lax.scan`` over T (none for T = 1, the decode step).
 
     Args:
@@ -72,6 +69,7 @@ def recurrent_delta_rule(q, k, v, g, beta, state=None) -> tuple[jax.Array, jax.A
       g: ``[B, T, Hv]`` log-decays (<= 0): the state is multiplied by ``exp(g_t)`` before token t writes.
       beta: ``[B, T, Hv]`` write strengths (0 = token t leaves the state as it is).
       state: ``[B, Hv, Dk, Dv]`` the state before the first token (None: zeros).
+      precision: the float32 dots' (``jax.lax.Precision`` names; static).
 
     Inputs may be bf16; all arithmetic is float32. A position with ``k = 0, beta = 0, g = 0`` (padding) leaves the
     state unchanged and outputs ``q^T S``.
@@ -84,11 +82,12 @@ def recurrent_delta_rule(q, k, v, g, beta, state=None) -> tuple[jax.Array, jax.A
     Hv, Dv = v.shape[-2:]
     xs = _grouped(q, k, v, g, beta)
     S = _initial_state(state, B, Hk, Hv // Hk, Dk, Dv)
+    step = functools.partial(_token_step, precision=precision)
     if T == 1:  # the decode step: no loop to enter
-        S, out_BHGV = _token_step(S, [x[:, 0] for x in xs])
+        S, out_BHGV = step(S, [x[:, 0] for x in xs])
         out_BTHGV = out_BHGV[:, None]
     else:
-        S, out_TBHGV = jax.lax.scan(_token_step, S, [jnp.moveaxis(x, 1, 0) for x in xs])
+        S, out_TBHGV = jax.lax.scan(step, S, [jnp.moveaxis(x, 1, 0) for x in xs])
         out_BTHGV = jnp.moveaxis(out_TBHGV, 0, 1)
     return out_BTHGV.reshape(B, T, Hv, Dv), S.reshape(B, Hv, Dk, Dv)
 
@@ -98,7 +97,7 @@ def recurrent_delta_rule(q, k, v, g, beta, state=None) -> tuple[jax.Array, jax.A
 # --------------------------------------------------------------------------------------------------
 
 
-def _unit_lower_inverse(A_NCC: jax.Array) -> jax.Array:
+def _unit_lower_inverse(A_NCC: jax.Array, precision) -> jax.Array:
     """``(I + A)^-1`` for strictly lower triangular ``A`` (batched over the leading axes), by merging the inverses of
     diagonal blocks of 1, 2, 4, ... rows: ``[[L11, 0], [L21, L22]]^-1 = [[X1, 0], [-X2 L21 X1, X2]]`` with X1, X2
     the inverses of L11, L22 (recursive triangular inversion, as flash-linear-attention's chunk kernels merge blocks).
@@ -120,13 +119,13 @@ def _unit_lower_inverse(A_NCC: jax.Array) -> jax.Array:
         blocks = jnp.moveaxis(jnp.diagonal(L_NPP.reshape(batch + (n, 2 * s, n, 2 * s)), axis1=-4, axis2=-2), -1, -3)
         X = X.reshape(batch + (n, 2, s, s))
         X1, X2 = X[..., 0, :, :], X[..., 1, :, :]
-        low = -_dot("...ij,...jk,...kl->...il", X2, blocks[..., s:, :s], X1)
+        low = -_dot("...ij,...jk,...kl->...il", X2, blocks[..., s:, :s], X1, precision=precision)
         X = jnp.concatenate([jnp.concatenate([X1, jnp.zeros_like(X1)], -1), jnp.concatenate([low, X2], -1)], -2)
         s *= 2
     return X.reshape(batch + (P, P))[..., :C, :C]
 
 
-def _chunk_step(S_BHGKV, x):
+def _chunk_step(S_BHGKV, x, precision):
     """One chunk of C tokens from the state before it: the state after it and the chunk's outputs
     ``[B, C, Hk, G, Dv]``, equal to C steps of ``_token_step``.
 
@@ -143,23 +142,23 @@ def _chunk_step(S_BHGKV, x):
     # Above the diagonal gamma_i - gamma_j > 0 and its exp could overflow: masked before the exp, not after.
     decay_BHGCC = jnp.exp(jnp.where(row >= col, gamma_BHGC[..., :, None] - gamma_BHGC[..., None, :], -jnp.inf))
 
-    kk_BHCC = _dot("bihk,bjhk->bhij", k_BCHK, k_BCHK)  # once per key head, shared by its G value heads
+    kk_BHCC = _dot("bihk,bjhk->bhij", k_BCHK, k_BCHK, precision=precision)  # once per key head, shared by its G value heads
     A_BHGCC = jnp.where(row > col, beta_BHGC[..., :, None] * kk_BHCC[:, :, None] * decay_BHGCC, 0.0)
     Dv = v_BCHGV.shape[-1]
     rhs = jnp.concatenate([jnp.einsum("bchgv->bhgcv", v_BCHGV) * beta_BHGC[..., None],
                            jnp.einsum("bchk->bhck", k_BCHK)[:, :, None] * (beta_BHGC * jnp.exp(gamma_BHGC))[..., None]],
                           axis=-1)  # one product for both right-hand sides
-    UW = _dot("bhgij,bhgjd->bhgid", _unit_lower_inverse(A_BHGCC), rhs)
+    UW = _dot("bhgij,bhgjd->bhgid", _unit_lower_inverse(A_BHGCC, precision), rhs, precision=precision)
     U_BHGCV, W_BHGCK = UW[..., :Dv], UW[..., Dv:]
 
-    new_BHGCV = U_BHGCV - _dot("bhgck,bhgkv->bhgcv", W_BHGCK, S_BHGKV)  # the chunk's writes given the state before
-    qk_BHCC = _dot("bihk,bjhk->bhij", q_BCHK, k_BCHK)
-    inter_BCHGV = _dot("bchk,bhgkv->bchgv", q_BCHK, S_BHGKV) * jnp.einsum("bhgc->bchg", jnp.exp(gamma_BHGC))[..., None]
-    intra_BCHGV = _dot("bhgij,bhgjv->bihgv", qk_BHCC[:, :, None] * decay_BHGCC, new_BHGCV)
+    new_BHGCV = U_BHGCV - _dot("bhgck,bhgkv->bhgcv", W_BHGCK, S_BHGKV, precision=precision)  # the chunk's writes given the state before
+    qk_BHCC = _dot("bihk,bjhk->bhij", q_BCHK, k_BCHK, precision=precision)
+    inter_BCHGV = _dot("bchk,bhgkv->bchgv", q_BCHK, S_BHGKV, precision=precision) * jnp.einsum("bhgc->bchg", jnp.exp(gamma_BHGC))[..., None]
+    intra_BCHGV = _dot("bhgij,bhgjv->bihgv", qk_BHCC[:, :, None] * decay_BHGCC, new_BHGCV, precision=precision)
     # Each write decays from its position to the chunk's end; the old state by the whole chunk's decay.
     tail_BHGC = jnp.exp(gamma_BHGC[..., -1:] - gamma_BHGC)
     S_BHGKV = (S_BHGKV * jnp.exp(gamma_BHGC[..., -1])[..., None, None]
-               + _dot("bchk,bhgcv->bhgkv", k_BCHK, new_BHGCV * tail_BHGC[..., None]))
+               + _dot("bchk,bhgcv->bhgkv", k_BCHK, new_BHGCV * tail_BHGC[..., None], precision=precision))
     return S_BHGKV, inter_BCHGV + intra_BCHGV
 
 
@@ -175,29 +174,31 @@ def _chunked_inputs(q, k, v, g, beta, chunk: int):
     return out
 
 
-def _scan_chunks(xs, S):
-    S, out_NBCHGV = jax.lax.scan(_chunk_step, S, xs)
+def _scan_chunks(xs, S, precision):
+    S, out_NBCHGV = jax.lax.scan(functools.partial(_chunk_step, precision=precision), S, xs)
     return out_NBCHGV, S
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _chunked_recomputing(q, k, v, g, beta, S, chunk):
-    return _scan_chunks(_chunked_inputs(q, k, v, g, beta, chunk), S)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _chunked_recomputing(q, k, v, g, beta, S, chunk, precision):
+    return _scan_chunks(_chunked_inputs(q, k, v, g, beta, chunk), S, precision)
 
 
-def _chunked_fwd(q, k, v, g, beta, S, chunk):
+def _chunked_fwd(q, k, v, g, beta, S, chunk, precision):
     # Only the inputs (in their own dtype) and the initial state cross to the backward, never a state per chunk.
-    return _chunked_recomputing(q, k, v, g, beta, S, chunk), (q, k, v, g, beta, S)
+    return _chunked_recomputing(q, k, v, g, beta, S, chunk, precision), (q, k, v, g, beta, S)
 
 
-def _chunked_bwd(chunk, res, cts):
+def _chunked_bwd(chunk, precision, res, cts):
     *inputs, S0 = res
     d_out_NBCHGV, d_S = cts
     xs, inputs_vjp = jax.vjp(functools.partial(_chunked_inputs, chunk=chunk), *inputs)
 
     # The states entering each chunk, recomputed (the outputs are not needed here and are not computed).
+    step = functools.partial(_chunk_step, precision=precision)
+
     def state_before(S, x):
-        return _chunk_step(S, x)[0], S
+        return step(S, x)[0], S
 
     _, S_before_N = jax.lax.scan(state_before, S0, xs)
 
@@ -205,7 +206,7 @@ def _chunked_bwd(chunk, res, cts):
     # for one iteration only).
     def chunk_back(d_S, item):
         x, S, d_out = item
-        _, vjp = jax.vjp(_chunk_step, S, x)
+        _, vjp = jax.vjp(step, S, x)
         d_S_before, d_x = vjp((d_S, d_out))
         return d_S_before, d_x
 
@@ -216,7 +217,7 @@ def _chunked_bwd(chunk, res, cts):
 _chunked_recomputing.defvjp(_chunked_fwd, _chunked_bwd)
 
 
-def _chunked(q, k, v, g, beta, state, chunk: int, recompute: bool):
+def _chunked(q, k, v, g, beta, state, chunk: int, recompute: bool, precision: str):
     B, T, Hk, Dk = k.shape
     Hv, Dv = v.shape[-2:]
     S = _initial_state(state, B, Hk, Hv // Hk, Dk, Dv)
@@ -224,15 +225,16 @@ def _chunked(q, k, v, g, beta, state, chunk: int, recompute: bool):
         return jnp.zeros((B, 0, Hv, Dv), jnp.float32), S.reshape(B, Hv, Dk, Dv)
     chunk = min(chunk, T)  # a sequence shorter than a chunk is one chunk of its own length, not padded
     if recompute:
-        out_NBCHGV, S = _chunked_recomputing(q, k, v, g, beta, S, chunk)
+        out_NBCHGV, S = _chunked_recomputing(q, k, v, g, beta, S, chunk, precision)
     else:
-        out_NBCHGV, S = _scan_chunks(_chunked_inputs(q, k, v, g, beta, chunk), S)
+        out_NBCHGV, S = _scan_chunks(_chunked_inputs(q, k, v, g, beta, chunk), S, precision)
     N = out_NBCHGV.shape[0]
     out_BTVD = jnp.moveaxis(out_NBCHGV, 0, 1).reshape(B, N * chunk, Hv, Dv)[:, :T]
     return out_BTVD, S.reshape(B, Hv, Dk, Dv)
 
 
-def chunked_delta_rule(q, k, v, g, beta, state=None, chunk: int = 64) -> tuple[jax.Array, jax.Array]:
+def chunked_delta_rule(q, k, v, g, beta, state=None, chunk: int = 64,
+                       precision: str = "highest") -> tuple[jax.Array, jax.Array]:
     """The gated delta rule chunk by chunk: the same outputs and final state as ``recurrent_delta_rule`` (up to
     float32 rounding), computed ``chunk`` tokens at a time in the WY/UT form (one unit lower triangular system per
     chunk and value head, solved by its inverse) with a ``lax.scan`` over the chunks.
@@ -247,15 +249,17 @@ def chunked_delta_rule(q, k, v, g, beta, state=None, chunk: int = 64) -> tuple[j
         ``Dk ** -0.5``; value head h reads key head ``h // (Hv // Hk)``).
       chunk: tokens per chunk (static). T is padded up to a multiple of it with positions that neither write nor
         decay; a T below it is one chunk of T tokens.
+      precision: the float32 dots' (static), as ``recurrent_delta_rule``'s.
 
     Returns:
       ``(out [B, T, Hv, Dv], state [B, Hv, Dk, Dv])``, both float32.
     """
-    return _chunked(q, k, v, g, beta, state, chunk, recompute=True)
+    return _chunked(q, k, v, g, beta, state, chunk, True, precision)
 
 
-def chunked_delta_rule_autodiff(q, k, v, g, beta, state=None, chunk: int = 64) -> tuple[jax.Array, jax.Array]:
+def chunked_delta_rule_autodiff(q, k, v, g, beta, state=None, chunk: int = 64,
+                                precision: str = "highest") -> tuple[jax.Array, jax.Array]:
     """``chunked_delta_rule`` without its custom backward: jax differentiates through the scan over chunks, keeping
     each chunk's state and intermediates from the forward. The same forward; the reference its gradient and memory
     are measured against (tests/test_delta_rule.py, ``bench.py deltanet``)."""
-    return _chunked(q, k, v, g, beta, state, chunk, recompute=False)
+    return _chunked(q, k, v, g, beta, state, chunk, False, precision)

@@ -54,8 +54,8 @@ def hf_tensors(model: Model, params: Params, dtype: str = "float32") -> Iterator
 
     for rule in families.weight_rules(model):
         values = [leaf(p) for p in rule.jodpo]
-        for i in range(model.num_layers) if rule.per_layer else [None]:
-            parts = rule.to_hf(*(v[i] if rule.per_layer else v for v in values))
+        for at, i in rule.indices(model):
+            parts = rule.to_hf(*(v if at is None else v[at] for v in values))
             for name, t in zip(rule.hf, parts):
                 yield name.format(i=i), np.ascontiguousarray(t, dtype=target)
 

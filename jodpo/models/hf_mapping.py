@@ -40,7 +40,9 @@ class Family:
     # checkpoint tensor-name prefixes read as another (a multimodal model's language model: "model.language_model."
     # -> "model."), and prefixes of tensors left out (its vision tower)
     renames: tuple[tuple[str, str], ...] = ()
-    skipped: tuple[str, ...] = ()
+    # prefixes of tensors left out -> what they are, for the one line that says so (a vision tower, Qwen3.5's
+    # multi-token-prediction layer)
+    skipped: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +52,18 @@ class Rule:
     to_jodpo: Callable[..., tuple[np.ndarray, ...]]  # hf arrays -> jodpo arrays (one layer)
     to_hf: Callable[..., tuple[np.ndarray, ...]]  # jodpo arrays -> hf arrays (one layer)
     per_layer: bool = True
+    # the layers a per-layer leaf is stacked over (a mixer kind's, Model.layers_of); None: every layer
+    layers: tuple[int, ...] | None = None
+
+    def indices(self, model: Model) -> list:
+        """``(place in the leaf's stack, layer index for "{i}")`` of every tensor of this rule (None, None: not per
+        layer)."""
+        if not self.per_layer:
+            return [(None, None)]
+        return list(enumerate(range(model.num_layers) if self.layers is None else self.layers))
+
+    def of_layers(self, layers: tuple[int, ...]) -> "Rule":
+        return dataclasses.replace(self, layers=tuple(layers))
 
 
 def linear(path, name):

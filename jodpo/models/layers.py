@@ -13,6 +13,7 @@ What differs between families is a field of ``Model`` read here, never the famil
 from __future__ import annotations
 
 import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +32,25 @@ _ACTIVATIONS = {
 }
 ACTIVATIONS = tuple(_ACTIVATIONS)
 FULL_WINDOW = np.iinfo(np.int32).max  # a full-attention layer's window
+
+
+class Context(NamedTuple):
+    """What the decoder computes once per forward for every layer's mixer (``jodpo.models.attention_mixer``), by mode:
+
+    ============  =====================================  ===========================  ==============================
+    mode          mask                                   dist (query slot - key slot)  rope
+    ============  =====================================  ===========================  ==============================
+    full          (tokens [B, L],)                       ([L, L],)                     (tables,)
+    prefixed      (prefix [B, P], suffix keys [N, P+C])  ([P, P], [C, P + C])          (prefix's, suffix's)
+    cached        (new tokens [B, L], slots [B, S])      ([L, L], [L, S])              (new tokens',)
+    ============  =====================================  ===========================  ==============================
+    ``start``: the cache slot of the first new token; ``empty``: the cache holds nothing yet (a prefill)."""
+
+    mask: tuple
+    dist: tuple
+    rope: tuple
+    start: Any = None
+    empty: bool = False
 
 
 def recomputed(f):

@@ -239,18 +239,20 @@ def load_params(model: Model, path: Path, dtype=jnp.float32, place=None, tensors
     shapes = {tuple(k.key for k in p): s[0] for p, s in specs}
     slots: dict[str, tuple[families.Rule, int | None, int]] = {}
     for rule in families.weight_rules(model):
-        for i in range(model.num_layers) if rule.per_layer else [None]:
+        for at, i in rule.indices(model):
             for j, name in enumerate(rule.hf):
-                slots[name.format(i=i)] = (rule, i, j)
+                slots[name.format(i=i)] = (rule, at, j)
         for leaf in rule.jodpo:
-            need[leaf] = model.num_layers if rule.per_layer else 1
+            need[leaf] = len(rule.indices(model))
     done: dict[tuple[str, ...], jax.Array] = {}
     pending: dict[tuple[int, int | None], dict[int, np.ndarray]] = {}
     seen: set[str] = set()
-    skipped = 0
+    skipped: dict[str, int] = {}
+    left_out = families.family_of(model).skipped
     for name, tensor in iter_tensors(path) if tensors is None else tensors:
-        if name.startswith(families.family_of(model).skipped):
-            skipped += 1
+        part = next((what for prefix, what in left_out.items() if name.startswith(prefix)), None)
+        if part is not None:
+            skipped[part] = skipped.get(part, 0) + 1
             continue
         name = _strip_prefix(name, model)
         if name not in slots:
@@ -279,8 +281,9 @@ def load_params(model: Model, path: Path, dtype=jnp.float32, place=None, tensors
     if skipped:
         import warnings
 
-        warnings.warn(f"{path}: a multimodal checkpoint; its language model loads as a text {model.family} model and "
-                      f"its vision tower ({skipped} tensors) is left out")
+        parts = " and ".join(f"its {what} ({n} tensors)" for what, n in skipped.items())
+        warnings.warn(f"{path}: its language model loads as a text {model.family} model; {parts} "
+                      f"{'are' if len(skipped) > 1 else 'is'} left out")
     missing = sorted(set(slots) - seen)
     if missing:
         hint = (" A reward model needs score.weight (a *ForSequenceClassification checkpoint)."

@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jodpo.models.decoder import Model, Params, merge_adapters
+from jodpo.models import families
+from jodpo.models.decoder import KIND_OF_KEY, SUBTREES, Model, Params, merge_adapters
 from jodpo.models.params import param_specs
 from jodpo.models.export import write_atomically
 from jodpo.models.families import family_of
@@ -25,7 +26,8 @@ from jodpo.models.families import family_of
 # default targets and where each module sits in a HF state dict: ``Family.lora_modules``, ``lora_defaults``,
 # ``prefix`` and ``lora_paths`` (jodpo.models.families).
 # How many leading axes of each weight (after the layer axis) are its inputs.
-_N_IN = {"q": 1, "k": 1, "v": 1, "o": 2, "up": 1, "gate": 1, "down": 1}
+_N_IN = {"q": 1, "k": 1, "v": 1, "o": 2, "o_gate": 1, "up": 1, "gate": 1, "down": 1, "in_q": 1, "in_k": 1, "in_v": 1,
+         "in_z": 1, "in_b": 1, "in_a": 1, "out": 2}
 
 
 def resolve_targets(model: Model, targets) -> tuple[str, ...]:
@@ -33,6 +35,9 @@ def resolve_targets(model: Model, targets) -> tuple[str, ...]:
     unknown name is refused with the list of this family's names."""
     known = family_of(model).lora_modules
     if targets is None or len(targets) == 0:
+        if not family_of(model).lora_defaults:
+            raise ValueError(f"PEFT has no default target modules for {model.family} models: set lora_target_modules "
+                             f"(PEFT's target_modules) to some of {sorted(known)}, or 'all-linear'")
         return family_of(model).lora_defaults
     if tuple(targets) == ("all-linear",) or targets == "all-linear":
         return tuple(n for n, ws in known.items() if all(w != "gate" or model.gated_mlp for w in ws))
@@ -48,7 +53,7 @@ def adapter_specs(model: Model, targets: tuple[str, ...]) -> dict:
     axis is never split), like ``param_specs``."""
     r = model.lora_rank
     layers = param_specs(model)["layers"]
-    weights = {**layers["attn"], **layers["mlp"]}
+    weights = {name: layers[sub][name] for name, sub in SUBTREES.items() if name in layers.get(sub, {})}
     out = {}
     for group in targets:
         names = family_of(model).lora_modules[group]
@@ -93,22 +98,27 @@ def merged(model: Model, base: Params, adapters: Params) -> Params:
 
 def peft_tensors(model: Model, adapters: Params) -> dict[str, np.ndarray]:
     """The adapters as PEFT's ``adapter_model.safetensors`` names and lays them out: ``lora_A.weight`` ``[r, in]``
-    and ``lora_B.weight`` ``[out, r]`` per layer, in the HF module's row order (GPT-NeoX's fused rows interleave
-    q, k, v per head)."""
+    and ``lora_B.weight`` ``[out, r]`` per layer, in the HF module's row order: a fused module's rows (GPT-NeoX's
+    ``query_key_value``, a gated ``q_proj``, Qwen3.5's ``in_proj_qkv``) laid out by the family's own rule for the
+    module's weight (``hf_mapping.Rule.to_hf``, which reads ``b`` ``[r, out...]`` as a weight of ``r`` inputs)."""
     out = {}
     family = family_of(model)
+    rules = {r.jodpo: r for r in families.weight_rules(model)}
     for group, ad in adapters.items():
         a = np.asarray(ad["a"], np.float32)
         bs = {n: np.asarray(b, np.float32) for n, b in ad["b"].items()}
         r = a.shape[-1]
-        for i in range(a.shape[0]):
+        kind = KIND_OF_KEY.get(SUBTREES[next(iter(bs))])
+        fused = next((rule for leaves, rule in rules.items() if len(bs) > 1 and
+                      {leaf[-1] for leaf in leaves} == set(bs) and rule.hf[0].endswith(f"{group}.weight")), None)
+        for at, i in enumerate(model.layers_of(kind) if kind else range(model.num_layers)):
             name = f"base_model.model.{family.prefix}layers.{i}.{family.lora_paths[group]}.{group}"
-            out[name + ".lora_A.weight"] = np.ascontiguousarray(a[i].reshape(-1, r).T)
-            if set(bs) == {"q", "k", "v"}:  # [r, H, Dh] each -> rows [H, (q|k|v), Dh], as the fused weight's
-                rows = np.stack([bs[n][i] for n in ("q", "k", "v")], 0).transpose(2, 0, 3, 1).reshape(-1, r)
+            out[name + ".lora_A.weight"] = np.ascontiguousarray(a[at].reshape(-1, r).T)
+            if fused is not None:
+                (rows,) = fused.to_hf(*(bs[leaf[-1]][at] for leaf in fused.jodpo))
             else:
                 (b,) = bs.values()
-                rows = b[i].reshape(r, -1).T
+                rows = b[at].reshape(r, -1).T
             out[name + ".lora_B.weight"] = np.ascontiguousarray(rows)
     return out
 

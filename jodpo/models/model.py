@@ -12,7 +12,27 @@ import jax
 import jax.numpy as jnp
 
 Params = dict[str, Any]
-Cache = dict[str, jax.Array]
+Cache = dict[str, Any]
+# The mixer kinds a layer can have (``Model.layer_kinds``): softmax attention over a KV cache, or Gated DeltaNet
+# (linear attention with a recurrent state). Each owns its parameters, forwards and cache state
+# (``jodpo.models.attention_mixer``, ``jodpo.models.deltanet``).
+KINDS = ("attention", "deltanet")
+
+
+@dataclasses.dataclass(frozen=True)
+class DeltaNet:
+    """The shape of a model's Gated DeltaNet layers (Qwen3.5, Qwen3-Next: ``linear_*`` fields of the config)."""
+
+    num_k_heads: int
+    num_v_heads: int  # a multiple of num_k_heads: value head h reads query/key head h // (num_v_heads // num_k_heads)
+    k_head_dim: int
+    v_head_dim: int
+    conv_kernel: int  # the causal depthwise convolution's width over q, k and v
+
+    def __post_init__(self):
+        if self.num_v_heads % self.num_k_heads:
+            raise ValueError(f"linear_num_value_heads ({self.num_v_heads}) must be a multiple of linear_num_key_heads "
+                             f"({self.num_k_heads})")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +88,12 @@ class Model:
     # their weights (PEFT's scaling); params without them (the reference: the adapters off) run the base model.
     lora_rank: int = 0
     lora_alpha: float = 0.0
+    # Hybrid decoders: each layer's mixer kind (KINDS), () = every layer softmax attention; the DeltaNet layers' shape
+    layer_kinds: tuple[str, ...] = ()
+    deltanet: DeltaNet | None = None
+    # Gated attention (Qwen3.5, Qwen3-Next): q_proj also yields a gate per head; the attention's output is multiplied
+    # by sigmoid(gate) before the output projection
+    attn_output_gate: bool = False
     # The source config.json (for export); not part of the identity of the compiled function.
     hf_config: str = dataclasses.field(default="{}", compare=False, repr=False)
 
@@ -78,9 +104,23 @@ class Model:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}") from None
         if self.attention not in ATTENTIONS:
             raise ValueError(f"attention must be one of {ATTENTIONS}, got {self.attention!r}")
+        if self.layer_kinds and (len(self.layer_kinds) != self.num_layers or set(self.layer_kinds) - set(KINDS)):
+            raise ValueError(f"layer_kinds must name one of {KINDS} for each of the {self.num_layers} layers, got "
+                             f"{self.layer_kinds}")
+        if "deltanet" in self.layer_kinds and self.deltanet is None:
+            raise ValueError("a model with deltanet layers needs their shape (Model.deltanet)")
 
     def replace(self, **changes) -> "Model":
         return dataclasses.replace(self, **changes)
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """Each layer's mixer kind."""
+        return self.layer_kinds or ("attention",) * self.num_layers
+
+    def layers_of(self, kind: str) -> tuple[int, ...]:
+        """The indices of the layers of one mixer kind, in order (a kind's parameters are stacked over these)."""
+        return tuple(i for i, k in enumerate(self.kinds) if k == kind)
 
     @property
     def attention_scale(self) -> float:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jodpo.models.decoder import Model, Params, merge_adapters
+from jodpo.models.decoder import KEYS, KIND_OF_KEY, MIXERS, Model, Params, layer_params, merge_adapters
 
 
 # --------------------------------------------------------------------------------------------------
@@ -16,9 +16,9 @@ from jodpo.models.decoder import Model, Params, merge_adapters
 
 
 def param_specs(model: Model) -> dict:
-    """Nested dict of ``(shape, logical_axes)`` mirroring ``params``; the one source of shapes."""
-    D, N, H, K, Dh, F, V = (model.hidden_size, model.num_layers, model.num_heads, model.num_kv_heads,
-                            model.head_dim, model.mlp_dim, model.vocab_size)
+    """Nested dict of ``(shape, logical_axes)`` mirroring ``params``; the one source of shapes. What every layer has
+    is stacked over all N layers; each mixer kind's parameters (``decoder.KEYS``) over the layers of that kind."""
+    D, N, F, V = model.hidden_size, model.num_layers, model.mlp_dim, model.vocab_size
 
     def norm():
         p = {"scale": ((N, D), ("layers", "embed"))}
@@ -26,21 +26,6 @@ def param_specs(model: Model) -> dict:
             p["bias"] = ((N, D), ("layers", "embed"))
         return p
 
-    attn = {
-        "q": ((N, D, H, Dh), ("layers", "embed", "heads", "head_dim")),
-        "k": ((N, D, K, Dh), ("layers", "embed", "kv_heads", "head_dim")),
-        "v": ((N, D, K, Dh), ("layers", "embed", "kv_heads", "head_dim")),
-        "o": ((N, H, Dh, D), ("layers", "heads", "head_dim", "embed")),
-    }
-    if model.qk_norm:  # one scale per head dim, shared by the heads (never split)
-        attn["q_norm"] = {"scale": ((N, Dh), ("layers", "head_dim"))}
-        attn["k_norm"] = {"scale": ((N, Dh), ("layers", "head_dim"))}
-    if model.qkv_bias:
-        attn["q_bias"] = ((N, H, Dh), ("layers", "heads", "head_dim"))
-        attn["k_bias"] = ((N, K, Dh), ("layers", "kv_heads", "head_dim"))
-        attn["v_bias"] = ((N, K, Dh), ("layers", "kv_heads", "head_dim"))
-    if model.out_bias:
-        attn["o_bias"] = ((N, D), ("layers", "embed"))
     mlp = {"up": ((N, D, F), ("layers", "embed", "mlp")), "down": ((N, F, D), ("layers", "mlp", "embed"))}
     if model.gated_mlp:
         mlp["gate"] = ((N, D, F), ("layers", "embed", "mlp"))
@@ -50,7 +35,9 @@ def param_specs(model: Model) -> dict:
         if model.gated_mlp:
             mlp["gate_bias"] = ((N, F), ("layers", "mlp"))
     final = {k: (shape[1:], axes[1:]) for k, (shape, axes) in norm().items()}
-    layers = {"ln1": norm(), "ln2": norm(), "attn": attn, "mlp": mlp}
+    layers = {"ln1": norm(), "ln2": norm()}
+    layers |= {KEYS[k]: m.specs(model, len(model.layers_of(k))) for k, m in MIXERS.items() if model.layers_of(k)}
+    layers["mlp"] = mlp
     if model.post_norms:  # Gemma: the attention's and the MLP's outputs normed before their residuals
         layers |= {"post_attn": norm(), "post_mlp": norm()}
     specs = {"embed": ((V, D), ("vocab", "embed")), "layers": layers, "final_norm": final}
@@ -84,7 +71,11 @@ def init_params(model: Model, rng: jax.Array, dtype=jnp.float32, std: float = 0.
     out = []
     for key, (path, (shape, _)) in zip(keys, leaves):
         name = jax.tree_util.keystr(path)
-        if "bias" in name:
+        kind = KIND_OF_KEY.get(getattr(path[1], "key", None)) if len(path) > 2 else None
+        own = getattr(MIXERS[kind], "init", lambda *a: None)(path[-1].key, key, shape, dtype) if kind else None
+        if own is not None:  # a mixer's own rule (DeltaNet's decay parameters and gated norm)
+            out.append(own)
+        elif "bias" in name:
             out.append(jnp.zeros(shape, dtype))
         elif "scale" in name:
             out.append(jnp.full(shape, 1.0 - model.norm_offset, dtype))
@@ -127,10 +118,10 @@ def frozen_params(model: Model, params: Params) -> Params:
     return compute_params(model, params)
 
 
-def split_layers(params: Params) -> Params:
-    """``params`` with the stacked layers split into a tuple of per-layer dicts, for unrolled decoding
-    with a per-layer cache (``init_cache(..., per_layer=True)``): a decode step then slices no weights
-    and no cache slabs. Costs one copy of the layer weights; do it once per sampling call."""
+def split_layers(model: Model, params: Params) -> Params:
+    """``params`` with the stacked layers split into a tuple of per-layer dicts (``decoder.layer_params``: each
+    layer's norms, MLP and its own mixer's parameters), for unrolled decoding with a per-layer cache
+    (``init_cache(..., per_layer=True)``): a decode step then slices no weights and no cache state. Costs one copy of
+    the layer weights; do it once per sampling call."""
     layers = params["layers"]
-    n = jax.tree.leaves(layers)[0].shape[0]
-    return {**params, "layers": tuple(jax.tree.map(lambda a: a[i], layers) for i in range(n))}
+    return {**params, "layers": tuple(layer_params(model, layers, i) for i in range(model.num_layers))}

@@ -1,5 +1,5 @@
-"""Every family jodpo implements, one module each (``gpt_neox``, ``llama``, ``qwen2``, ``qwen3``, ``gemma2``,
-``gemma3``): a transformers config -> ``Model``, and HF tensor names <-> jodpo parameters (``jodpo.models.hf_mapping``).
+"""Every family jodpo implements, one module each (``gpt_neox``, ``llama``, ``qwen2``, ``qwen3``, ``qwen3_5``,
+``gemma2``, ``gemma3``): a transformers config -> ``Model``, and HF tensor names <-> jodpo parameters (``jodpo.models.hf_mapping``).
 
 A new family is a new module here defining ``FAMILY`` (a ``Family``) and one line in ``FAMILIES``; where its
 forward differs from the shared decoder, a field of ``Model`` says so (``jodpo.models.decoder``).
@@ -9,13 +9,13 @@ from __future__ import annotations
 import json
 
 from jodpo.errors import UnsupportedModelError
-from jodpo.models.families import gemma2, gemma3, gpt_neox, llama, qwen2, qwen3
+from jodpo.models.families import gemma2, gemma3, gpt_neox, llama, qwen2, qwen3, qwen3_5
 from jodpo.models.hf_mapping import Family, Rule, rope_inv_freq
 from jodpo.models.layers import ACTIVATIONS
 from jodpo.models.model import Model
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (gpt_neox.FAMILY, llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY,
-                                                   gemma2.FAMILY, gemma3.FAMILY)}
+                                                   qwen3_5.FAMILY, gemma2.FAMILY, gemma3.FAMILY)}
 # HF model_type -> the family that implements it
 MODEL_TYPES = {model_type: f.name for f in FAMILIES.values() for model_type in f.classes}
 # architecture name in config.json -> (family, task)
@@ -23,7 +23,8 @@ ARCHITECTURES = {prefix + suffix: (f.name, task) for f in FAMILIES.values() for 
                  for suffix, task in (("ForCausalLM", "causal_lm"), ("ForSequenceClassification", "reward"))}
 ARCHITECTURES |= {name: (f.name, task) for f in FAMILIES.values() for name, task in f.more_classes.items()}
 SUPPORTED = ("GPT-NeoX/Pythia (gpt_neox), Llama 2/3, Mistral, SmolLM, TinyLlama (llama, mistral), Qwen2 (qwen2), "
-             "Qwen3 (qwen3), Gemma 2 (gemma2), Gemma 3 (gemma3_text, and gemma3's language model)")
+             "Qwen3 (qwen3), Qwen3.5/3.6 dense (qwen3_5_text, and qwen3_5's language model), Gemma 2 (gemma2), "
+             "Gemma 3 (gemma3_text, and gemma3's language model)")
 # HF tensors that carry no parameters (buffers some checkpoints include).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "attention.bias", "attention.masked_bias")
 

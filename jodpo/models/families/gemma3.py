@@ -28,5 +28,6 @@ FAMILY = Family(
     # language_model.model. (and its head as language_model.lm_head.)
     renames=(("model.language_model.", "model."), ("language_model.model.", "model."),
              ("language_model.lm_head.", "lm_head.")),
-    skipped=("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.", "multi_modal_projector."),
+    skipped={prefix: "vision tower" for prefix in ("model.vision_tower.", "model.multi_modal_projector.",
+                                                    "vision_tower.", "multi_modal_projector.")},
 )

@@ -1,0 +1,129 @@
+"""The Gated DeltaNet mixer kind (Qwen3.5's and Qwen3-Next's ``linear_attention`` layers): linear attention with a
+recurrent state, exactly as transformers' ``Qwen3_5GatedDeltaNet``. Its functions are the ones every mixer kind offers
+the decoder (``jodpo.models.attention_mixer`` lists them).
+
+A layer, per token: the hidden states of padding zeroed; q, k ([Hk, Dk] heads), v, z ([Hv, Dv] heads) and b, a
+([Hv]) projected; q, k, v through a causal depthwise convolution of width ``conv_kernel`` and SiLU; q and k
+L2-normalised in float32, q scaled by Dk**-0.5; beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias) in
+float32; the gated delta rule (``jodpo.models.delta_rule``) with value head h reading key head h // (Hv / Hk); a
+gated RMSNorm of the output (w * norm(o), times SiLU(z)); the output projection.
+
+Its cache state, per layer: the convolution's window (the last ``conv_kernel - 1`` inputs of q, k, v) and the
+recurrent state ``[B, Hv, Dk, Dv]`` in float32: constant in the sequence's length. A prompt's state is computed once
+and every completion row continues from a copy of it (the shared-prompt layout and the sampler's tiled prefill).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jodpo.models.delta_rule import chunked_delta_rule, recurrent_delta_rule
+from jodpo.models.layers import Context
+from jodpo.models.model import Model, Params, einsum
+
+WEIGHTS = ("in_q", "in_k", "in_v", "in_z", "in_b", "in_a", "out")  # the projections LoRA can adapt
+_CONV = (("q", "in_q", "conv_q"), ("k", "in_k", "conv_k"), ("v", "in_v", "conv_v"))
+
+
+def specs(model: Model, n: int) -> dict:
+    d, D = model.deltanet, model.hidden_size
+    Hk, Hv, Dk, Dv, W = d.num_k_heads, d.num_v_heads, d.k_head_dim, d.v_head_dim, d.conv_kernel
+    k_heads, v_heads = ("layers", "embed", "kv_heads", "head_dim"), ("layers", "embed", "heads", "head_dim")
+    return {
+        "in_q": ((n, D, Hk, Dk), k_heads), "in_k": ((n, D, Hk, Dk), k_heads), "in_v": ((n, D, Hv, Dv), v_heads),
+        "in_z": ((n, D, Hv, Dv), v_heads),
+        "in_b": ((n, D, Hv), ("layers", "embed", "heads")), "in_a": ((n, D, Hv), ("layers", "embed", "heads")),
+        "conv_q": ((n, W, Hk, Dk), ("layers", None, "kv_heads", "head_dim")),
+        "conv_k": ((n, W, Hk, Dk), ("layers", None, "kv_heads", "head_dim")),
+        "conv_v": ((n, W, Hv, Dv), ("layers", None, "heads", "head_dim")),
+        "dt_bias": ((n, Hv), ("layers", "heads")), "a_log": ((n, Hv), ("layers", "heads")),
+        "gnorm": ((n, Dv), ("layers", "head_dim")),  # the gated norm's weight, w (not 1 + w)
+        "out": ((n, Hv, Dv, D), ("layers", "heads", "head_dim", "embed")),
+    }
+
+
+def init(name: str, key: jax.Array, shape, dtype):
+    """transformers' initialisation of the leaves that are not plain weights (None: the generic rule): dt_bias ones,
+    A_log the log of uniform(0.01, 16) (kept away from -inf), the gated norm's weight ones."""
+    if name in ("dt_bias", "gnorm"):
+        return jnp.ones(shape, dtype)
+    if name == "a_log":
+        return jnp.log(jax.random.uniform(key, shape, jnp.float32, 0.01, 16.0)).astype(dtype)
+    return None
+
+
+def init_state(model: Model, batch: int, length: int, dtype) -> dict:
+    d = model.deltanet
+    W = d.conv_kernel - 1
+    return {"conv_q": jnp.zeros((batch, W, d.num_k_heads, d.k_head_dim), dtype),
+            "conv_k": jnp.zeros((batch, W, d.num_k_heads, d.k_head_dim), dtype),
+            "conv_v": jnp.zeros((batch, W, d.num_v_heads, d.v_head_dim), dtype),
+            "rec": jnp.zeros((batch, d.num_v_heads, d.k_head_dim, d.v_head_dim), jnp.float32)}
+
+
+def _conv(x_BLHD, window_BWHD, w_KHD):
+    """The causal depthwise convolution and SiLU over ``window`` (the inputs before) and ``x``, as transformers'
+    ``causal_conv1d_fn``/``_update`` (the sum in float32, the result rounded to the compute dtype, then SiLU);
+    returns the outputs and the new window."""
+    dt, W, L = x_BLHD.dtype, w_KHD.shape[0], x_BLHD.shape[1]
+    xw = jnp.concatenate([window_BWHD.astype(dt), x_BLHD], 1)  # [B, W - 1 + L, H, D]
+    y = sum(xw[:, j:j + L].astype(jnp.float32) * w_KHD[j].astype(dt).astype(jnp.float32) for j in range(W))
+    y = jax.nn.silu(y.astype(dt).astype(jnp.float32)).astype(dt)
+    return y, xw[:, xw.shape[1] - (W - 1):]
+
+
+def _l2norm(x):
+    x = x.astype(jnp.float32)
+    return x * jax.lax.rsqrt(jnp.sum(x * x, -1, keepdims=True) + 1e-6)
+
+
+def _gated_norm(model: Model, w_D, o_BLHD, z_BLHD):
+    """transformers' ``Qwen3NextRMSNormGated``: normalise in float32, round to the compute dtype, times w, times
+    SiLU(z) in float32, rounded again."""
+    dt = o_BLHD.dtype
+    x = o_BLHD.astype(jnp.float32)
+    y = (x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + model.norm_eps)).astype(dt)
+    y = (w_D.astype(dt) * y).astype(jnp.float32) * jax.nn.silu(z_BLHD.astype(jnp.float32))
+    return y.astype(dt)
+
+
+def _run(model: Model, p: Params, x_BLD, mask_BL, state: dict) -> tuple[jax.Array, dict]:
+    """One layer over a group of tokens that follows ``state`` (zeros: nothing before)."""
+    dt = x_BLD.dtype
+    x = x_BLD * mask_BL[..., None].astype(dt)  # padding contributes nothing (transformers' apply_mask_to_padding)
+    proj = lambda name, spec: einsum(model, spec, x, p[name].astype(dt))  # noqa: E731
+    qkv, new = {}, {}
+    for key, w_in, w_conv in _CONV:
+        qkv[key], new[w_conv] = _conv(proj(w_in, "bld,dhk->blhk"), state[w_conv], p[w_conv])
+    z = proj("in_z", "bld,dhk->blhk")
+    beta = jax.nn.sigmoid(proj("in_b", "bld,dh->blh"))
+    g = -jnp.exp(p["a_log"].astype(dt).astype(jnp.float32)) * jax.nn.softplus(
+        proj("in_a", "bld,dh->blh").astype(jnp.float32) + p["dt_bias"].astype(dt).astype(jnp.float32))
+    q = _l2norm(qkv["q"]) * model.deltanet.k_head_dim ** -0.5
+    rule = recurrent_delta_rule if x.shape[1] == 1 else chunked_delta_rule  # one decode step: no chunk to solve
+    o, new["rec"] = rule(q, _l2norm(qkv["k"]), qkv["v"], g, beta, state["rec"], precision=model.precision)
+    o = _gated_norm(model, p["gnorm"], o.astype(dt), z)
+    return einsum(model, "blhk,hkd->bld", o, p["out"].astype(dt)), new
+
+
+def full(model: Model, p: Params, x, ctx: Context, window) -> jax.Array:
+    return _run(model, p, x, ctx.mask[0], init_state(model, x.shape[0], 0, x.dtype))[0]
+
+
+def prefixed(model: Model, p: Params, xs, ctx: Context, window) -> tuple[jax.Array, jax.Array]:
+    """The prefix from nothing; each suffix row (block layout) from a copy of its prefix's final state, so the
+    prefix's gradient gathers every suffix's."""
+    xp, xs_ = xs
+    yp, state = _run(model, p, xp, ctx.mask[0], init_state(model, xp.shape[0], 0, xp.dtype))
+    n = xs_.shape[0] // xp.shape[0]
+    state = jax.tree.map(lambda a: jnp.concatenate([a] * n, 0), state)
+    ys, _ = _run(model, p, xs_, ctx.mask[1][:, xp.shape[1]:], state)
+    return yp, ys
+
+
+def cached(model: Model, p: Params, x, state: dict, j, ctx: Context, window) -> tuple[jax.Array, dict]:
+    mine = state if j is None else jax.tree.map(lambda a: a[j], state)
+    y, new = _run(model, p, x, ctx.mask[0], mine)
+    if j is not None:
+        new = jax.tree.map(lambda a, n: jax.lax.dynamic_update_index_in_dim(a, n.astype(a.dtype), j, 0), state, new)
+    return y, new
