@@ -24,6 +24,17 @@ def cpu_env(devices: int, **extra: str) -> dict:
     return env(JAX_PLATFORMS="cpu", XLA_FLAGS=flags, **extra)
 
 
+# The suite's compiler flags on a machine without an accelerator (tests/conftest.py: compiled for speed of compiling)
+FAST_COMPILE_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+
+
+def compiled_as_a_run(environ: dict) -> dict:
+    """``environ`` with the suite's fast-compile flags removed: its programs compiled as a run compiles them (some
+    faults show only in those programs)."""
+    flags = [f for f in environ.get("XLA_FLAGS", "").split() if f not in FAST_COMPILE_FLAGS]
+    return dict(environ, XLA_FLAGS=" ".join(flags))
+
+
 _TORCH = {"torch", "functorch", "torchgen"}
 
 
