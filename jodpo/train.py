@@ -13,7 +13,7 @@ import jax
 
 from jodpo.errors import (BackendError, CheckpointError, ConfigError, DataError, Diverged, SaveError,  # noqa: F401
                           Stopped)
-from jodpo.program import backend
+from jodpo.program import aborts, backend
 from jodpo.program import flags as F
 from jodpo.program.config import FIELDS, TrainConfig
 from jodpo.program.trainer import OnlineDPOTrainer
@@ -97,7 +97,16 @@ def main(argv: list[str] | None = None) -> int:
 INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a process that Ctrl-C ended
 
 
+# After XLA's fatal log, the line that says what it means for the run (jodpo.program.aborts). Only where this module
+# is the process (python -m jodpo.train), never where a script or a test calls main().
+FATAL_SIGNAL = ("jodpo.train: the process was ended by a fatal signal ({signal}); the log above says why (XLA's "
+                "\"Termination timeout for ... RendezvousKey\": a collective that not every device reached). The "
+                "checkpoints already saved are intact: run the same command to resume from the newest "
+                "(docs/troubleshooting.md)")
+
+
 if __name__ == "__main__":
+    aborts.explain_fatal_signals(FATAL_SIGNAL)
     code = main()
     if code == INTERRUPTED:  # end now: the interpreter's exit would wait for (or tear down mid-write) Orbax's threads
         sys.stdout.flush()

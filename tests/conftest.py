@@ -60,7 +60,9 @@ os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_gpu_determin
 _ACCELERATOR = (glob.glob("/dev/nvidia[0-9]*") or glob.glob("/dev/accel[0-9]*") or glob.glob("/dev/vfio/[0-9]*")
                 or importlib.util.find_spec("libtpu") is not None)
 if not (_ACCELERATOR or os.environ.get("JODPO_TEST_FULL_OPT")):
-    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+    from tests.subproc import FAST_COMPILE_FLAGS
+
+    os.environ["XLA_FLAGS"] += " " + " ".join(FAST_COMPILE_FLAGS)
 
 import pytest
 

@@ -118,6 +118,28 @@ def build_checkpoints(root: Path) -> dict[str, dict[str, Path]]:
     return out
 
 
+def build_neox_pair(root: Path, tokenizer_dir: Path, vocab: int = 640, intermediate: int = 256) -> dict[str, Path]:
+    """{"causal_lm": dir, "reward": dir}: a Pythia-shaped pair (GPT-NeoX, hidden 64, 2 layers) a little wider than
+    ``build_checkpoints``' (``vocab`` embedding rows, an MLP of ``intermediate``), with the tokenizer in
+    ``tokenizer_dir``; HF's own initialisation, as a TL;DR run starts from real weights."""
+    import torch
+    from transformers import AutoTokenizer, GPTNeoXConfig, GPTNeoXForCausalLM, GPTNeoXForSequenceClassification
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    cfg = GPTNeoXConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=intermediate, max_position_embeddings=2048, rotary_pct=0.25,
+                        use_parallel_residual=True, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                        bos_token_id=tok.eos_token_id, hidden_dropout=0.0, attention_dropout=0.0, num_labels=1)
+    out = {}
+    classes = {"causal_lm": GPTNeoXForCausalLM, "reward": GPTNeoXForSequenceClassification}
+    for seed, (task, cls) in enumerate(classes.items()):
+        torch.manual_seed(seed)
+        out[task] = root / f"neox-wide-{task}"
+        cls(cfg).save_pretrained(out[task])
+        tok.save_pretrained(out[task])
+    return out
+
+
 def padded_batch(rng: np.random.Generator, lengths, pad_id: int, side: str, low: int = 3, high: int = 290):
     """Random token rows of the given lengths, padded left or right to the longest."""
     L = max(lengths)
@@ -130,26 +152,28 @@ def padded_batch(rng: np.random.Generator, lengths, pad_id: int, side: str, low:
     return ids, mask
 
 
-def prompt_dataset(root: Path, chat: bool = False, preference: bool = False, instructions: bool = False) -> Path:
+def prompt_dataset(root: Path, chat: bool = False, preference: bool = False, instructions: bool = False,
+                   words: tuple[int, int] = (3, 9)) -> Path:
     """A local prompt dataset (train.jsonl: 16 rows, test.jsonl: 8) with reference completions (``preference``:
     with chosen/rejected columns too, as open-instruct's TL;DR dataset has; ``instructions``: chat prompts with
-    IFEval instructions and their columns, as jodpo.tasks.instructions writes them)."""
+    IFEval instructions and their columns, as jodpo.tasks.instructions writes them). A post has ``words`` [low,
+    high) words (TL;DR's posts: a hundred)."""
     rng = np.random.default_rng(0)
-    words = " ".join(CORPUS[:5]).split()
+    vocabulary = " ".join(CORPUS[:5]).split()
     root.mkdir()
     for split, n in (("train", 16), ("test", 8)):
         rows = []
         for i in range(n):
-            text = " ".join(rng.choice(words, rng.integers(3, 9)))
+            text = " ".join(rng.choice(vocabulary, rng.integers(*words)))
             if instructions:
                 from jodpo.tasks.instructions import build_rows
 
-                passage = " ".join(rng.choice(words, 10))
+                passage = " ".join(rng.choice(vocabulary, 10))
                 [row] = build_rows([(f"fixture-{i}", passage)], "train" if split == "train" else "eval", seed=i)
-                rows.append(row | {"completion": " " + " ".join(rng.choice(words, 4))})
+                rows.append(row | {"completion": " " + " ".join(rng.choice(vocabulary, 4))})
                 continue
             prompt = [{"role": "user", "content": text}] if chat else f"SUBREDDIT: r/test POST: {text} TL;DR:"
-            rows.append({"prompt": prompt, "completion": " " + " ".join(rng.choice(words, 4))})
+            rows.append({"prompt": prompt, "completion": " " + " ".join(rng.choice(vocabulary, 4))})
             if preference:
                 rows[-1] |= {"chosen": rows[-1]["completion"], "rejected": " lazy dog"}
         (root / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -19,9 +19,25 @@ def env(**extra: str) -> dict:
 
 def cpu_env(devices: int, **extra: str) -> dict:
     """A subprocess on ``devices`` fake CPU devices, whatever jax's default backend is here (a GPU machine too):
-    the CPU platform is pinned and the device count added to the XLA flags already set."""
+    the CPU platform is pinned and the device count added to the XLA flags already set. XLA's CPU threads are sized
+    for the devices' collectives as ``python -m jodpo.train`` sizes them (``backend.set_cpu_threads``), since most of
+    these subprocesses start jax before any of jodpo runs."""
+    from jodpo.program import backend
+
     flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
-    return env(JAX_PLATFORMS="cpu", XLA_FLAGS=flags, **extra)
+    threads = {backend.NPROC: str(backend.cpu_threads_for(devices))} if devices > 1 else {}
+    return env(**{"JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags, **threads, **extra})
+
+
+# The suite's compiler flags on a machine without an accelerator (tests/conftest.py: compiled for speed of compiling)
+FAST_COMPILE_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+
+
+def compiled_as_a_run(environ: dict) -> dict:
+    """``environ`` with the suite's fast-compile flags removed: its programs compiled as a run compiles them (some
+    faults show only in those programs)."""
+    flags = [f for f in environ.get("XLA_FLAGS", "").split() if f not in FAST_COMPILE_FLAGS]
+    return dict(environ, XLA_FLAGS=" ".join(flags))
 
 
 _TORCH = {"torch", "functorch", "torchgen"}

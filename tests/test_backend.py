@@ -2,6 +2,7 @@
 and the run's precision (and its frozen models' compute form) reaching every model it builds."""
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +29,40 @@ def test_deterministic_sets_xla_flags_before_jax_starts():
     env["XLA_FLAGS"] = " ".join(f for f in env["XLA_FLAGS"].split() if "deterministic" not in f)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert done.returncode == 0 and "OK" in done.stdout, done.stderr[-3000:]
+
+
+_THREADS = ("import os, jax\n"
+            "from jodpo.program import backend\n"
+            "{start}"
+            "jax.devices()\n"
+            "tasks = os.listdir('/proc/self/task')\n"
+            "pool = sum('XLAEigen' in open(f'/proc/self/task/{{t}}/comm').read() for t in tasks)\n"
+            "print('THREADS', jax.device_count(), os.environ.get('NPROC'), pool, backend.cpu_threads_warning())\n")
+
+
+def _threads(devices: int, start: str, **extra: str) -> list[str]:
+    environ = subproc.cpu_env(devices)
+    environ.pop("NPROC", None)  # the test's to set
+    environ.update(extra)
+    done = subprocess.run([sys.executable, "-c", _THREADS.format(start=start)], capture_output=True, text=True,
+                          env=environ, timeout=120)
+    assert done.returncode == 0 and "THREADS" in done.stdout, done.stderr[-3000:]
+    return done.stdout.split("THREADS ")[-1].strip().split(" ", 3)
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts XLA's threads in /proc (Linux)")
+def test_a_command_gives_xla_cpu_four_threads_a_device_for_its_collectives():
+    """Issue 53: XLA:CPU held a thread per device in each collective from a pool of as many threads as devices, and
+    its executor could start a second collective on a device before the first ended: all threads waited, and XLA
+    aborted. A command (``start_command``, before jax starts) asks for four a device; one device is left as it is,
+    and a larger NPROC is kept."""
+    assert _threads(8, "backend.start_command()\n") == ["8", "32", "32", "None"]
+    assert _threads(8, "backend.start_command()\n", NPROC="48") == ["8", "48", "48", "None"]
+    assert _threads(1, "backend.start_command()\n")[:2] == ["1", "None"]
+    # jax started first (a script of its own): too late to set, so training warns, once jax is up
+    devices, nproc, pool, warning = _threads(8, "jax.devices()\nbackend.start_command()\n")
+    assert (devices, nproc, pool) == ("8", "None", "8")
+    assert warning.startswith("warning: jax started 8 CPU devices with fewer than 32 threads"), warning
 
 
 @pytest.fixture

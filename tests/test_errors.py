@@ -3,6 +3,9 @@ traceback, nothing in the output directory destroyed. Every message is listed in
 import errno
 import json
 import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +15,7 @@ from jodpo.parallel import sharding as S
 from jodpo import train
 from jodpo.program import loop
 from jodpo.program.checkpoint import Checkpointer
-from tests import hf_fixtures
+from tests import hf_fixtures, subproc
 
 DOC_FILE = Path(__file__).resolve().parents[1] / "docs" / "troubleshooting.md"
 DOC = DOC_FILE.read_text() if DOC_FILE.exists() else ""
@@ -244,3 +247,31 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoints(world, finished, 
     assert "Traceback" not in err
     monkeypatch.setattr(Checkpointer, "save", real)
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == kept
+
+
+def test_an_abort_is_followed_by_one_line_that_says_the_run_resumes(tmp_path):
+    """A process that XLA aborts (SIGABRT from one of its threads: a collective that not every device reached, issue
+    53) runs no more Python; the command's watcher prints, after XLA's log, what happened and that the same command
+    resumes. Here the recipe itself aborts the process, from a thread, as XLA does."""
+    recipe = tmp_path / "aborts.py"
+    recipe.write_text("import os, threading\n"
+                      "def get_config():\n"
+                      "    threading.Thread(target=os.abort).start()\n"
+                      "    threading.Event().wait()\n")
+    python, environ = subproc.without_torch(subproc.env())
+    done = subprocess.run([*python, "-m", "jodpo.train", "--config", str(recipe)], env=environ, capture_output=True,
+                          text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == -signal.SIGABRT, done.stderr[-3000:]
+    assert done.stderr.splitlines()[-1] == train.FATAL_SIGNAL.format(signal="Aborted"), done.stderr[-3000:]
+    assert "Fatal Python error" not in done.stderr  # faulthandler's report went to the watcher only
+    assert "the process was ended by a fatal signal" in DOC
+
+
+def test_a_run_that_ends_well_leaves_no_line_and_no_watcher(tmp_path):
+    code = ("from jodpo.program import aborts\n"
+            "aborts.explain_fatal_signals('never printed ({signal})')\n"
+            "aborts.explain_fatal_signals('installed once only')\n"
+            "raise SystemExit(3)\n")
+    done = subprocess.run([sys.executable, "-c", code], env=subproc.env(), capture_output=True, text=True, timeout=60)
+    # capture_output waits for every holder of stderr: the watcher ended with the process
+    assert done.returncode == 3 and done.stderr == "", done.stderr

@@ -1,5 +1,5 @@
-"""What the training program sets up in XLA before jax touches a device: deterministic GPU kernels (when asked)
-and the persistent compilation cache.
+"""What the training program sets up in XLA before jax touches a device: deterministic GPU kernels (when asked),
+the persistent compilation cache, and enough CPU threads for the collectives of several CPU devices.
 
 Numbers and backends (docs/performance.md, "Precision and determinism"):
   - float32 dots are computed in float32 on every backend (``Model.precision``, ``matmul_precision``);
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from pathlib import Path
 
 import jax
@@ -45,19 +46,78 @@ def set_deterministic() -> None:
     os.environ["XLA_FLAGS"] = f"{flags} {DETERMINISTIC_FLAG}".strip()
 
 
-CACHE_MAX_BYTES = 32 * 2**30
+# XLA:CPU runs every device's part of a program on the threads of one pool, and a collective holds its thread until
+# every device has reached it. The pool has as many threads as devices (on a machine with fewer cores): enough for one
+# collective at a time per device, which is all XLA counts on. But XLA's executor runs a collective outside a loop as
+# soon as its operands are ready, while the loop it was scheduled after (the layers' scan of the loss, whose every
+# step all-reduces) is still running: then a device holds two threads, one device gets none, and no collective ever
+# completes (issue 53: XLA aborts after 40 s). Which device runs what first depends on timing, cold or warm cache
+# alike. Four threads a device leave room for every device to wait in as many collectives at once as the programs
+# here ever reach (two seen; with two threads a device the abort never came back). The threads wait; they do not
+# compute.
+THREADS_PER_CPU_DEVICE = 4
+NPROC = "NPROC"  # XLA's override of its CPU thread pools' size (xla/pjrt/utils.cc DefaultThreadPoolSize)
+
+
+def cpu_devices_asked() -> int:
+    """How many CPU devices jax will make: ``jax_num_cpu_devices`` (``JAX_NUM_CPU_DEVICES``), else XLA's
+    ``--xla_force_host_platform_device_count``, else 1. Read before jax starts its backends."""
+    asked = jax.config.jax_num_cpu_devices
+    if asked > 0:
+        return asked
+    flags = re.findall(r"--xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", ""))
+    return int(flags[-1]) if flags else 1
+
+
+def cpu_threads_for(devices: int) -> int:
+    return min(THREADS_PER_CPU_DEVICE * devices, 256)  # 256: XLA's own cap on the pool
+
+
+def _nproc() -> int:
+    """``NPROC`` as XLA reads it (an integer; anything else counts as unset)."""
+    value = os.environ.get(NPROC, "")
+    return int(value) if value.strip().isdigit() else 0
+
+
+def set_cpu_threads() -> None:
+    """Give XLA:CPU's thread pools ``THREADS_PER_CPU_DEVICE`` threads a device where jax will make several CPU devices
+    (``NPROC``, unless it asks for more already). Must run before jax starts its backends; a no-op with one device."""
+    devices = cpu_devices_asked()
+    if devices > 1 and not _backends_started():
+        want = cpu_threads_for(devices)
+        if _nproc() < want:
+            os.environ[NPROC] = str(want)
+
+
+def cpu_threads_warning() -> str | None:
+    """A line saying that this process's CPU devices may deadlock in a collective, where jax started them with too
+    few threads (a script that made several CPU devices before jodpo could ``set_cpu_threads``); None where all is
+    well. Read from ``NPROC``, as XLA read it when it started."""
+    if jax.default_backend() != "cpu" or jax.local_device_count() == 1:
+        return None
+    want = cpu_threads_for(jax.local_device_count())
+    if _nproc() >= want:
+        return None
+    return (f"warning: jax started {jax.local_device_count()} CPU devices with fewer than {want} threads, and XLA:CPU "
+            "can then deadlock in a collective (docs/troubleshooting.md); start the process with "
+            f"NPROC={want} in its environment, or call jodpo.program.backend.set_cpu_threads() before jax starts")
 
 
 def start_command() -> None:
-    """What every command-line program does first (``import jodpo`` does none of it).
+    """What every command-line program does first (``import jodpo`` does none of it): XLA:CPU's threads for several
+    devices (``set_cpu_threads``), then the rest below.
 
     transformers' advisory warnings go off (unless the environment sets them): where torch is not installed (jodpo
     needs none; the README's first command installs none), importing transformers says "PyTorch was not found.
     Models won't be available...", true of transformers' models and misleading as a run's first line: the models
     here are jodpo's own. Its warnings proper are still shown. And the compiler's freed scratch memory goes back to
     the OS after each compilation (``hostmem``)."""
+    set_cpu_threads()
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     hostmem.install()
+
+
+CACHE_MAX_BYTES = 32 * 2**30
 
 
 def default_cache_dir() -> Path:

@@ -19,7 +19,7 @@ from jodpo.errors import ConfigError, Diverged, RewardError, Stopped
 from jodpo.program import data as D
 from jodpo import judges as J
 from jodpo import pairing as P
-from jodpo.program import output_dir
+from jodpo.program import backend, output_dir
 from jodpo.parallel import sharding as S
 from jodpo import train_step as ts
 from jodpo.program.checkpoint import Checkpointer
@@ -180,6 +180,12 @@ def train(cfg: TrainConfig, allow_config_change: bool = False, given: Given = Gi
     configured model, or a dataset other than the checkpoint's, raises ``ConfigError`` before anything is written.
     ``given``: objects in place of what the config names (``OnlineDPOTrainer``); ``events``: told of each step,
     logged line, evaluation and save."""
+    # The CLI has done this before anything else; a script calling OnlineDPOTrainer gets it here if jax has not
+    # started yet, else a warning where its CPU devices have too few threads for their collectives
+    backend.set_cpu_threads()
+    warning = backend.cpu_threads_warning()
+    if warning and jax.process_index() == 0:
+        print(f"jodpo.train: {warning}", file=sys.stderr, flush=True)
     out = output_dir.prepare(cfg.output_dir)
     lock = output_dir.lock_for_job(out)  # held until train returns or raises, whatever ends it
     try:
