@@ -231,7 +231,8 @@ class Checkpointer:
         skipped = []
         for step in reversed(self.steps()):
             try:
-                target = abstract_state if self.has_optimizer(step) else without_optimizer(abstract_state)
+                model_only = _has_optimizer(_shapes(abstract_state)) and not self.has_optimizer(step)
+                target = without_optimizer(abstract_state) if model_only else abstract_state
                 state = ocp.args.PyTreeRestore(target, ocp.checkpoint_utils.construct_restore_args(target))
                 out = self.manager.restore(step, args=ocp.args.Composite(state=state, meta=ocp.args.JsonRestore()))
             except Exception as e:  # noqa: BLE001 - any unreadable checkpoint: fall back to the previous one
