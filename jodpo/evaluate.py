@@ -209,7 +209,7 @@ def evaluate(args) -> dict:
     if args.pointwise and cfg.judge:
         raise G.GenerateError("--pointwise scores each completion by rewards, and a judge only compares two: give "
                               "--reward_model_path or --reward_funcs")
-    data = G.load_prompts(policy, args.max_prompts)
+    data = G.load_prompts(policy, args.max_prompts, args.allow_training_prompts, G.say_for("jodpo.evaluate"))
     if args.baseline is None and data.references is None and not args.pointwise:
         raise G.GenerateError("the dataset has no 'completion' column to compare with; give one (reference "
                               "completions), or --baseline MODEL to compare with a second model's completions")
@@ -224,7 +224,7 @@ def evaluate(args) -> dict:
         if args.baseline_seed is not None:
             same["seed"] = args.baseline_seed
         base_policy = G.load_policy(args.baseline, args.baseline_step, same)
-        base_data = G.load_prompts(base_policy, args.max_prompts)
+        base_data = G.load_prompts(base_policy, args.max_prompts, allow_training_prompts=True)  # the model's
         base_rows = G.generate(base_policy, base_data, out_dir / "baseline.jsonl",
                                G.settings_of(base_policy, args.max_prompts), args.overwrite, "baseline")
         baseline = [r["completion"] for r in base_rows]

@@ -36,13 +36,13 @@ from jodpo.models import Model, load_model, load_tokenizer
 from jodpo.program.trained_policy import is_run_dir, load_run_policy
 from jodpo.sampling import SamplingConfig, sample
 from jodpo.program.run import stop_token_ids
-from jodpo.program.sources import load_split
+from jodpo.program.sources import describe_split, load_split, training_prompts
 
 # The training config's fields that shape generation (``--FIELD VALUE`` on the command line).
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_new_tokens", "stop_token",
                    "max_prompt_length", "prompt_buckets", "seed", "per_device_eval_batch_size", "decode_chunk", "bf16",
                    "matmul_precision", "attn_implementation", "param_dtype", "mesh_data", "mesh_fsdp", "mesh_tensor")
-DATA_FIELDS = ("dataset_name", "dataset_config", "dataset_test_split")
+DATA_FIELDS = ("dataset_name", "dataset_config", "dataset_test_split", "chat_template_path")
 
 _jit_sample = jax.jit(sample, static_argnums=(0, 5, 6))
 
@@ -59,6 +59,7 @@ class Policy:
     tokenizer: object
     mesh: jax.sharding.Mesh
     sampling: SamplingConfig
+    trained_on: dict | None = None  # a run's training data (its config's dataset fields), which the prompts avoid
 
     @property
     def batch_size(self) -> int:
@@ -86,12 +87,14 @@ def load_policy(name: str, step: int | None = None, overrides: dict | None = Non
         run = load_run_policy(name, step)
         cfg = _run_cfg(run.config, run.step_dir.parent.parent).replace(**overrides)
         model, params, tokenizer, step = run.model, run.params, run.tokenizer, run.step
+        trained_on = {k: run.config.get(k) for k in ("dataset_name", "dataset_mixer", "dataset_train_split")}
     else:
         if step is not None:
             raise GenerateError(f"--step {step}: {name} is not a training output_dir (no checkpoints/), so it has "
                                 "no steps; leave --step out")
         cfg = TrainConfig(model_name_or_path=name).replace(**overrides)
-        model, params, tokenizer = None, None, load_tokenizer(name)
+        model, params, tokenizer, trained_on = None, None, load_tokenizer(name), None
+    D.set_chat_template(tokenizer, cfg.chat_template_path)
     mesh = S.make_mesh(cfg.mesh_data, cfg.mesh_fsdp, cfg.mesh_tensor)
     if params is None:
         model, params = load_model(name, "causal_lm", cfg.param_dtype, place=S.placer(mesh))
@@ -107,20 +110,35 @@ def load_policy(name: str, step: int | None = None, overrides: dict | None = Non
                               top_p=cfg.top_p, min_p=cfg.min_p or 0.0, repetition_penalty=cfg.repetition_penalty,
                               eos_token_ids=tuple(dict.fromkeys(eos)), pad_token_id=tokenizer.pad_token_id,
                               chunk=cfg.decode_chunk)
-    return Policy(name, step, cfg, model, params, tokenizer, mesh, sampling)
+    return Policy(name, step, cfg, model, params, tokenizer, mesh, sampling, trained_on)
 
 
-def load_prompts(policy: Policy, max_prompts: int | None = None) -> D.PromptData:
+def load_prompts(policy: Policy, max_prompts: int | None = None, allow_training_prompts: bool = False,
+                 say=None) -> D.PromptData:
     """The prompts: ``dataset_name`` if given, else a run's evaluation set (its eval_dataset, or its dataset's
-    ``dataset_test_split``; mixers as the run mixes them), the first ``max_prompts`` rows."""
+    ``dataset_test_split``; mixers as the run mixes them), the first ``max_prompts`` rows. ``say`` (a function of one
+    line) is told which split is read. The training prompts of a run (its dataset's training split, or a single file
+    it trained on, which has no other split) are refused unless ``allow_training_prompts``: a score on them is no
+    held-out measure, and nothing else would tell."""
     cfg = policy.cfg
     if not (cfg.dataset_name or cfg.eval_dataset or cfg.dataset_eval_mixer or cfg.dataset_mixer):
         raise GenerateError("no prompts: give --dataset_name (a hub id, or a local json/jsonl/parquet/csv file or "
                             "directory with a 'prompt' column)")
-    rows = load_split(cfg.dataset_eval_mixer or (None if cfg.eval_dataset else cfg.dataset_mixer),
-                      cfg.eval_dataset or cfg.dataset_name, cfg, cfg.dataset_test_split)
+    mixer, name = cfg.dataset_eval_mixer or (None if cfg.eval_dataset else cfg.dataset_mixer), \
+        cfg.eval_dataset or cfg.dataset_name
+    where = describe_split(mixer, name, cfg.dataset_test_split)
+    same = None if policy.trained_on is None else training_prompts(mixer, name, cfg.dataset_test_split,
+                                                                   policy.trained_on)
+    if same and not allow_training_prompts:
+        raise GenerateError(f"the prompts would be {where}, which {policy.name} trained on ({same}); give held-out "
+                            "prompts (--dataset_name, or --dataset_test_split of a dataset with such a split), or "
+                            "--allow_training_prompts to use its training prompts anyway")
+    rows = load_split(mixer, name, cfg, cfg.dataset_test_split)
     if max_prompts is not None:
         rows = rows.select(range(min(len(rows), max_prompts)))
+    if say is not None:
+        say(f"prompts: {where}" + (f", the first {len(rows)}" if max_prompts is not None else f", {len(rows)} rows") +
+            (" (the run's training prompts: --allow_training_prompts)" if same else ""))
     return D.prepare_prompts(rows, policy.tokenizer, cfg.max_prompt_length)
 
 
@@ -256,6 +274,8 @@ def parser(prog: str, description: str) -> argparse.ArgumentParser:
     p.add_argument("--step", type=int, default=None, help="a run's checkpoint step (default: its newest)")
     p.add_argument("--max_prompts", type=int, default=None, help="only the dataset's first N prompts")
     p.add_argument("--overwrite", action="store_true", help="start the output again instead of continuing it")
+    p.add_argument("--allow_training_prompts", action="store_true",
+                   help="read the prompts even where they are the run's training prompts (refused otherwise)")
     p.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     F.add_field_flags(p, DATA_FIELDS, "prompts (a run's evaluation set by default)")
     F.add_field_flags(p, SAMPLING_FIELDS, "sampling (the training config's fields; a run's own by default)")
@@ -279,6 +299,14 @@ def parse(p: argparse.ArgumentParser, argv: list[str] | None, names) -> argparse
     return args
 
 
+def say_for(prog: str):
+    """A command's lines on the screen (process 0's, on stdout: stderr holds the progress bars and the error)."""
+    def say(line: str) -> None:
+        if jax.process_index() == 0:
+            print(f"{prog}: {line}", flush=True)
+    return say
+
+
 def argv_debug(argv: list[str] | None) -> bool:
     return "--debug" in (sys.argv[1:] if argv is None else argv)
 
@@ -293,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
             raise GenerateError(f"--max_prompts must be >= 1, got {args.max_prompts}")
         overrides = data_overrides(field_overrides(args, (*DATA_FIELDS, *SAMPLING_FIELDS)))
         policy = load_policy(args.model, args.step, overrides)
-        data = load_prompts(policy, args.max_prompts)
+        data = load_prompts(policy, args.max_prompts, args.allow_training_prompts, say_for("jodpo.generate"))
         out = Path(args.out)
         rows = generate(policy, data, out, settings_of(policy, args.max_prompts), args.overwrite)
     except ERRORS as e:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax
 import jax.numpy as jnp
 import optax
 
@@ -60,3 +61,15 @@ def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
     if not cfg.max_grad_norm:
         return adamw
     return optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm), adamw)
+
+
+def restarted(cfg: OptimizerConfig, params, updates_done) -> optax.OptState:
+    """A fresh optimizer state for ``params`` after ``updates_done`` updates: what a resume from a checkpoint without
+    one (``save_only_model``) continues with. AdamW's moments start from zero and its bias correction from its first
+    step, as a new AdamW's, so the first update is an ordinary first step (a moment count left at ``updates_done``
+    would skip the correction and make that update (1 - beta1) / sqrt(1 - beta2), about 3.2, times Adam's first);
+    the learning-rate schedule stands at ``updates_done``, where the run is."""
+    done = jnp.asarray(updates_done, jnp.int32)
+    is_schedule = lambda s: isinstance(s, optax.ScaleByScheduleState)  # noqa: E731
+    return jax.tree.map(lambda s: s._replace(count=done) if is_schedule(s) else s, make_optimizer(cfg).init(params),
+                        is_leaf=is_schedule)

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Run a command inside jodpo's virtual environment, creating and installing it first when needed.
 #   bash scripts/env.sh python -m jodpo.train --config tiny.py
-# JODPO_EXTRAS=test also installs the test references (pytest, torch CPU, trl).
+# JODPO_EXTRAS=test also installs the test references (pytest, torch CPU, trl); JODPO_EXTRAS=torch the CPU build of
+# torch alone, for scripts that build transformers model objects (AutoModelForCausalLM...) and hand them to jodpo.
+# Several extras: JODPO_EXTRAS=torch,plot.
 # JODPO_NO_INSTALL=1 runs the command in the current environment instead (nothing created or installed).
 set -euo pipefail
 # The command runs where it was called from (relative paths are the caller's: output_dir, datasets, config files,
@@ -24,10 +26,11 @@ stamp="$venv/.jodpo-installed${extras:+-$extras}"
 if [ ! -f "$stamp" ] || [ "$root/pyproject.toml" -nt "$stamp" ]; then
   echo "[jodpo] installing into $venv (once)" >&2
   "$venv/bin/python" -m pip install -q --no-compile --upgrade pip
-  if [ "$extras" = test ]; then
-    # The CPU build of torch, before anything that depends on torch can pull the multi-GB CUDA wheels.
-    "$venv/bin/python" -m pip install -q --no-compile "torch==2.13.0"
-  fi
+  case ",$extras," in
+    *,test,*|*,torch,*)
+      # The CPU build of torch, before anything that depends on torch can pull the multi-GB CUDA wheels.
+      "$venv/bin/python" -m pip install -q --no-compile "torch==2.13.0" ;;
+  esac
   "$venv/bin/python" -m pip install -q --no-compile -e "$root${extras:+[$extras]}"
   touch "$stamp"
 fi

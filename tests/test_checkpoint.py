@@ -186,3 +186,25 @@ def test_any_changed_bit_changes_the_checksum_of_its_leaf_only(dtype):
         swapped = x.reshape(-1)[jnp.array([1, 0] + list(range(2, 24)))].reshape(x.shape)
         for changed in (two_signs, swapped):
             assert checksums([changed, other])[0] != base[0]
+
+
+def test_save_only_model_keeps_the_parameters_and_a_resume_gets_a_new_optimizer(tmp_path):
+    """transformers' ``save_only_model``: no optimizer state on disk; the checkpoint fits the configured model (its
+    arrays are checked without the optimizer's) and restores with ``opt_state`` None, for ``optim.restarted``."""
+    from jodpo.optim import OptimizerConfig, make_optimizer, restarted
+
+    ckpt = Checkpointer(tmp_path)
+    ckpt.save(2, _state(2), {"step": 2, "dataset_rows": 16}, only_model=True)
+    ckpt.close()
+    ckpt = Checkpointer(tmp_path)
+    assert not ckpt.has_optimizer(2) and ckpt.misfit(2, _abstract()) == []
+    step, state, _ = ckpt.restore_latest(_abstract())
+    assert step == 2 and state["opt_state"] is None
+    _assert_same(state["params"], _state(2)["params"])
+    # the new optimizer: AdamW from its first step (moments 0, bias correction from 1), the schedule where the run is
+    cfg = OptimizerConfig(learning_rate=1e-3, total_steps=10, warmup_steps=4)
+    fresh = restarted(cfg, state["params"], 7)
+    _, (adam, _, schedule) = fresh
+    assert int(adam.count) == 0 and int(schedule.count) == 7
+    assert all(not np.asarray(x).any() for x in jax.tree.leaves((adam.mu, adam.nu)))
+    assert jax.tree.structure(fresh) == jax.tree.structure(make_optimizer(cfg).init(state["params"]))

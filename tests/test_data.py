@@ -71,3 +71,93 @@ def test_a_rows_chat_template_kwargs_reach_the_template_as_in_trl(tokenizer_dir)
     texts = [tok.decode(ids) for ids in data.ids]
     assert texts == [maybe_apply_chat_template(r, tok)["prompt"] for r in ds]
     assert texts[0].endswith("<think></think>") and not texts[1].endswith("</think>")
+
+
+def _without_chat_template(src, dst):
+    """A copy of the checkpoint ``src`` whose tokenizer has no chat template (as a base model's, or a GGUF file's
+    without ``tokenizer.chat_template``)."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    (dst / "chat_template.jinja").unlink()
+    config = json.loads((dst / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (dst / "tokenizer_config.json").write_text(json.dumps(config))
+    return dst
+
+
+def test_chat_prompts_and_no_chat_template_are_one_line_before_the_models_load(checkpoints, tmp_path, monkeypatch):
+    """The run says it before any weight is read (the data is read before the models), naming the tokenizer and the
+    field that gives a template; transformers' own words say neither."""
+    from jodpo.program import run as R
+    from tests import hf_fixtures
+
+    policy = _without_chat_template(checkpoints["neox"]["causal_lm"], tmp_path / "base")
+    data = hf_fixtures.prompt_dataset(tmp_path / "chat", chat=True)
+    monkeypatch.setattr(R, "read_policy", lambda *a, **k: pytest.fail("the weights were read before the data"))
+    cfg = C.TrainConfig(model_name_or_path=str(policy), reward_model_path=str(checkpoints["neox"]["reward"]),
+                        dataset_name=str(data), per_device_train_batch_size=2)
+    with pytest.raises(D.DataError) as e:
+        R.build(cfg)
+    assert str(e.value).startswith(f"the prompts are chat messages and the policy's tokenizer ({policy}) has no chat "
+                                   "template (a base model's often has none); give one with chat_template_path (a "
+                                   "Jinja template file, or a tokenizer directory or hub id whose template to use")
+
+
+def test_chat_template_path_takes_a_template_file_or_another_tokenizers(checkpoints, tokenizer_dir, tmp_path):
+    """TRL SFT's ``chat_template_path``: a Jinja file, or a tokenizer (directory, .gguf, hub id) that has one."""
+    import datasets
+
+    from jodpo.models import load_tokenizer
+
+    base = _without_chat_template(checkpoints["neox"]["causal_lm"], tmp_path / "base")
+    rows = datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": "hello world"}]}])
+    template = tmp_path / "plain.jinja"
+    template.write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                        "{% if add_generation_prompt %}assistant:{% endif %}")
+    tok = D.set_chat_template(load_tokenizer(str(base)), str(template))
+    assert D.render_prompts(tok, rows["prompt"]) == ["user: hello world\nassistant:"]
+    tok = D.set_chat_template(load_tokenizer(str(base)), str(tokenizer_dir))  # the fixtures' own template
+    assert D.render_prompts(tok, rows["prompt"]) == ["<|user|>hello world<|endoftext|><|assistant|>"]
+    assert len(D.prepare_prompts(rows, tok, 64)) == 1
+    with pytest.raises(C.ConfigError, match=f"chat_template_path: {base}'s tokenizer has no chat template either"):
+        D.set_chat_template(load_tokenizer(str(base)), str(base))
+    with pytest.raises(C.ConfigError, match="chat_template_path: /no/such: not a model directory"):
+        D.set_chat_template(load_tokenizer(str(base)), "/no/such")
+
+
+def test_a_prompt_with_no_messages_is_named_by_its_row_without_a_warning(tokenizer_dir, recwarn):
+    import datasets
+
+    from jodpo.models import load_tokenizer
+
+    rows = datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": c}]} for c in ("hi", "there")] +
+                                      [{"prompt": []}])
+    with pytest.raises(D.DataError, match=r"^row 3 of the dataset \(counting from 1\): the prompt is an empty list of "
+                                          "messages; give every chat prompt at least one message, or drop the row$"):
+        D.prepare_prompts(rows, load_tokenizer(str(tokenizer_dir)), 16)
+    assert not [w for w in recwarn if "empty" in str(w.message)]  # no "they train on completions of nothing"
+    tok = load_tokenizer(str(tokenizer_dir))  # a template that refuses some conversations, as Gemma's does
+    tok.chat_template = ("{% if messages[0]['role'] != 'user' %}{{ raise_exception('Conversations start with the "
+                         "user') }}{% endif %}{{ messages[0]['content'] }}")
+    rows = datasets.Dataset.from_list([{"prompt": [{"role": r, "content": "hi"}]} for r in ("user", "assistant")])
+    with pytest.raises(D.DataError, match=r"^row 2 of the dataset \(counting from 1\): the chat template cannot render "
+                                          r"its messages \(TemplateError: Conversations start with the user\); fix the "
+                                          "row"):
+        D.prepare_prompts(rows, tok, 16)
+
+
+def test_a_malformed_json_line_is_one_line_naming_the_file_and_line(tmp_path, capfd):
+    good = [json.dumps({"prompt": f"p{i}"}) for i in range(4)]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join(good[:2] + ['{"prompt": "unfinished'] + good[2:]) + "\n")
+    with pytest.raises(D.DataError) as e:
+        D.load_rows(str(bad))
+    assert str(e.value) == (f"{bad}, line 3: not valid JSON (Unterminated string starting at column 12); each line "
+                            "of a JSON Lines file is one JSON object: fix or delete that line")
+    out, err = capfd.readouterr()
+    assert not out and not err  # datasets' own log lines of the same error (twice) are not shown
+    listed = tmp_path / "listed.json"
+    listed.write_text('{"prompt": "a"}\n[1, 2]\n')
+    with pytest.raises(D.DataError, match=r"listed.json, line 2: a JSON list, not an object"):
+        D.load_rows(str(listed))

@@ -63,6 +63,14 @@ def world(checkpoints, tmp_path_factory):
     # data
     (bad / "no_prompt.jsonl").write_text('{"text": "hello"}\n' * 4)
     (bad / "empty.jsonl").write_text("")
+    (bad / "malformed.jsonl").write_text('{"prompt": "a"}\n{"prompt": "b}\n' + '{"prompt": "c"}\n' * 4)
+    (bad / "no_messages.jsonl").write_text('{"prompt": [{"role": "user", "content": "hi"}]}\n{"prompt": []}\n' * 4)
+    hf_fixtures.prompt_dataset(bad / "chat", chat=True)
+    # a policy whose tokenizer has no chat template (a base model's)
+    shutil.copytree(checkpoints["neox"]["causal_lm"], bad / "no_template")
+    (bad / "no_template" / "chat_template.jinja").unlink()
+    shutil.copytree(checkpoints["neox"]["reward"], bad / "rm_no_template")
+    (bad / "rm_no_template" / "chat_template.jinja").unlink()
     return root, cfg, bad
 
 
@@ -72,6 +80,16 @@ def reward_server_down(prompts, completions, **kwargs):
 
 def reward_words(prompts, completions, **kwargs):
     return ["good"] * len(completions)
+
+
+SIGNAL = {"calls": 0, "scored": 1}  # reward_then_none's calls so far, and how many of them give rewards
+
+
+def reward_then_none(prompts, completions, **kwargs):
+    """Rewards for the first ``SIGNAL["scored"]`` calls, then None for every completion (a function reading a column
+    that only some rows have, say)."""
+    SIGNAL["calls"] += 1
+    return [float(len(c)) for c in completions] if SIGNAL["calls"] <= SIGNAL["scored"] else [None] * len(completions)
 
 
 CASES = {  # name: (argv after --config CFG, the phrase the one-line message must contain)
@@ -103,6 +121,20 @@ CASES = {  # name: (argv after --config CFG, the phrase the one-line message mus
     "corrupt safetensors": (["--config.model_name_or_path={bad}/truncated"], "corrupt or truncated safetensors file"),
     "missing dataset": (["--config.dataset_name=/no/such/data.jsonl"], "dataset '/no/such/data.jsonl': no such file or directory (looked at "),
     "no prompt column": (["--config.dataset_name={bad}/no_prompt.jsonl"], "the dataset has no 'prompt' column"),
+    "a malformed JSON line": (["--config.dataset_name={bad}/malformed.jsonl"],
+                              "{bad}/malformed.jsonl, line 2: not valid JSON (Unterminated string starting at column "
+                              "12); each line of a JSON Lines file is one JSON object: fix or delete that line"),
+    "a chat prompt with no messages": (["--config.dataset_name={bad}/no_messages.jsonl"],
+                                       "row 2 of the dataset (counting from 1): the prompt is an empty list of "
+                                       "messages; give every chat prompt at least one message, or drop the row"),
+    "chat prompts and no chat template": (["--config.dataset_name={bad}/chat", "--config.model_name_or_path="
+                                           "{bad}/no_template"], "no_template) has no chat template (a base model's "
+                                                                 "often has none); give one with chat_template_path"),
+    "chat prompts and a reward model without a chat template": (["--config.dataset_name={bad}/chat",
+                                                                 "--config.reward_model_path={bad}/rm_no_template"],
+                                                                "reward_model_path: {bad}/rm_no_template's tokenizer "
+                                                                "has no chat template, and the prompts are chat "
+                                                                "messages"),
     "empty dataset": (["--config.dataset_name={bad}/empty.jsonl"], "is empty"),
     "prompts all too long": (["--config.max_prompt_length=2"], "are longer than max_prompt_length=2 tokens"),
     "reward model path that does not exist": (["--config.reward_model_path=/no/such/rm"],
@@ -145,6 +177,8 @@ def test_bad_input_is_one_clear_line_and_destroys_nothing(world, checkpoints, tm
     errors = [line for line in err if line.startswith("jodpo.train: error: ")]
     assert rc == 2 and len(errors) == 1 and phrase in errors[0], err
     assert "Traceback" not in "\n".join(err)
+    if case in ("a malformed JSON line", "a chat prompt with no messages"):  # and nothing else said about it
+        assert err == errors, err
     assert (out / "keep.txt").read_text() == "precious"
     assert not (out / "checkpoints").exists() or not any((out / "checkpoints").iterdir())  # nothing saved
 
@@ -235,7 +269,7 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoints(world, finished, 
     kept = sorted(p.name for p in (out / "checkpoints").iterdir())
     real = Checkpointer.save
 
-    def full(self, step, state, meta):  # as Orbax fails on a full disk, inside the save
+    def full(self, step, state, meta, only_model=False):  # as Orbax fails on a full disk, inside the save
         with self._disk_errors(step):
             raise OSError(errno.ENOSPC, "No space left on device")
 
@@ -275,3 +309,55 @@ def test_a_run_that_ends_well_leaves_no_line_and_no_watcher(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], env=subproc.env(), capture_output=True, text=True, timeout=60)
     # capture_output waits for every holder of stderr: the watcher ended with the process
     assert done.returncode == 3 and done.stderr == "", done.stderr
+
+
+@pytest.fixture(scope="module")
+def unscored(world, tmp_path_factory):
+    """A run with save_only_model whose rewards stop at its second step: ``(out, rc, stderr, argv)``."""
+    _, cfg, _ = world
+    out = tmp_path_factory.mktemp("unscored") / "out"
+    argv = ["--config", str(cfg), f"--config.output_dir={out}", "--config.reward_model_path=None",
+            "--config.reward_funcs=['tests.test_errors:reward_then_none']", "--config.save_only_model=True",
+            "--config.save_steps=10", "--config.report_to=none"]
+    SIGNAL.update(calls=0, scored=1)
+    import contextlib
+    import io
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        rc = train.main(argv)
+    return out, rc, err.getvalue(), argv
+
+
+def test_a_step_without_any_reward_stops_the_run_saved(unscored):
+    """No finite reward for any completion of a step: one line, exit 2, and the steps done so far saved (before,
+    a warning, then the run trained to its end on ties at 0 and exited 0)."""
+    out, rc, err, _ = unscored
+    errors = [line for line in err.splitlines() if line.startswith("jodpo.train: error: ")]
+    assert rc == 2 and errors == [
+        "jodpo.train: error: every reward returned None or NaN for all 4 completions of the step: no signal to train "
+        f"on (the run stops rather than train on ties at 0) (at step 2: batch 1 of epoch 0); saved {out}/checkpoints/1; "
+        "fix the function, then run the same command to resume"], err
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["1"]
+
+
+def test_a_model_only_checkpoint_resumes_with_a_new_optimizer(unscored, tmp_path, capsys):
+    """save_only_model (transformers' field): the checkpoint holds the parameters, not AdamW's moments, and a resume
+    from it says that the optimizer restarts; the start says what the checkpoints cost and that step 2 compiles."""
+    from jodpo.program.checkpoint import Checkpointer
+
+    done, _, _, argv = unscored
+    out = tmp_path / "out"
+    shutil.copytree(done, out)
+    SIGNAL.update(calls=0, scored=10)
+    rc = train.main([*argv[:2], f"--config.output_dir={out}", *argv[3:]])
+    said = capsys.readouterr().out
+    assert rc == 0, said
+    assert f"resumed from {out}/checkpoints/1, which holds the model only (save_only_model): the optimizer restarts " \
+           "(AdamW's moments from zero; the learning-rate schedule goes on from where the run is)" in said
+    assert "step 2 compiles the step's programs first (XLA: a minute or more on a CPU, the first time); later starts " \
+           "of this config read them from the compilation cache (" in said
+    assert "B each, the parameters only (save_only_model); 1 to save, every one kept (save_total_limit=None)" in said
+    ckpt = Checkpointer(out / "checkpoints")
+    assert ckpt.steps() == [1, 2] and not ckpt.has_optimizer(2)
+    ckpt.close()

@@ -59,3 +59,22 @@ def test_the_wheel_holds_the_package_its_configs_and_its_dependencies(tmp_path):
     assert "jodpo/configs/tiny.py" in names and not any(n.startswith(("tests/", ".venv/")) for n in names)
     meta = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("METADATA"))).decode()
     assert "Requires-Dist: jinja2" in meta and "Requires-Dist: pyyaml" in meta
+
+
+@pytest.mark.parametrize("extras", ["torch", "torch,plot", "test"])
+def test_the_torch_extra_installs_the_cpu_build_of_torch_first(tmp_path, extras):
+    """``JODPO_EXTRAS=torch`` (a script that builds transformers model objects) installs torch==2.13.0 before jodpo
+    and its extra, as the test extra does, so that pip never resolves torch to the CUDA wheels. The environment's
+    python is a stand-in that records what it is asked to install."""
+    venv, log = tmp_path / "venv", tmp_path / "calls"
+    (venv / "bin").mkdir(parents=True)
+    stub = venv / "bin" / "python"
+    stub.write_text(f'#!/bin/sh\necho "$*" >> {log}\n')
+    stub.chmod(0o755)
+    env = dict(subproc.env(), JODPO_VENV=str(venv), JODPO_EXTRAS=extras, PYTHON=sys.executable)
+    env.pop("JODPO_NO_INSTALL", None)
+    done = subprocess.run(["bash", str(subproc.ROOT / "scripts" / "env.sh"), "true"], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    installs = [line for line in log.read_text().splitlines() if " install " in f" {line} "]
+    assert installs[1].endswith("torch==2.13.0") and installs[2].endswith(f"-e {subproc.ROOT}[{extras}]"), installs

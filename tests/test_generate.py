@@ -96,7 +96,10 @@ def test_two_devices_split_the_batch_and_generate_the_same(tiny_run, generated, 
     assert p.returncode == 0, p.stderr
     rows = [json.loads(line) for line in generated.read_text().splitlines()]
     mean, ended = sum(r["completion_tokens"] for r in rows) / 20, sum(r["eos"] for r in rows)
-    assert p.stdout.strip() == f"20 completions in {out} (mean {mean:.1f} tokens, {ended} of 20 ended with EOS)"
+    evaluation = toy.world_dir() / "eval.jsonl"  # the run's evaluation set, said
+    assert p.stdout.splitlines() == [
+        f"jodpo.generate: prompts: {evaluation} (all its rows: a single file has no splits, so the 'train' split is the "
+        "whole file), the first 20", f"20 completions in {out} (mean {mean:.1f} tokens, {ended} of 20 ended with EOS)"]
     assert out.read_text() == generated.read_text()
 
 
@@ -115,6 +118,21 @@ def test_bad_input_is_one_line_and_exit_status_2(tiny_run, tmp_path, capsys):
         err = capsys.readouterr().err.strip()
         assert err.startswith("jodpo.generate: error: ") and message in err and "\n" not in err, err
     assert not out.exists()
+    # the run's training prompts (a single file: its test split is the file) are refused unless asked for
+    trained_on = toy.world_dir() / "prompts.jsonl"
+    assert G.main([str(tiny_run), "--out", str(out), "--dataset_name", str(trained_on)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"jodpo.generate: error: the prompts would be {trained_on} (all its rows: a single file has no "
+                   f"splits, so the 'train' split is the whole file), which {tiny_run} trained on (it is the training "
+                   "data, read whole); give held-out prompts (--dataset_name, or --dataset_test_split of a dataset with "
+                   "such a split), or --allow_training_prompts to use its training prompts anyway"), err
+    assert G.main([str(tiny_run), "--out", str(out), "--dataset_name", str(trained_on), "--allow_training_prompts",
+                   "--max_prompts", "8"]) == 0
+    assert capsys.readouterr().out.startswith(
+        f"jodpo.generate: prompts: {trained_on} (all its rows: a single file has no splits, so the 'train' split is the "
+        "whole file), the first 8 (the run's training prompts: --allow_training_prompts)\n")
+    out.unlink()
+    G.settings_path(out).unlink()
     cases = [(["--step", "3"], f"--step 3: {model} is not a training output_dir (no checkpoints/), so it has no steps"),
              ([], "no prompts: give --dataset_name")]
     for extra, message in cases:
@@ -153,3 +171,27 @@ def test_stop_token_period_ends_completions_at_the_first_period_as_in_training(c
     period = policy.tokenizer.encode(".", add_special_tokens=False)
     assert len(period) == 1 and period[0] not in plain.sampling.eos_token_ids
     assert policy.sampling.eos_token_ids == (*plain.sampling.eos_token_ids, period[0])
+
+
+def test_which_prompts_are_a_runs_training_prompts(tmp_path):
+    """A run's training prompts are its dataset's training split, or the whole of a single file (or of a mixture of
+    files) it trained on: a file has no other split."""
+    from jodpo.program.sources import describe_split, training_prompts
+
+    (tmp_path / "data").mkdir()
+    for name in ("train.jsonl", "test.jsonl", "other.jsonl"):
+        (tmp_path / "data" / name).write_text('{"prompt": "p"}\n')
+    d, f = str(tmp_path / "data"), str(tmp_path / "data" / "train.jsonl")
+    run = {"dataset_name": d, "dataset_mixer": None, "dataset_train_split": "train"}
+    assert training_prompts(None, d, "test", run) is None
+    assert training_prompts(None, d, "train", run) == "'train' is also the training split (dataset_train_split)"
+    assert training_prompts(None, "org/name", "train", run) is None
+    assert describe_split(None, d, "test") == f"the 'test' split of {d}"
+    on_file = run | {"dataset_name": f}
+    assert training_prompts(None, f, "test", on_file) == "it is the training data, read whole"
+    assert training_prompts(None, str(tmp_path / "data" / "other.jsonl"), "test", on_file) is None
+    mixed = {"dataset_name": "", "dataset_mixer": {f: 1.0}, "dataset_train_split": "train"}
+    assert training_prompts({f: 1.0}, "", "test", mixed) == "its files are the training data, read whole"
+    assert training_prompts({f: 0.5}, "", "test", mixed) is None and training_prompts(None, f, "test", mixed) is None
+    hub = {"dataset_name": "org/name", "dataset_mixer": None, "dataset_train_split": "train"}
+    assert training_prompts(None, "org/name", "train", hub) and not training_prompts(None, "org/name", "test", hub)

@@ -125,6 +125,22 @@ def test_gguf_errors_name_the_file_and_the_problem(checkpoints, tmp_path):
         jodpo.load_model(str(tmp_path / "other.gguf"))
 
 
+def test_a_truncated_gguf_is_named_damaged_by_its_model_and_its_tokenizer(checkpoints, tmp_path):
+    """A download that stopped early: the file is named truncated or damaged, the fix is to download it again (the
+    tokenizer, read first by a run, once said to save one with save_pretrained)."""
+    whole = write_gguf(checkpoints["llama"]["causal_lm"], tmp_path / "whole.gguf").read_bytes()
+    for keep in (len(whole) // 2, 600):  # in the tensors; in the metadata
+        f = tmp_path / "cut.gguf"
+        f.write_bytes(whole[:keep])
+        for load in (jodpo.load_model, jodpo.load_tokenizer):
+            with pytest.raises(jodpo.CheckpointError) as e:
+                load(str(f))
+            message = str(e.value)
+            assert message.startswith(f"{f}: a truncated or damaged GGUF file ({keep:,} bytes; ") and message.endswith(
+                "; download it again (a download that stopped early leaves such a file)"), message
+            assert "save_pretrained" not in message
+
+
 # --------------------------------------------------------------------------------------------------
 # Qwen3, Gemma 2 and Gemma 3: tiny random models written as llama.cpp writes them
 # --------------------------------------------------------------------------------------------------

@@ -74,11 +74,21 @@ def test_a_lock_left_by_a_killed_run_is_taken_over_and_one_from_another_host_ref
         pass
 
 
-def test_the_lock_is_released_when_the_run_fails(tmp_path, capsys):
-    out = tmp_path / "out"
+def test_a_run_that_fails_before_its_models_load_leaves_no_directory(tmp_path, capsys):
+    """An early failure (a model path that does not exist) says what it was loading, never "writing to", and
+    leaves no empty output_dir (nor the parents made for it) and no lock; a directory that was there stays."""
+    out = tmp_path / "runs" / "new" / "out"
+    rc = train.main(["--config", "tiny.py", f"--config.output_dir={out}", "--config.model_name_or_path=/no/such"])
+    said = capsys.readouterr()
+    assert rc == 2 and said.err.count("jodpo.train: error: ") == 1 and "Traceback" not in said.err
+    assert not (tmp_path / "runs").exists()
+    assert said.out.startswith("jodpo.train: loading the policy (/no/such) and the data (") and \
+        "writing to" not in said.out
+    out.mkdir(parents=True)
+    (out / "keep.txt").write_text("precious")
     rc = train.main(["--config", "tiny.py", f"--config.output_dir={out}", "--config.model_name_or_path=/no/such"])
     assert rc == 2 and len(_errors(capsys)) == 1
-    assert out.is_dir() and not (out / output_dir.LOCK_NAME).exists()
+    assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]  # the lock released, nothing else touched
 
 
 def test_only_process_0_takes_the_lock(tmp_path, monkeypatch):
@@ -123,9 +133,14 @@ def test_an_unusable_output_dir_is_one_line(case, tmp_path, capsys, monkeypatch)
 
 
 def test_output_dir_expands_home_and_the_run_says_where_it_writes(tmp_path, capsys, monkeypatch):
+    from jodpo.program import loop
+
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.chdir(tmp_path)
-    rc = train.main(["--config", "tiny.py", "--config.output_dir=~/runs/x", "--config.model_name_or_path=/no/such"])
-    assert rc == 2  # stopped at the model, after the directory was made
+    monkeypatch.setattr(loop, "_train", lambda run, out, *a: {})  # the models and data load; no step is taken
+    rc = train.main(["--config", "tiny.py", "--config.output_dir=~/runs/x"])
+    assert rc == 0
     assert (tmp_path / "home" / "runs" / "x").is_dir() and not (tmp_path / "~").exists()
-    assert capsys.readouterr().out.count(f"jodpo.train: writing to {tmp_path / 'home' / 'runs' / 'x'}\n") == 1
+    said = capsys.readouterr().out.splitlines()
+    assert said[0].startswith("jodpo.train: loading the policy (") and said[1:] == [
+        f"jodpo.train: writing to {tmp_path / 'home' / 'runs' / 'x'}"]

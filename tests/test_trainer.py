@@ -57,6 +57,33 @@ def test_trls_example_with_its_import_changed_logs_what_the_command_line_logs(ch
     assert reread.vocab_size == jodpo.load_model(model)[0].vocab_size
 
 
+def test_trls_example_with_paths_in_place_of_objects_needs_no_torch(checkpoints, tmp_path):
+    """The README's alternative to JODPO_EXTRAS=torch: the model and reward model given as paths (hub ids alike), no
+    tokenizers, in an environment without torch, read as the command line reads them (the run is built: models,
+    data, rewards, its first state's layout; the steps themselves are the command line's, tested elsewhere)."""
+    import subprocess
+
+    data = hf_fixtures.prompt_dataset(tmp_path / "data", chat=True)
+    script = textwrap.dedent(f"""
+        import sys
+        from datasets import load_dataset
+        from jodpo import OnlineDPOConfig, OnlineDPOTrainer
+        from jodpo.program.run import build
+
+        train_dataset = load_dataset("json", data_files={str(data / "train.jsonl")!r}, split="train")
+        trainer = OnlineDPOTrainer(model={str(checkpoints["qwen2"]["causal_lm"])!r},
+                                   reward_funcs={str(checkpoints["qwen2"]["reward"])!r},
+                                   args=OnlineDPOConfig(output_dir={str(tmp_path / "out")!r}, **{TINY!r}),
+                                   train_dataset=train_dataset)
+        run = build(trainer.args, trainer.given)
+        assert run.rewards.model is not None and len(run.train) == 16 and "torch" not in sys.modules
+        print("built")
+    """)
+    python, env = subproc.without_torch(subproc.env())
+    done = subprocess.run([*python, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "built", done.stderr[-3000:]
+
+
 def test_trls_arguments_jodpo_has_no_use_for_are_refused_in_one_line():
     with pytest.raises(ConfigError, match="unknown field.*Did you mean 'learning_rate'"):
         jodpo.OnlineDPOConfig(output_dir="x", learnin_rate=1e-6)

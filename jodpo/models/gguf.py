@@ -83,6 +83,20 @@ def _opened(file: str, mtime_ns: int, size: int) -> "GGUF":
     return GGUF(Path(file))
 
 
+def damaged(file: Path, error: Exception) -> str:
+    """Why ``file`` did not read, for a person: a file that starts as GGUF but does not read to its end is truncated
+    (a download stopped early) or damaged; anything else is not GGUF at all. The reader's own words (a reshape, a
+    dtype view) say neither."""
+    with open(file, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        return (f"{file}: not a readable GGUF file (it does not start with GGUF's magic bytes, b'GGUF'); download it "
+                "again")
+    return (f"{file}: a truncated or damaged GGUF file ({file.stat().st_size:,} bytes; its metadata or tensors end "
+            f"early: {type(error).__name__}: {error}); download it again (a download that stopped early leaves such "
+            "a file)")
+
+
 def find(path: Path) -> Path | None:
     """The GGUF file that ``path`` names: the file itself, or the single ``.gguf`` file of a directory that
     holds no ``config.json`` (a transformers directory is read as one). None when ``path`` is not GGUF."""
@@ -106,8 +120,8 @@ class GGUF:
         self.file = file
         try:
             self.reader = gguf.GGUFReader(file)
-        except (ValueError, OSError, IndexError) as e:
-            raise CheckpointError(f"{file}: not a readable GGUF file ({e}). Re-download it.") from e
+        except (ValueError, OSError, IndexError, KeyError) as e:
+            raise CheckpointError(damaged(file, e)) from e
         self.arch = self.value("general.architecture")
         if self.arch not in ARCHITECTURES:
             raise CheckpointError(f"{file}: GGUF architecture {self.arch!r} is not supported; jodpo reads "
@@ -254,4 +268,6 @@ def tokenizer(file: Path):
         config[name] = tok_dict["tokens"][token_id] if token_id is not None else None
     backend, extra = convert_gguf_tokenizer(g.arch, tok_dict)
     config = {k: v for k, v in {**config, **extra}.items() if v is not None}
-    return PreTrainedTokenizerFast(tokenizer_object=backend, **config)
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, **config)
+    tok.name_or_path = str(file)  # so that messages about it (no chat template, say) can name it
+    return tok

@@ -369,8 +369,10 @@ def load_tokenizer(path_or_hub_id: str, revision: str | None = None):
 
     path = resolve_path(path_or_hub_id, revision)
     gguf_file = gguf.find(path)
+    if gguf_file:  # its own messages (a damaged file is not a missing tokenizer)
+        return ready_tokenizer(gguf.tokenizer(gguf_file), str(gguf_file))
     try:
-        tok = gguf.tokenizer(gguf_file) if gguf_file else AutoTokenizer.from_pretrained(path)
+        tok = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path}: no usable tokenizer ({e}). Save one with tokenizer.save_pretrained(...).") from e
     return ready_tokenizer(tok, str(path))

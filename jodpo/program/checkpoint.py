@@ -151,11 +151,14 @@ class Checkpointer:
             item_handlers={"state": ocp.PyTreeCheckpointHandler(use_compression=False),
                            "meta": ocp.JsonCheckpointHandler()})
 
-    def save(self, step: int, state, meta: dict) -> None:
-        """Write ``state`` (a pytree of arrays) and ``meta`` (JSON: the data position, the config) as ``step``.
+    def save(self, step: int, state, meta: dict, only_model: bool = False) -> None:
+        """Write ``state`` (a pytree of arrays) and ``meta`` (JSON: the data position, the config) as ``step``;
+        ``only_model`` (``save_only_model``): without the optimizer state (a third of a float32 state's bytes).
 
         A state with a non-finite entry is never written (it would become the one a resume starts from), and
         a full disk is reported as such; in both cases the previous checkpoints stay as they were."""
+        if only_model:
+            state = without_optimizer(state)
         finite = bool(jax.device_get(all_finite(state)))
         sums = checksums(state)  # after it, never beside it (``checksums``)
         if not finite:
@@ -201,14 +204,25 @@ class Checkpointer:
         except Exception:  # noqa: BLE001 - unreadable metadata: damaged, not misfit
             return []
         wanted = _shapes(abstract_state)
+        if not _has_optimizer(saved):  # a save_only_model checkpoint: the model's arrays are what must fit
+            wanted = {k: v for k, v in wanted.items() if not k.startswith(OPTIMIZER + "/")}
         out = [(k, f"{k}: {saved[k]} in the checkpoint, {wanted[k]} configured") for k in wanted
                if k in saved and saved[k] != wanted[k]]
         out += [(k, f"{k}: configured, not in the checkpoint") for k in wanted if k not in saved]
         out += [(k, f"{k}: in the checkpoint, not configured") for k in saved if k not in wanted]
         return [line for k, line in sorted(out, key=lambda x: not x[0].startswith("params/"))]  # the model's first
 
+    def has_optimizer(self, step: int) -> bool:
+        """Whether checkpoint ``step`` holds the optimizer state (not a ``save_only_model`` one); True when its
+        metadata cannot be read (the restore then finds out what is wrong with it)."""
+        try:
+            return _has_optimizer(_shapes(self.manager.item_metadata(step)["state"]))
+        except Exception:  # noqa: BLE001 - unreadable metadata: for the restore to report
+            return True
+
     def restore_latest(self, abstract_state):
-        """``(step, state, meta)`` of the newest checkpoint that reads back intact, or None if there is none.
+        """``(step, state, meta)`` of the newest checkpoint that reads back intact, or None if there is none. A
+        ``save_only_model`` checkpoint comes back with ``opt_state`` None (the caller starts a new optimizer).
 
         A checkpoint that fails to read (partial or corrupt) or whose arrays differ from the checksums saved with
         them (``damage``) is skipped for the previous one, with a warning, and moved aside to
@@ -217,8 +231,9 @@ class Checkpointer:
         skipped = []
         for step in reversed(self.steps()):
             try:
-                state = ocp.args.PyTreeRestore(abstract_state, ocp.checkpoint_utils.construct_restore_args(
-                    abstract_state))
+                model_only = _has_optimizer(_shapes(abstract_state)) and not self.has_optimizer(step)
+                target = without_optimizer(abstract_state) if model_only else abstract_state
+                state = ocp.args.PyTreeRestore(target, ocp.checkpoint_utils.construct_restore_args(target))
                 out = self.manager.restore(step, args=ocp.args.Composite(state=state, meta=ocp.args.JsonRestore()))
             except Exception as e:  # noqa: BLE001 - any unreadable checkpoint: fall back to the previous one
                 skipped.append((step, self._aside(step, "unreadable")))
@@ -260,6 +275,19 @@ class Checkpointer:
     def close(self) -> None:
         self.wait()
         self.manager.close()
+
+
+OPTIMIZER = "opt_state"  # the TrainState field that save_only_model leaves out
+
+
+def without_optimizer(state):
+    """``state`` (a ``TrainState``, or a dict of its fields) without its optimizer state: a None subtree, which holds
+    no arrays."""
+    return {**state, OPTIMIZER: None} if isinstance(state, dict) else state.replace(**{OPTIMIZER: None})
+
+
+def _has_optimizer(shapes: dict[str, tuple]) -> bool:
+    return any(k.startswith(OPTIMIZER + "/") for k in shapes)
 
 
 def _shapes(tree) -> dict[str, tuple]:

@@ -46,6 +46,9 @@ class TrainConfig:
                                                           "token each); read from their logits")
     judge_both_orders: bool = _f(True, "the LLM judge reads each pair in both orders and averages (position bias)")
     model_revision: str | None = _f(None, "hub revision (branch, tag or commit) of the policy")
+    chat_template_path: str | None = _f(None, "the policy tokenizer's chat template, for chat prompts (TRL SFT's): a "
+                                              "Jinja template file, or a tokenizer (directory, .gguf, hub id) whose "
+                                              "template to use (None: the tokenizer's own)")
     # --- LoRA (TRL's ModelConfig names; docs/config.md)
     use_peft: bool = _f(False, "train LoRA adapters on the frozen policy; the reference is the policy with them off")
     lora_r: int = _f(16, "LoRA rank")
@@ -129,6 +132,8 @@ class TrainConfig:
     save_steps: float = _f(500, "checkpoint every this many steps (< 1: a fraction of the run); the last is saved")
     save_total_limit: int | None = _f(None, "checkpoints kept, the newest (None: all); from 2 on, the oldest is "
                                             "deleted just before a save, so the disk never holds more")
+    save_only_model: bool = _f(False, "checkpoints hold the parameters only, no optimizer state (a third of the "
+                                      "bytes); a resume from one restarts AdamW's moments")
     eval_steps: int | None = _f(None, "evaluate every this many steps (None: only at the end if eval data exists)")
     max_nonfinite_steps: int = _f(10, "stop the run after this many updates in a row skipped for a NaN/Inf loss or gradient")
     num_sample_generations: int = _f(10, "times a table of sample completions is printed over the run")

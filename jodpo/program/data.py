@@ -14,11 +14,12 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import logging
 from pathlib import Path
 
 import numpy as np
 
-from jodpo.errors import DataError
+from jodpo.errors import CheckpointError, ConfigError, DataError
 from jodpo.sampling import bucket_length
 
 LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -51,27 +52,67 @@ def load_rows(name: str, config: str | None = None, split: str = "train"):
         return datasets.load_dataset(name, config, split=split)
     except DataError:
         raise
-    except ValueError as e:  # an unknown split
-        raise DataError(f"dataset {name!r}: {e}") from e
-    except (FileNotFoundError, ConnectionError, OSError) as e:
+    except Exception as e:  # noqa: BLE001 - datasets raises many kinds; the caller gets one DataError
+        raise _load_error(name, path, e) from e
+
+
+def _load_error(name: str, path: Path, e: Exception) -> DataError:
+    """What went wrong loading ``name``, said once: a local JSON file's first bad line (not datasets' parser
+    message), an unknown split, a dataset not found, anything else."""
+    if path.is_file() and path.suffix in (".json", ".jsonl"):
+        bad = json_line_error(path)
+        if bad is not None:
+            return DataError(bad)
+    if isinstance(e, ValueError):  # an unknown split
+        return DataError(f"dataset {name!r}: {e}")
+    if isinstance(e, (FileNotFoundError, ConnectionError, OSError)):
         offline = " (the Hugging Face Hub is offline here: HF_HUB_OFFLINE is set or there is no network)" \
             if not path.exists() else ""
-        raise DataError(f"dataset {name!r} not found{offline}: give a local file or directory, or a hub id that "
-                        f"is cached. ({type(e).__name__}: {e})") from e
-    except Exception as e:  # datasets raises its own DatasetNotFoundError and friends
-        raise DataError(f"dataset {name!r} could not be loaded: {type(e).__name__}: {e}") from e
+        return DataError(f"dataset {name!r} not found{offline}: give a local file or directory, or a hub id that is "
+                         f"cached. ({type(e).__name__}: {e})")
+    return DataError(f"dataset {name!r} could not be loaded: {type(e).__name__}: {e}")  # DatasetNotFoundError, ...
 
 
 @contextlib.contextmanager
 def _quiet(datasets):
-    """No "Generating train split" bars for a local file (read in a moment; the run's own bar follows)."""
+    """No "Generating train split" bars for a local file (read in a moment; the run's own bar follows), and none of
+    datasets' log lines: a file that does not parse is said once, by ``load_rows`` (datasets logs its parser's
+    error twice, once through its own handler and once through the root logger, before raising it again)."""
     was = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()
+    log = logging.getLogger("datasets")
+    level = log.level
+    log.setLevel(logging.CRITICAL + 1)
     try:
         yield
     finally:
+        log.setLevel(level)
         if was:
             datasets.enable_progress_bars()
+
+
+def json_line_error(path: Path) -> str | None:
+    """The first line of a JSON Lines file (datasets reads ``.json`` files as a JSON document or as JSON Lines) that
+    is not a JSON object, said with its 1-based line number and the fix; None when the file parses (the problem is
+    elsewhere)."""
+    text = path.read_text(encoding="utf-8", errors="replace")
+    try:
+        json.loads(text)
+        return None  # one JSON document
+    except json.JSONDecodeError:
+        pass
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            return (f"{path}, line {number}: not valid JSON ({e.msg.removesuffix(' at')} at column {e.colno}); each line of a JSON Lines "
+                    "file is one JSON object: fix or delete that line")
+        if not isinstance(row, dict):
+            return (f"{path}, line {number}: a JSON {type(row).__name__}, not an object; each line of a JSON Lines "
+                    "file is one object of columns ({\"prompt\": ...}): fix or delete that line")
+    return None
 
 
 def looks_local(name: str) -> bool:
@@ -107,6 +148,64 @@ def assistant_messages(completions) -> list:
 
 def is_preference(ds) -> bool:
     return {"chosen", "rejected"} <= set(ds.column_names)
+
+
+def set_chat_template(tokenizer, path: str | None):
+    """TRL SFT's ``chat_template_path`` on ``tokenizer`` (returned): the template of a Jinja file, or that of another
+    tokenizer (a directory, a ``.gguf`` file or a hub id). None: the tokenizer's own. Unlike TRL's
+    ``clone_chat_template``, no token is added and no embedding resized: special tokens that the template writes and
+    the vocabulary lacks are tokenized as text."""
+    if not path:
+        return tokenizer
+    file = Path(path).expanduser()
+    if file.is_file() and file.suffix != ".gguf":
+        tokenizer.chat_template = file.read_text()
+        return tokenizer
+    from jodpo.models import load_tokenizer
+
+    try:
+        template = load_tokenizer(path).chat_template
+    except CheckpointError as e:
+        raise ConfigError(f"chat_template_path: {e} (it takes a Jinja template file, or a tokenizer directory, .gguf "
+                          "file or hub id)") from None
+    if template is None:
+        raise ConfigError(f"chat_template_path: {path}'s tokenizer has no chat template either; give a Jinja template "
+                          "file, or a tokenizer that has one")
+    tokenizer.chat_template = template
+    return tokenizer
+
+
+def check_chat_template(tokenizer, prompts) -> None:
+    """Chat prompts need a chat template: one line naming the tokenizer and the fix, before anything is read or
+    compiled (transformers says it only when asked to render, and not how to give one)."""
+    if tokenizer.chat_template is None and any(isinstance(p, list) for p in prompts):
+        name = getattr(tokenizer, "name_or_path", "") or "built in code"
+        raise DataError(f"the prompts are chat messages and the policy's tokenizer ({name}) has no chat template (a "
+                        "base model's often has none); give one with chat_template_path (a Jinja template file, or a "
+                        "tokenizer directory or hub id whose template to use, as TRL's SFT takes it), or give text "
+                        "prompts")
+
+
+def render_prompts(tokenizer, prompts: list, template_kwargs: list | None = None) -> list[str]:
+    """Every row's prompt as the policy reads it (``render_prompt``); a row that cannot be rendered is a
+    ``DataError`` naming it (counting from 1, as the lines of a JSON Lines file)."""
+    import jinja2
+
+    check_chat_template(tokenizer, prompts)
+    out = []
+    for row, (prompt, kwargs) in enumerate(zip(prompts, template_kwargs or [None] * len(prompts)), 1):
+        if isinstance(prompt, list) and not prompt:
+            raise DataError(f"row {row} of the dataset (counting from 1): the prompt is an empty list of messages; "
+                            "give every chat prompt at least one message, or drop the row")
+        try:
+            out.append(render_prompt(tokenizer, prompt, kwargs))
+        except DataError as e:
+            raise DataError(f"row {row} of the dataset (counting from 1): {e}") from None
+        except (jinja2.TemplateError, ValueError, TypeError, KeyError, AttributeError) as e:
+            raise DataError(f"row {row} of the dataset (counting from 1): the chat template cannot render its "
+                            f"messages ({type(e).__name__}: {e}); fix the row (roles and contents as the template "
+                            "expects them)") from None
+    return out
 
 
 def render_prompt(tokenizer, prompt, template_kwargs: dict | None = None) -> str:
@@ -156,15 +255,15 @@ def prepare_prompts(ds, tokenizer, max_prompt_length: int) -> PromptData:
     if len(ds) == 0:
         raise DataError("the dataset is empty")
     prompts = list(ds["prompt"])
+    kwargs = list(ds["chat_template_kwargs"]) if "chat_template_kwargs" in ds.column_names else None
+    texts = render_prompts(tokenizer, prompts, kwargs)  # first: a row that cannot be rendered is an error, no warning
     empty = sum(_is_empty(p) for p in prompts)
     if empty:
         import warnings
 
         warnings.warn(f"{empty} of {len(prompts)} prompts are empty; they train on completions of nothing (the "
                       "model's text from its start); drop those rows if that is not meant", stacklevel=2)
-    kwargs = list(ds["chat_template_kwargs"]) if "chat_template_kwargs" in ds.column_names else [None] * len(prompts)
-    ids = _truncate_left(_tokenize(tokenizer, [render_prompt(tokenizer, p, k) for p, k in zip(prompts, kwargs)]),
-                         max_prompt_length, "prompts")
+    ids = _truncate_left(_tokenize(tokenizer, texts), max_prompt_length, "prompts")
     columns = {c: list(ds[c]) for c in ds.column_names if c != "prompt"}
     refs = columns.get("completion")
     return PromptData(prompts, ids, columns, [_reference_text(r) for r in refs] if refs is not None else None)
@@ -212,8 +311,8 @@ def prepare_preferences(ds, tokenizer, max_prompt_length: int, max_response_leng
     if len(ds) == 0:
         raise DataError("the dataset is empty")
     prompts = list(ds["prompt"])
-    prompt_ids = _truncate_left(_tokenize(tokenizer, [render_prompt(tokenizer, p) for p in prompts]),
-                                max_prompt_length, "prompts")
+    prompt_ids = _truncate_left(_tokenize(tokenizer, render_prompts(tokenizer, prompts)), max_prompt_length,
+                                "prompts")
 
     def responses(col):
         return [s[:max_response_length] for s in _tokenize(

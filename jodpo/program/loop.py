@@ -22,10 +22,10 @@ from jodpo import pairing as P
 from jodpo.program import backend, output_dir
 from jodpo.parallel import sharding as S
 from jodpo import train_step as ts
-from jodpo.program.checkpoint import Checkpointer
+from jodpo.program.checkpoint import Checkpointer, without_optimizer
 from jodpo.program.config import TrainConfig
 from jodpo.program.training_eval import Evaluation
-from jodpo.program.metrics_log import RunLogger, penalty_note
+from jodpo.program.metrics_log import RunLogger, checkpoint_note, compile_note, loading_note, penalty_note
 from jodpo.program.preemption import StopSignals
 from jodpo.program.run import Given, Run, build
 from jodpo.parallel.split_sampler import SplitSampler
@@ -78,7 +78,8 @@ def sampled_rewards(run: Run, idx: np.ndarray, ids, mask, samples) -> jax.Array:
     tokens, tmask = S.to_host(samples.tokens), S.to_host(samples.mask)
     A = tokens.shape[0]
     raw = run.score_on_host(run.train, _repeat_per_micro_batch(list(idx), A, run.step_cfg.num_generations),
-                            tokens.reshape(-1, tokens.shape[-1]), tmask.reshape(-1, tmask.shape[-1]))
+                            tokens.reshape(-1, tokens.shape[-1]), tmask.reshape(-1, tmask.shape[-1]),
+                            need_signal=True)
     return run.put(raw.reshape(A, -1))
 
 
@@ -176,8 +177,10 @@ def train(cfg: TrainConfig, allow_config_change: bool = False, given: Given = Gi
     ``max_nonfinite_steps`` skipped updates in a row raise ``Diverged``; a checkpoint that cannot be written
     (disk full, non-finite state) raises ``SaveError``. None of them touches the checkpoints already saved.
     ``output_dir`` is locked for the call (``jodpo.program.output_dir``): a second run there meanwhile raises
-    ``RunDirError``; so does an ``output_dir`` that cannot be made. A checkpoint whose arrays do not fit the
-    configured model, or a dataset other than the checkpoint's, raises ``ConfigError`` before anything is written.
+    ``RunDirError``; so does an ``output_dir`` that cannot be made. Until the models and the data have loaded
+    nothing is written: a run that fails before (a model or dataset that cannot be read) removes the directories it
+    made, and prints no "writing to". A checkpoint whose arrays do not fit the configured model, or a dataset other
+    than the checkpoint's, raises ``ConfigError`` before anything is written.
     ``given``: objects in place of what the config names (``OnlineDPOTrainer``); ``events``: told of each step,
     logged line, evaluation and save."""
     # The CLI has done this before anything else; a script calling OnlineDPOTrainer gets it here if jax has not
@@ -186,19 +189,27 @@ def train(cfg: TrainConfig, allow_config_change: bool = False, given: Given = Gi
     warning = backend.cpu_threads_warning()
     if warning and jax.process_index() == 0:
         print(f"jodpo.train: {warning}", file=sys.stderr, flush=True)
-    out = output_dir.prepare(cfg.output_dir)
+    out, created = output_dir.prepare(cfg.output_dir)  # refused in one line before anything is read
     lock = output_dir.lock_for_job(out)  # held until train returns or raises, whatever ends it
+    started = False
     try:
-        if jax.process_index() == 0:
+        main = jax.process_index() == 0
+        if main:
+            print(f"jodpo.train: {loading_note(cfg)}", flush=True)
+        run = build(cfg, given)
+        started = True  # the models and the data load: the directory is the run's from here on
+        if main:
             print(f"jodpo.train: writing to {out}", flush=True)
-        return _train(cfg, out, allow_config_change, given, events or Events())
+        return _train(run, out, allow_config_change, events or Events())
     finally:
         if lock is not None:
             lock.release()
+        if not started:  # nothing was written: the directories made for the run go again (only empty ones)
+            output_dir.discard(created)
 
 
-def _train(cfg: TrainConfig, out: Path, allow_config_change: bool, given: Given, events: Events) -> dict:
-    run = build(cfg, given)
+def _train(run: Run, out: Path, allow_config_change: bool, events: Events) -> dict:
+    cfg = run.cfg
     layout = run.layout
     ckpt = Checkpointer(out / "checkpoints", cfg.save_total_limit)
     start = 0
@@ -209,11 +220,13 @@ def _train(cfg: TrainConfig, out: Path, allow_config_change: bool, given: Given,
     data_fingerprint = D.fingerprint(run.train)
     # A resumed run restores straight into the layout: the first state is never built (nor, in a param_dtype of
     # its own, the policy read), so the device holds one state, not two, while the checkpoint is read.
-    restored = ckpt.restore_latest(layout)
+    restored, restarted = ckpt.restore_latest(layout), None
     if restored is None:
         state = initial_state(run)
     else:
         start, state, meta = restored
+        if state.opt_state is None:  # a save_only_model checkpoint
+            state = restarted = run.restart_optimizer(state)
         if meta["dataset_rows"] != len(run.train):
             raise ConfigError(f"{out}: the checkpoint was trained on {meta['dataset_rows']} rows, the dataset now has "
                               f"{len(run.train)}; use a new output_dir")
@@ -235,7 +248,13 @@ def _train(cfg: TrainConfig, out: Path, allow_config_change: bool, given: Given,
                        penalty=None if run.rewards is None else penalty_note(cfg.missing_eos_penalty,
                                                                              run.step_cfg.penalty_reward_value))
     if start:
-        logger.message(f"resumed from {ckpt.directory}/{start}")
+        logger.message(f"resumed from {ckpt.directory}/{start}" + (
+            "" if restarted is None else ", which holds the model only (save_only_model): the optimizer restarts "
+            "(AdamW's moments from zero; the learning-rate schedule goes on from where the run is)"))
+    if start < run.total_steps:
+        logger.message(checkpoint_note(*_state_bytes(layout), cfg.save_only_model, _saves(run, start),
+                                       cfg.save_total_limit))
+        logger.message(compile_note(start + 1, jax.config.jax_compilation_cache_dir))
     if cfg.async_mode and sampler is None:
         logger.message("async_mode: sampling and the update take turns on the same devices (one step off-policy, "
                        + ("nothing to overlap on one device)" if jax.device_count() == 1 else
@@ -283,12 +302,20 @@ def _loop(run: Run, state, start: int, ckpt: Checkpointer, logger: RunLogger, st
     def save(done):
         ckpt.save(done, state, {"step": done, "epoch": done // run.steps_per_epoch,
                                 "batch_in_epoch": done % run.steps_per_epoch, "dataset_rows": len(run.train),
-                                "dataset_fingerprint": data_fingerprint, "seed": cfg.seed})
+                                "dataset_fingerprint": data_fingerprint, "seed": cfg.seed}, cfg.save_only_model)
 
     for step in range(start, run.total_steps):
-        with _reward_errors(f"at step {step + 1}: batch {step % run.steps_per_epoch} of epoch "
-                            f"{step // run.steps_per_epoch}"):
+        try:
             state, metrics, sampled = step_fn(run, state, step)
+        except RewardError as e:  # the rewards failed before the update: the state is the last step's, whole
+            kept = ""
+            if step > start and step % run.save_every:  # steps done since the last save are kept
+                save(step)
+                ckpt.wait()
+                kept = f"; saved {ckpt.directory}/{step}"
+            raise RewardError(f"{e} (at step {step + 1}: batch {step % run.steps_per_epoch} of epoch "
+                              f"{step // run.steps_per_epoch}){kept}; fix the function, then run the same command to "
+                              "resume") from e
         if step == start and evaluation is not None:  # dispatched, so compiled: the evaluation compiles in the
             evaluation.start_compiling(state)  # background while it runs
         if skipped is not None:
@@ -337,6 +364,18 @@ def _loop(run: Run, state, start: int, ckpt: Checkpointer, logger: RunLogger, st
             raise Stopped(f"stopped by {signal_name} at step {done}; saved {ckpt.directory}/{done}; run the same "
                           "command to resume")
     return last
+
+
+def _state_bytes(layout) -> tuple[int, int]:
+    """Bytes of a checkpoint of this state: whole, and without the optimizer state (``save_only_model``)."""
+    size = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))  # noqa: E731
+    return size(layout), size(without_optimizer(layout))
+
+
+def _saves(run: Run, start: int) -> int:
+    """The checkpoints the run still writes: every ``save_every`` steps after ``start``, and the last step."""
+    every, total = run.save_every, run.total_steps
+    return total // every - start // every + (1 if total % every else 0)
 
 
 @contextlib.contextmanager

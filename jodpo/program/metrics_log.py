@@ -73,6 +73,44 @@ def penalty_note(missing_eos_penalty: float | None, penalty_reward_value: float 
             "and pairs by; the completion tables and eval/objective/scores show the reward before that penalty")
 
 
+def loading_note(cfg) -> str:
+    """The line shown while a run reads its models and data (tens of seconds for a real model, with nothing else on
+    the screen)."""
+    parts = [f"the policy ({cfg.model_name_or_path})"]
+    if cfg.reward_model_path:
+        parts.append(f"the reward model ({cfg.reward_model_path})")
+    if cfg.judge and ":" not in cfg.judge:
+        parts.append(f"the judge ({cfg.judge})")
+    data = cfg.dataset_name or ", ".join(cfg.dataset_mixer or {})
+    return f"loading {', '.join(parts)} and the data ({data})"
+
+
+def compile_note(step: int, cache_dir: str | None) -> str:
+    """The line shown before a run's first step, which compiles the step's programs (a minute or more on a CPU)."""
+    later = (f"later starts of this config read them from the compilation cache ({cache_dir})" if cache_dir else
+             "the compilation cache is off (compilation_cache_dir=None), so every start compiles them")
+    return (f"step {step} compiles the step's programs first (XLA: a minute or more on a CPU, the first time); "
+            f"{later}")
+
+
+def _gb(n: int) -> str:
+    """Bytes as a person reads them (decimal units, as ``du -h --si`` and disk makers count)."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.{2 if n < 100 * size else 0}f} {unit}"
+    return f"{n} B"
+
+
+def checkpoint_note(state_bytes: int, model_bytes: int, only_model: bool, saves: int, limit: int | None) -> str:
+    """How much disk the run's checkpoints take: each one's size, and how many are kept (``saves`` ahead)."""
+    each = model_bytes if only_model else state_bytes
+    what = (", the parameters only (save_only_model)" if only_model else
+            f" (the parameters and AdamW's two moments; save_only_model=True: {_gb(model_bytes)})")
+    kept = f"the newest {limit} kept (save_total_limit)" if limit else "every one kept (save_total_limit=None)"
+    return (f"checkpoints: {_gb(each)} each{what}; {saves} to save, {kept}: up to "
+            f"{_gb(each * min(saves, limit or saves))} on disk")
+
+
 class RunLogger:
     """``report_to`` and ``run_name`` are the config's fields; ``config`` is the resolved config the trackers record
     (W&B's run config). ``penalty``: ``penalty_note``'s line, shown once at the start, when the run's scores carry

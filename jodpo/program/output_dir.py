@@ -28,21 +28,35 @@ LOCK_NAME = "jodpo.lock"
 
 
 
-def prepare(output_dir: str) -> Path:
+def prepare(output_dir: str) -> tuple[Path, list[Path]]:
     """``output_dir`` as an absolute path (``~`` expanded), created if missing, refused in one line if it is empty,
-    an existing file, or cannot be created or written."""
+    an existing file, or cannot be created or written; and the directories it created, outermost first (``discard``
+    removes them again if the run fails before it writes anything). Made at once, not once the models have loaded:
+    a directory that cannot be used is said before a minute of loading, with the operating system's own reason."""
     if not output_dir.strip():
         raise RunDirError("output_dir is empty: the run would write into the current directory; give a directory "
                           "(--config.output_dir=runs/NAME)")
     out = Path(output_dir).expanduser().absolute()
     if out.exists() and not out.is_dir():
         raise RunDirError(f"output_dir {str(out)!r} is an existing file, not a directory; choose another path")
+    created = [d for d in (*reversed(out.parents), out) if not d.exists()]
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
+        discard(created)
         raise RunDirError(f"output_dir {str(out)!r} cannot be created ({e.strerror or e}); choose a directory on a "
                           "writable filesystem") from None
-    return out
+    return out, created
+
+
+def discard(created: list[Path]) -> None:
+    """Remove the directories ``prepare`` made, innermost first, each only while it is empty (``rmdir``): a run
+    that failed before writing leaves nothing behind, and nothing anyone else put there is ever removed."""
+    for d in reversed(created):
+        try:
+            d.rmdir()
+        except OSError:  # not empty (or gone): it stays, and so do its parents
+            return
 
 
 def _alive(pid: int) -> bool:
@@ -176,8 +190,9 @@ def check_same_config(out: Path, cfg) -> None:
     new = json.loads(json.dumps(cfg.to_dict()))
     # a field added to jodpo after the run started reads as its default (which is what the run used)
     old = json.loads(json.dumps(TrainConfig().to_dict())) | json.loads(saved.read_text())
-    # where things are kept, and where they are reported, is not what the run computes
-    moved = ("output_dir", "compilation_cache_dir", "report_to", "run_name")
+    # where things are kept, how much of them, and where they are reported, is not what the run computes (a disk
+    # filling up is fixed by resuming with save_only_model)
+    moved = ("output_dir", "compilation_cache_dir", "report_to", "run_name", "save_only_model")
     changed = sorted(k for k in new if old.get(k) != new[k] and k not in moved)
     if changed:
         detail = ", ".join(f"{k}: {old.get(k)!r} -> {new[k]!r}" for k in changed[:6])

@@ -117,9 +117,11 @@ class RewardSet:
         self.warned_unscored = False
 
     def score(self, prompts: Sequence, completions: Sequence[str], completion_ids, columns: dict,
-              model_scores: np.ndarray | None = None) -> np.ndarray:
+              model_scores: np.ndarray | None = None, need_signal: bool = False) -> np.ndarray:
         """f32[N]: the weighted nansum of every reward of the texts. ``model_scores`` (already computed on the
-        device from token ids) replaces the reward model's text scoring."""
+        device from token ids) replaces the reward model's text scoring. ``need_signal`` (a training step): no
+        completion with a reward at all is a ``RewardError``, since every pair would tie at 0 and the run would train
+        to its end on nothing (a reward function reading a column the data lacks, say)."""
         per: list[np.ndarray] = []
         if self.model is not None:
             per.append(model_scores if model_scores is not None
@@ -130,6 +132,9 @@ class RewardSet:
                 per.append(function_rewards(fn, prompts, outs, completion_ids, **columns))
         stack = np.stack(per, 1).astype(np.float32)
         none = int(np.all(np.isnan(stack), axis=1).sum())
+        if need_signal and none == len(stack):
+            raise RewardError(f"every reward returned None or NaN for all {none} completions of the step: no signal "
+                              "to train on (the run stops rather than train on ties at 0)")
         if none and not self.warned_unscored:  # scored 0 by the nansum: a pair of them teaches nothing
             self.warned_unscored = True
             warnings.warn(f"{none} of {len(stack)} completions got no reward (every reward returned None or NaN) and "

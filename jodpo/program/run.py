@@ -23,6 +23,7 @@ from jodpo.models import load_tokenizer
 from jodpo.models import lora
 from jodpo.models.loading import ready_tokenizer
 from jodpo.models.params import frozen_params, param_shapes
+from jodpo.optim import restarted
 from jodpo.program.rewards import RewardSet
 from jodpo.program.sources import (Given, describe_policy, eval_sets, load_judge, load_rewards, load_split, named,
                                    read_policy, say_attention)
@@ -115,13 +116,22 @@ class Run:
         """The texts of ``[..., T]`` token ids (special tokens left out)."""
         return self.tokenizer.batch_decode(tokens.reshape(-1, tokens.shape[-1]), skip_special_tokens=True)
 
-    def score_on_host(self, data: D.PromptData, rows: list, tokens: np.ndarray, tmask: np.ndarray) -> np.ndarray:
+    def score_on_host(self, data: D.PromptData, rows: list, tokens: np.ndarray, tmask: np.ndarray,
+                      need_signal: bool = False) -> np.ndarray:
         """f32[N] rewards of N sampled completions ``[N, T]`` of the prompts ``rows``, on the host (functions, other
-        tokenizers, chat data); every process scores the whole batch, so every process holds the same rewards."""
+        tokenizers, chat data); every process scores the whole batch, so every process holds the same rewards.
+        ``need_signal``: a batch without a single reward is a ``RewardError`` (``RewardSet.score``)."""
         prompts = [data.prompts[i] for i in rows]
         columns = {k: [v[i] for i in rows] for k, v in data.columns.items()}
         completion_ids = [t[m > 0].tolist() for t, m in zip(tokens, tmask)]
-        return self.rewards.score(prompts, self.decode(tokens), completion_ids, columns)
+        return self.rewards.score(prompts, self.decode(tokens), completion_ids, columns, need_signal=need_signal)
+
+    def restart_optimizer(self, state):
+        """``state`` restored without its optimizer state (a ``save_only_model`` checkpoint), with a new one laid
+        out as the steps expect it (``optim.restarted``: AdamW's moments from zero, the schedule where the run is)."""
+        fresh = jax.jit(functools.partial(restarted, self.step_cfg.optimizer),
+                        out_shardings=jax.tree.map(lambda x: x.sharding, self.layout.opt_state))
+        return state.replace(opt_state=fresh(state.params, state.step))
 
 
 def build(cfg: TrainConfig, given: Given = Given()) -> Run:
@@ -141,6 +151,19 @@ def build(cfg: TrainConfig, given: Given = Given()) -> Run:
     with named("model_name_or_path"):
         tokenizer = ready_tokenizer(given.tokenizer, "processing_class") if given.tokenizer is not None else \
             load_tokenizer(cfg.model_name_or_path, cfg.model_revision)
+    D.set_chat_template(tokenizer, cfg.chat_template_path)
+    describe_policy(source, cfg.param_dtype, cfg)  # an architecture jodpo does not implement: said before the data
+    # The data before the models: a dataset that cannot be used is said in seconds, not after the weights are read
+    train_rows = given.train_rows if given.train_rows is not None else load_split(
+        cfg.dataset_mixer, cfg.dataset_name, cfg, cfg.dataset_train_split)
+    # A preference dataset (prompt/chosen/rejected) trains offline DPO, unless the run has a reward or a judge: then
+    # its prompts train online DPO, as TRL's and open-instruct's online trainers read only the prompts.
+    offline = D.is_preference(train_rows) and not (cfg.reward_model_path or cfg.reward_funcs or cfg.judge)
+    if offline:
+        train = D.prepare_preferences(train_rows, tokenizer, cfg.max_prompt_length, cfg.max_new_tokens)
+    else:
+        train = D.prepare_prompts(train_rows, tokenizer, cfg.max_prompt_length)
+    evaluation = eval_sets(cfg, given, tokenizer, dp, offline)
     if given.ref_model is not None and (cfg.use_peft or not needs_reference(cfg.loss_type)):
         raise ConfigError("ref_model: with " + ("peft_config the reference is the base without its adapters" if
                           cfg.use_peft else f"loss_type={cfg.loss_type!r} no reference is run") +
@@ -180,17 +203,6 @@ def build(cfg: TrainConfig, given: Given = Given()) -> Run:
     pad = tokenizer.pad_token_id
     stop = stop_token_ids(cfg, tokenizer)
     eos = tuple(dict.fromkeys([*eos, *stop]))
-
-    train_rows = given.train_rows if given.train_rows is not None else load_split(
-        cfg.dataset_mixer, cfg.dataset_name, cfg, cfg.dataset_train_split)
-    # A preference dataset (prompt/chosen/rejected) trains offline DPO, unless the run has a reward or a judge: then
-    # its prompts train online DPO, as TRL's and open-instruct's online trainers read only the prompts.
-    offline = D.is_preference(train_rows) and not (cfg.reward_model_path or cfg.reward_funcs or cfg.judge)
-    if offline:
-        train = D.prepare_preferences(train_rows, tokenizer, cfg.max_prompt_length, cfg.max_new_tokens)
-    else:
-        train = D.prepare_prompts(train_rows, tokenizer, cfg.max_prompt_length)
-    evaluation = eval_sets(cfg, given, tokenizer, dp, offline)
 
     rewards, rm, judge = None, None, None
     if not offline and cfg.judge:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import warnings
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -97,6 +98,11 @@ def load_rewards(cfg: TrainConfig, policy, tokenizer, mesh, chat: bool, given: G
         with named("reward_model_path"):
             rm, rm_params = load_model(source, "reward", cfg.frozen_param_dtype, place=S.placer(mesh))
             rm_tok = given.reward_tokenizer or load_tokenizer(cfg.reward_model_path)
+        if chat and rm_tok.chat_template is None:  # it reads chat prompts and completions as a conversation
+            raise ConfigError(f"reward_model_path: {source if isinstance(source, str) else 'the reward model'}'s "
+                              "tokenizer has no chat template, and the prompts are chat messages, which a reward model "
+                              "scores as a conversation in its own template; use a reward model whose tokenizer has "
+                              "one, or text prompts")
         rm = rm.replace(dtype=policy.dtype, precision=policy.precision, attention=policy.attention)
         say_attention(rm, "reward_model_path")
         rm_params = frozen_params(rm, rm_params)
@@ -135,6 +141,42 @@ def load_split(mixer: dict | None, name: str, cfg: TrainConfig, split: str):
     return D.load_rows(name, cfg.dataset_config, split)
 
 
+def _single_files(mixer: dict | None, name: str) -> bool:
+    """Whether every dataset named is one local file: a file has no splits (``load_rows`` reads it whole as
+    whichever split is asked for)."""
+    return all(Path(n).expanduser().is_file() for n in (mixer or {name: 1}))
+
+
+def _same(a: str, b: str) -> bool:
+    pa, pb = Path(a).expanduser(), Path(b).expanduser()
+    return pa.resolve() == pb.resolve() if pa.exists() and pb.exists() else a == b
+
+
+def describe_split(mixer: dict | None, name: str, split: str) -> str:
+    """What ``load_split(mixer, name, ..., split)`` reads, in words."""
+    what = f"the mixture of {', '.join(mixer)}" if mixer else name
+    if _single_files(mixer, name):
+        return f"{what} (all its rows: a single file has no splits, so the {split!r} split is the whole file)"
+    return f"the {split!r} split of {what}"
+
+
+def training_prompts(mixer: dict | None, name: str, split: str, trained: dict) -> str | None:
+    """Why the split ``load_split(mixer, name, ..., split)`` reads is the training data of a run whose config is
+    ``trained`` (its ``dataset_name``, ``dataset_mixer``, ``dataset_train_split``), or None when it is not."""
+    t_mixer, t_name, t_split = trained.get("dataset_mixer"), trained.get("dataset_name") or "", \
+        trained.get("dataset_train_split", "train")
+    if bool(mixer) != bool(t_mixer):
+        return None
+    if mixer and (len(mixer) != len(t_mixer) or not all(map(_same, mixer, t_mixer)) or
+                  list(mixer.values()) != list(t_mixer.values())):
+        return None
+    if not mixer and not (name and _same(name, t_name)):
+        return None
+    if _single_files(mixer, name):
+        return f"{'its files are' if mixer else 'it is'} the training data, read whole"
+    return f"{split!r} is also the training split (dataset_train_split)" if split == t_split else None
+
+
 def eval_sets(cfg: TrainConfig, given: Given, tokenizer, dp: int, offline: bool) -> tuple:
     """The run's evaluation sets as ``((metric prefix, PromptData), ...)``: the caller's (one, or each of a dict),
     else ``eval_dataset`` / ``dataset_eval_mixer`` / with ``eval_steps`` the training data's test split (never for
@@ -143,8 +185,14 @@ def eval_sets(cfg: TrainConfig, given: Given, tokenizer, dp: int, offline: bool)
     if given.eval_rows is not None:
         named_rows = given.eval_rows
     elif given.train_rows is None and not offline and (cfg.eval_dataset or cfg.dataset_eval_mixer or cfg.eval_steps):
-        named_rows = {"eval": load_split(cfg.dataset_eval_mixer or (None if cfg.eval_dataset else cfg.dataset_mixer),
-                                         cfg.eval_dataset or cfg.dataset_name, cfg, cfg.dataset_test_split)}
+        mixer = cfg.dataset_eval_mixer or (None if cfg.eval_dataset else cfg.dataset_mixer)
+        name = cfg.eval_dataset or cfg.dataset_name
+        same = training_prompts(mixer, name, cfg.dataset_test_split, cfg.to_dict())
+        if same:  # as TRL's script would, but said: scores on prompts it trains on are no held-out measure
+            warnings.warn(f"evaluation reads {describe_split(mixer, name, cfg.dataset_test_split)}: {same}, so its "
+                          "scores are on prompts the run trains on; give eval_dataset for held-out prompts",
+                          stacklevel=3)
+        named_rows = {"eval": load_split(mixer, name, cfg, cfg.dataset_test_split)}
     else:
         return ()
     out = []
