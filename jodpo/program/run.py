@@ -105,12 +105,17 @@ class Run:
     def put(self, x: np.ndarray, mesh: Mesh | None = None) -> jax.Array:
         """A batch array [A, B, ...] (the same on every process) placed with B split over data x fsdp of ``mesh``
         (the training mesh by default)."""
+        return S.put(x, self.abstract(x, mesh).sharding)
+
+    def abstract(self, x: np.ndarray, mesh: Mesh | None = None) -> jax.ShapeDtypeStruct:
+        """What ``put`` would make of ``x`` (shape, dtype, sharding), with nothing placed on a device: for compiling
+        ahead (``training_eval.compile_evaluation``)."""
         mesh = self.mesh if mesh is None else mesh
         dp = S.data_parallel_size(mesh)
         if x.shape[1] % dp:
             raise S.MeshError(f"a batch of {x.shape[1]} rows cannot be split over the {dp} data-parallel devices "
                               "(mesh_data x mesh_fsdp); use a batch size that is a multiple of it")
-        return S.put(x, S.batch_sharding(mesh, x.ndim))
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=S.batch_sharding(mesh, x.ndim))
 
     def decode(self, tokens: np.ndarray) -> list[str]:
         """The texts of ``[..., T]`` token ids (special tokens left out)."""

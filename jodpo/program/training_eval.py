@@ -183,13 +183,16 @@ def compile_evaluation(run: Run, state) -> threading.Thread | None:
     def work():
         try:
             for host_ids, host_mask in shapes.values():
-                ids, mask = run.put(host_ids), run.put(host_mask)
+                # abstract, never placed: a transfer from this thread while the step runs on XLA:CPU's two threads
+                # (a 2-core machine) was seen to leave the step waiting for ever (a Qwen3.5 run, jaxlib 0.10.2)
+                ids, mask = run.abstract(host_ids), run.abstract(host_mask)
                 sample = run.steps.sample_completions.lower(run.step_cfg, eval_state, ids, mask, 1,
                                                             run.ref_params).compile()
                 if _scored_on_device(run):
                     run.steps.score_completions.lower(run.step_cfg, run.rewards.params, ids, mask,
                                                       sample.out_info).compile()
             for ids, mask in references.values():
+                ids, mask = (jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (ids, mask))
                 R.jit_reward_scores.lower(run.rewards.model, run.rewards.params, ids, mask).compile()
         except Exception as e:  # noqa: BLE001 - only a head start: the evaluation compiles as usual without it
             log.warning("compiling the evaluation in the background failed (%s: %s); it compiles at the first "
