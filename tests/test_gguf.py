@@ -3,7 +3,8 @@
 Tiny GGUF files are written here the way llama.cpp's converter (convert_hf_to_gguf.py) writes them: from the tiny
 Llama (untied, its RoPE unscaled in the file) and Qwen2 (tied, biases) fixtures (Q/K rows permuted for Llama, 2-D
 weights quantized to Q8_0 or Q4_1), and from tiny random Qwen3, Gemma 2 and Gemma 3 models made here (q/k norms;
-Gemma's norm weights stored as 1 + w; projections Q8_0, the rest F32). The real SmolLM2 file is checked in
+Gemma's norm weights stored as 1 + w; projections Q8_0, the rest F32), and a tiny Qwen3.5 written as llama.cpp's converter
+writes one (transformers reads no Qwen3.5 GGUF: compared with the source model). The real SmolLM2 file is checked in
 tests/test_real_model.py, the real Gemma 3 270M file (jodpo.assets' ``gemma3-270m``) at the end of this one."""
 import numpy as np
 import pytest
@@ -218,6 +219,91 @@ def test_gguf_reader_equals_the_source_config_and_transformers_gguf_tensors(tmp_
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     missing, unexpected = model.load_state_dict({k: torch.tensor(v) for k, v in ours.items()}, strict=False)
     assert unexpected == [] and set(missing) <= {"lm_head.weight"}
+
+
+def _qwen35_gguf(src, out):
+    """A GGUF file of a tiny Qwen3.5 as llama.cpp's converter writes one (conversion/qwen.py: Qwen3NextModel and
+    _LinearAttentionVReorderBase): the DeltaNet shape under ssm.*, -exp(A_log), dt_bias as ssm_dt.bias, the
+    convolution squeezed, 1 + w for the zero-centred norms (not the DeltaNet's gated norm), and the value heads moved
+    from grouped (a key head's together) to tiled order. Every tensor float32."""
+    import gguf
+
+    c = src.config
+    K, V, Dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_value_head_dim
+
+    def tiled(x, axis, dim):  # _reorder_v_heads: [K, V / K, dim] -> [V / K, K, dim] along axis
+        shape = x.shape
+        x = x.reshape(shape[:axis] + (K, V // K, dim) + shape[axis + 1:])
+        return np.swapaxes(x, axis, axis + 1).reshape(shape)
+
+    w = gguf.GGUFWriter(str(out), "qwen35")
+    for key, value in dict(block_count=c.num_hidden_layers, context_length=c.max_position_embeddings,
+                           embedding_length=c.hidden_size, feed_forward_length=c.intermediate_size,
+                           head_count=c.num_attention_heads, head_count_kv=c.num_key_value_heads,
+                           key_length=c.head_dim, value_length=c.head_dim,
+                           rope_freq_base=c.rope_parameters["rope_theta"], layer_norm_rms_eps=c.rms_norm_eps,
+                           vocab_size=c.vocab_size, eos_token_id=c.eos_token_id, bos_token_id=c.bos_token_id,
+                           pad_token_id=c.pad_token_id,
+                           ssm_conv_kernel=c.linear_conv_kernel_dim, ssm_state_size=c.linear_key_head_dim,
+                           ssm_group_count=K, ssm_time_step_rank=V, ssm_inner_size=Dv * V,
+                           full_attention_interval=2, rope_dimension_count=int(c.head_dim * 0.25),
+                           rope_dimension_sections=[11, 11, 10, 0]).items():
+        getattr(w, f"add_{key}")(value)
+    names = {h: g for g, h in G.tensor_names("qwen35", c.num_hidden_layers).items()}
+    qk = 2 * K * c.linear_key_head_dim
+    for name, t in src.state_dict().items():
+        x = t.numpy()
+        if "linear_attn." in name:
+            if ".in_proj_qkv." in name or ".conv1d." in name:
+                x = x.squeeze() if ".conv1d." in name else x
+                x = np.concatenate([x[:qk], tiled(x[qk:], 0, Dv)], 0)
+            elif ".in_proj_z." in name:
+                x = tiled(x, 0, Dv)
+            elif ".in_proj_b." in name or ".in_proj_a." in name or name.endswith((".A_log", ".dt_bias")):
+                x = tiled(x, 0, 1)
+            elif ".out_proj." in name:
+                x = tiled(x, 1, Dv)
+            if name.endswith(".A_log"):
+                x = -np.exp(x)
+        elif name.endswith("norm.weight"):
+            x = x + 1
+        w.add_tensor(names[name], np.ascontiguousarray(x))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def test_a_qwen35_gguf_as_llama_cpp_writes_it_loads_as_its_source(tmp_path):
+    """Qwen3.5's GGUF (transformers cannot load one): its config, its layer pattern and every tensor come back as
+    the source model's (the value heads' order undone: two value heads a key head here), and the logits equal
+    transformers' of the source."""
+    from transformers import Qwen3_5TextConfig
+
+    torch.manual_seed(0)
+    cfg = Qwen3_5TextConfig(**{**_TINY, "head_dim": 16}, num_hidden_layers=4, tie_word_embeddings=False,
+                            layer_types=["linear_attention", "full_attention"] * 2, linear_num_key_heads=2,
+                            linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=6,
+                            linear_conv_kernel_dim=4)
+    src = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in src.parameters():
+            p.add_(0.1 * torch.randn_like(p))  # zero-centred norms away from 0, every head unlike the others
+    f = _qwen35_gguf(src, tmp_path / "q.gguf")
+    g = G.open_file(f)
+    assert _arch_fields(g.hf_config(), {"rope_parameters"}) == _arch_fields(cfg, {"rope_parameters"})
+    ours = dict(g.tensors(cfg.num_attention_heads, cfg.num_key_value_heads))
+    for name, p in src.state_dict().items():
+        np.testing.assert_allclose(ours[name], p.numpy(), rtol=1e-6, atol=1e-6, err_msg=name)
+    model, params = jodpo.load_model(str(f))
+    ids, mask = hf_fixtures.padded_batch(np.random.default_rng(0), [9, 6], 0, "left", high=250)
+    with torch.no_grad():
+        ref = src(torch.tensor(ids), attention_mask=torch.tensor(mask),
+                  position_ids=torch.tensor(np.maximum(np.cumsum(mask, -1) - 1, 0))).logits.numpy()
+    m = mask.astype(bool)
+    np.testing.assert_allclose(np.asarray(jodpo.logits(model, params, ids, mask))[m], ref[m], rtol=1e-4,
+                               atol=1e-4 * np.abs(ref[m]).max())
 
 
 def _metadata_only(out, arch, layers, hidden, heads, kv_heads, head_dim, **keys):

@@ -8,8 +8,9 @@ what llama.cpp's converter (``convert_hf_to_gguf.py``) did to them (the Q/K row 
 safetensors checkpoint (``loading.load_params``). The dequantized weights are exactly what transformers'
 ``from_pretrained(dir, gguf_file=...)`` computes.
 
-Supported: the ``llama`` (Llama, SmolLM, Mistral, TinyLlama), ``qwen2``, ``qwen3``, ``gemma2`` and ``gemma3`` (text)
-architectures, RoPE without scaling or with linear scaling, and every quantization type the ``gguf`` package
+Supported: the ``llama`` (Llama, SmolLM, Mistral, TinyLlama), ``qwen2``, ``qwen3``, ``qwen35`` (Qwen3.5/3.6 dense, its
+DeltaNet layers' value heads put back in transformers' order), ``gemma2`` and ``gemma3`` (text) architectures, RoPE
+without scaling or with linear scaling, and every quantization type the ``gguf`` package
 dequantizes (F32, F16, BF16, Q4_0 ... Q8_0, the K-quants, the IQ types). What a Gemma file does not say (its
 local/global layer pattern, the local layers' RoPE base, the query scale) is what llama.cpp assumes
 (``src/llama-model.cpp``), which are Gemma's own values (``Gemma2Config`` / ``Gemma3TextConfig``).
@@ -25,7 +26,7 @@ import numpy as np
 
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+                 "qwen35": "Qwen3_5ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 
 # llama.cpp's tensor names -> transformers' ({i}: the layer), as gguf-py's tensor_mapping.py pairs them
 _NAMES = {
@@ -51,15 +52,23 @@ _GEMMA_NORMS = {
     "blk.{i}.ffn_norm.weight": "model.layers.{i}.pre_feedforward_layernorm.weight",
     "blk.{i}.post_ffw_norm.weight": "model.layers.{i}.post_feedforward_layernorm.weight",
 }
+# Qwen3.5's DeltaNet layers (llama.cpp's Qwen3NextModel names them after its SSM layers) and its MLP's input norm
+_LINEAR_ATTENTION = {f"blk.{{i}}.{g}": f"model.layers.{{i}}.linear_attn.{h}" for g, h in (
+    ("attn_qkv.weight", "in_proj_qkv.weight"), ("attn_gate.weight", "in_proj_z.weight"),
+    ("ssm_beta.weight", "in_proj_b.weight"), ("ssm_alpha.weight", "in_proj_a.weight"),
+    ("ssm_out.weight", "out_proj.weight"), ("ssm_norm.weight", "norm.weight"), ("ssm_a", "A_log"),
+    ("ssm_dt.bias", "dt_bias"), ("ssm_conv1d.weight", "conv1d.weight"))}
 TENSOR_NAMES = {
     "llama": {**_NAMES, **_PRE_NORM, **_QKV_BIAS},
     "qwen2": {**_NAMES, **_PRE_NORM, **_QKV_BIAS},
     "qwen3": {**_NAMES, **_PRE_NORM, **_QK_NORMS},
     "gemma2": {**_NAMES, **_GEMMA_NORMS},
     "gemma3": {**_NAMES, **_GEMMA_NORMS, **_QK_NORMS},
+    "qwen35": {**_NAMES, "blk.{i}.post_attention_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+               **_QK_NORMS, **_LINEAR_ATTENTION},
 }
 # convert_hf_to_gguf.py stores Gemma's norm weights w of x * (1 + w) as 1 + w (llama.cpp's norm is x * w)
-_NORM_SHIFT = {"gemma2": 1.0, "gemma3": 1.0}
+_NORM_SHIFT = {"gemma2": 1.0, "gemma3": 1.0, "qwen35": 1.0}  # Qwen3.5's zero-centred norms too, but its DeltaNet's
 # Gemma's end-of-turn token: llama.cpp stops at it by name (llama-vocab.cpp), and Gemma's generation_config.json
 # lists it as an EOS id, while the file's eos_token_id is <eos>
 _END_OF_TURN = {"gemma2": "<end_of_turn>", "gemma3": "<end_of_turn>"}
@@ -162,6 +171,8 @@ class GGUF:
             tie_word_embeddings="output.weight" not in self.tensor_names, bos_token_id=ids["bos"],
             eos_token_id=ids["eos"], pad_token_id=ids["padding"],
         )
+        if self.arch == "qwen35":
+            return AutoConfig.for_model("qwen3_5_text", **cfg, **self._qwen35(layers, head_dim))
         if not self.arch.startswith("gemma"):
             return AutoConfig.for_model(self.arch, **cfg, hidden_act="silu", rope_parameters=self._rope())
         # Gemma 2 and 3 as llama.cpp runs them (src/llama-model.cpp, which reads none of this from the file): every
@@ -187,6 +198,20 @@ class GGUF:
         local = {"rope_type": "default", "rope_theta": float(self.arch_value("rope.freq_base_swa", 10000.0))}
         return AutoConfig.for_model("gemma3_text", **cfg,
                                     rope_parameters={"full_attention": self._rope(1e6), "sliding_attention": local})
+
+    def _qwen35(self, layers: int, head_dim: int) -> dict:
+        """Qwen3.5's own fields as llama.cpp's converter writes them (Qwen3NextModel.set_gguf_parameters): the DeltaNet
+        layers' shape under ssm.*, every full_attention_interval-th layer softmax attention, the rotary width."""
+        v_heads = int(self.arch_value("ssm.time_step_rank"))
+        interval = int(self.arch_value("full_attention_interval", 4))
+        rotary = int(self.arch_value("rope.dimension_count", head_dim // 4))
+        return dict(hidden_act="silu", linear_conv_kernel_dim=int(self.arch_value("ssm.conv_kernel")),
+                    linear_key_head_dim=int(self.arch_value("ssm.state_size")),
+                    linear_num_key_heads=int(self.arch_value("ssm.group_count")), linear_num_value_heads=v_heads,
+                    linear_value_head_dim=int(self.arch_value("ssm.inner_size")) // v_heads,
+                    layer_types=["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                                 for i in range(layers)],
+                    rope_parameters={**self._rope(), "partial_rotary_factor": rotary / head_dim})
 
     def _rope(self, default_base: float = 10000.0) -> dict:
         rope = {"rope_type": "default", "rope_theta": float(self.arch_value("rope.freq_base", default_base))}
@@ -229,9 +254,43 @@ class GGUF:
             w = np.asarray(w, np.float32).reshape(tuple(int(d) for d in reversed(t.shape)))
             if self.arch == "llama" and t.name.split(".")[-2] in ("attn_q", "attn_k"):
                 w = _unpermute(w, heads if t.name.split(".")[-2] == "attn_q" else kv_heads)
-            if shift and t.name.endswith("norm.weight"):
+            if shift and t.name.endswith("norm.weight") and not t.name.endswith("ssm_norm.weight"):
                 w = w - shift
+            if self.arch == "qwen35":
+                w = self._qwen35_tensor(t.name, w)
             yield names[t.name], w
+
+    def _qwen35_tensor(self, name: str, w: np.ndarray) -> np.ndarray:
+        """A DeltaNet tensor back to transformers' form: llama.cpp's converter stores -exp(A_log), the convolution
+        squeezed to [channels, width], and, where value heads outnumber key heads, the value heads reordered from
+        transformers' grouped order (each key head's value heads together) to a tiled one
+        (_LinearAttentionVReorderBase)."""
+        part = name.split(".")[2] if name.startswith("blk.") else ""
+        if part == "ssm_a":
+            w = np.log(-w)
+        elif part == "ssm_conv1d":
+            w = w[:, None, :]
+        k_heads, v_heads = int(self.arch_value("ssm.group_count")), int(self.arch_value("ssm.time_step_rank"))
+        if k_heads == v_heads or not part.startswith(("attn_qkv", "attn_gate", "ssm_")) or part == "ssm_norm":
+            return w
+        v_dim = int(self.arch_value("ssm.inner_size")) // v_heads
+        qk = 2 * k_heads * int(self.arch_value("ssm.state_size"))
+        grouped = lambda x, axis, dim: _untile(x, axis, k_heads, v_heads // k_heads, dim)  # noqa: E731
+        if part in ("attn_qkv", "ssm_conv1d"):  # only the value channels, after q and k
+            return np.concatenate([w[:qk], grouped(w[qk:], 0, v_dim)], 0)
+        if part == "attn_gate":
+            return grouped(w, 0, v_dim)
+        if part == "ssm_out":
+            return grouped(w, 1, v_dim)
+        return grouped(w, 0, 1)  # ssm_beta, ssm_alpha (rows), ssm_a, ssm_dt (one value a head)
+
+
+def _untile(w: np.ndarray, axis: int, k_heads: int, per_k: int, dim: int) -> np.ndarray:
+    """Value heads along ``axis`` from llama.cpp's tiled order (value head r of every key head, then r + 1) back to
+    transformers' grouped one (a key head's ``per_k`` value heads together), ``dim`` entries a head."""
+    shape = w.shape
+    w = w.reshape(shape[:axis] + (per_k, k_heads, dim) + shape[axis + 1:])
+    return np.swapaxes(w, axis, axis + 1).reshape(shape)
 
 
 def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
