@@ -25,7 +25,8 @@ from pathlib import Path
 from harness import BENCH
 from memory import TPU_CHIPS, hf_models, topology_chips
 
-MODELS = ("qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "gemma-3-1b", "gemma-3-4b", "gemma-3-12b")
+MODELS = ("qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3.5-0.8b", "qwen3.5-2b", "qwen3.5-4b", "qwen3.5-9b",
+          "gemma-3-1b", "gemma-3-4b", "gemma-3-12b")
 TPUS = ("v5e:1x1", "v6e:1x1", "v5p:1x1x1", "v5e:2x4", "v6e:2x4", "v5p:2x2x2")
 RECIPE = ["--batch", "8", "--accumulation", "2", "--prompt-len", "512", "--new-tokens", "64", "--max-length", "512",
           "--frozen-param-dtype", "bfloat16", "--pieces", "online_step"]
