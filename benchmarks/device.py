@@ -52,12 +52,17 @@ IN_PROCESS = {
     "update, cudnn attention + remat dots": {"what": "update", "attention": "cudnn", "remat": "dots"},
     "step, cudnn attention + remat dots": {"what": "step", "attention": "cudnn", "remat": "dots"},
     "step, remat dots": {"what": "step", "remat": "dots"},
+    "sampler and step, Qwen3.5-2B shape": {"what": "family", "config": "qwen3.5-2b"},
     "sampler, 4x rows": {"what": "sampler", "batch_factor": 4},
     "sampler, scan unroll 2": {"what": "sampler", "unroll": 2},
     "sampler, cudnn prefill": {"what": "sampler", "attention": "cudnn"},
 }
 # what the dry run times of them (one of each kind: its processes are the suite's)
-DRY_IN_PROCESS = ("update (xla attention, remat full)", "step, remat dots", "sampler, scan unroll 2")
+DRY_IN_PROCESS = ("update (xla attention, remat full)", "sampler, scan unroll 2", "sampler and step, Qwen3.5-2B shape")
+# the dry run's Qwen3.5: the 2B config shrunk to a tiny model (same kinds, head grouping and partial RoPE)
+DRY_SHRINK = dict(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=16, linear_num_key_heads=1, linear_num_value_heads=2,
+                  linear_key_head_dim=8, linear_value_head_dim=8, layer_types=["linear_attention", "full_attention"])
 # XLA's command buffers (CUDA graphs) for the decode loop and its branches too, not only runs of kernels
 COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
 # the variants phase: (name, XLA flags added, on the --baseline package)
@@ -181,7 +186,8 @@ def bench_device(a) -> dict:
         return phase
 
     names = a.variants or (DRY_IN_PROCESS if a.dry_run else tuple(IN_PROCESS))
-    result["phases"]["step"] = measure("step", a.step_timeout, variants=[{"name": n, **IN_PROCESS[n]} for n in names])
+    result["phases"]["step"] = measure("step", a.step_timeout, variants=[{"name": n, **IN_PROCESS[n]} for n in names],
+                                       shrink=DRY_SHRINK if a.dry_run else None)
     save()
     variants = {}
     for name, flags, baseline in FLAG_SETS:
@@ -266,6 +272,10 @@ def variant_rows(r: dict) -> list[str]:
             rows.append(f"| {name} | not measured (its process stopped first) | |")
         elif "error" in x:
             rows.append(f"| {name} | failed: {x['error']} | |")
+        elif "config" in x:  # another family's shape: its own numbers, no default to compare with
+            rows.append(f"| {name} | sampler {x['tokens_per_s']:.0f} tokens/s ({x['sampler_median_s']:.3f} s); fused "
+                        f"step {x['episodes_per_s']:.2f} episodes/s ({x['median_s']:.3f} s; compile + first "
+                        f"{x['compile_plus_first_s']:.1f} s), {x['parameters'] / 1e6:,.0f}M parameters | |")
         elif "tokens_per_s" in x:
             base = s.get("sampler")
             vs = f"{x['tokens_per_s'] / base['tokens_per_s']:.2f}x the tokens/s" if base else "-"

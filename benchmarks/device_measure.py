@@ -7,7 +7,9 @@ GPT-NeoX in bf16 built from a ``config.json`` with random weights on the device,
 - ``step``: the fused online step (``jit_online_step``: sample, score, update), episodes/s and MFU;
 - ``variants``: the same sampler, or the update alone (``jit_update`` on the sampled pairs), under one changed choice
   each (``spec["variants"]``: rows decoded at once, scan unrolling, the attention kernel, the rematerialisation
-  policy), timed in this process right after the default, so the ratios compare like with like.
+  policy), timed in this process right after the default, so the ratios compare like with like; and the sampler and
+  the fused step of another family's real shape (``"what": "family"``: a ``benchmarks/configs`` name, e.g. the
+  hybrid Qwen3.5-2B, with random weights), at the same batch and lengths.
 
 Which package and XLA flags the process runs with is the caller's (device.py starts one process per flag set, and one
 on a previous version of jodpo: ``--baseline``); this module reads jodpo's public names only.
@@ -24,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 from harness import config_models, jax_memory_bandwidth, jax_matmul_peak, step_flops, timed
+from memory import hf_config_file
 
 # nominal dense bf16 TFLOP/s by device kind (the first fragment found in jax's device_kind wins)
 NOMINAL_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100", 989.4), ("H200", 989.4), ("A100", 312.0), ("L4", 121.0))
@@ -178,6 +181,40 @@ def run(spec: dict) -> None:
                 "loss": float(metrics["loss"]),
                 **mfu(1e9 * step_flops(vars(a), lens_p, c, a.prompt_len, a.new_tokens)["step"]["useful"], med)}
 
+    def family(name: str, shrink: dict | None):
+        """Sampler and fused step of a real config (``shrink``: fields overridden, the dry run's tiny model), random
+        weights in bf16: seconds and tokens/s (its FLOPs are not GPT-NeoX's: no MFU)."""
+        from jodpo.models.loading import model_from_dir
+
+        raw = json.loads(hf_config_file(name).read_text()) | (shrink or {})
+        models = []
+        with tempfile.TemporaryDirectory() as tmp:
+            for task, arch in (("causal_lm", "ForCausalLM"), ("reward", "ForSequenceClassification")):
+                (Path(tmp) / task).mkdir()
+                stem = raw["architectures"][0].removesuffix("ForCausalLM")
+                (Path(tmp) / task / "config.json").write_text(json.dumps(
+                    raw | {"architectures": [stem + arch]} | ({"num_labels": 1} if task == "reward" else {})))
+                models.append(model_from_dir(Path(tmp) / task, task, "float32"))
+        m, r = models[0].replace(dtype="bfloat16", remat="full"), models[1].replace(dtype="bfloat16")
+        cfg_f = dataclasses.replace(cfg, model=m, reward_model=r)
+        p = jodpo.init_params(m, jax.random.key(5), jnp.float32)
+        ref_f, rm_f = frozen_params(m, p), frozen_params(r, jodpo.init_params(r, jax.random.key(6), jnp.float32))
+        st = ts.init_state(cfg_f, p, jax.random.key(7))
+        del p
+        first_s, med_s, _, samples_f = repeat(lambda: ts.jit_sample_completions(cfg_f, st, ids, mask))
+        holder = {"state": st}
+
+        def step():
+            holder["state"], metrics, _, _ = ts.jit_online_step(cfg_f, holder["state"], ref_f, rm_f, ids, mask)
+            return metrics
+
+        first, med, times, _ = repeat(step)
+        tokens = int(np.asarray(samples_f.mask).sum())
+        return {"config": name, "parameters": sum(x.size for x in jax.tree.leaves(holder["state"].params)),
+                "sampler_median_s": med_s, "sampler_compile_plus_first_s": first_s, "rows": 2 * a.batch,
+                "tokens_per_s": tokens / med_s, "compile_plus_first_s": first, "times_s": times, "median_s": med,
+                "episodes_per_s": a.batch / med}
+
     if spec.get("step", True):
         save(step=fused_step(cfg), device_peak_mib=(jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0)
              / 2 ** 20 if jax.default_backend() != "cpu" else None)
@@ -191,12 +228,17 @@ def run(spec: dict) -> None:
         choices = {k: v.pop(k) for k in ("attention", "remat") if k in v}
         model_v, rm_v = model.replace(**choices), rm.replace(**{k: x for k, x in choices.items() if k == "attention"})
         batch = a.batch * v.pop("batch_factor", 1)
-        cfg_v = dataclasses.replace(cfg, model=model_v, reward_model=rm_v, sampling=dataclasses.replace(cfg.sampling, **v))
+        if what == "family":
+            v = {"config": v.pop("config")} | v
+        cfg_v = dataclasses.replace(cfg, model=model_v, reward_model=rm_v, sampling=dataclasses.replace(
+            cfg.sampling, **{k: x for k, x in v.items() if k != "config"}))
         try:
             if what == "sampler":
                 variants[name] = sampler(cfg_v, batch)[1]
             elif what == "step":
                 variants[name] = fused_step(cfg_v)
+            elif what == "family":
+                variants[name] = family(v["config"], spec.get("shrink"))
             else:  # the update alone, on the pairs sampled above
                 holder = {"state": state}
 

@@ -81,6 +81,17 @@ def hf_config_file(name: str) -> Path:
                      f"benchmarks/configs/ ({known})")
 
 
+def lora_targets(model, given=None) -> tuple[str, ...]:
+    """The modules a LoRA cell adapts: ``given``, else PEFT's defaults for the family, else (Qwen3.5: PEFT has none)
+    every projection, ``all-linear``."""
+    from jodpo.models import lora
+    from jodpo.models.families import family_of
+
+    if not given and not family_of(model).lora_defaults:
+        given = ["all-linear"]
+    return lora.resolve_targets(model, given)
+
+
 def hf_models(path: str, reward_path: str | None, folder: Path):
     """The causal LM of the transformers config ``path`` and a reward model (a sequence classifier of the config
     ``reward_path``, default the same), as ``jodpo.models.loading.model_from_dir`` reads them: no weights."""
@@ -154,7 +165,7 @@ def bench_memory(a) -> dict:
     targets, trainable_specs = (), None
     if a.lora_rank:  # the frozen base is also the reference; only the adapters train (run.build, use_peft)
         model = model.replace(lora_rank=a.lora_rank, lora_alpha=2.0 * a.lora_rank)
-        targets = lora.resolve_targets(model, a.lora_target_modules)
+        targets = lora_targets(model, a.lora_target_modules)
         trainable_specs = lora.adapter_specs(model, targets)
         params = jax.eval_shape(lambda: lora.init_adapters(model, targets, jax.random.key(0), pdt))
     else:
@@ -266,8 +277,8 @@ def add_parser(sub, defaults: dict) -> None:
                    "--hf-config's, with a score head)")
     p.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank (use_peft, lora_r): "
                    "the frozen base is the reference")
-    p.add_argument("--lora-target-modules", nargs="+", help="the adapted modules (default: PEFT's for the family; "
-                   "all-linear)")
+    p.add_argument("--lora-target-modules", nargs="+", help="the adapted modules (default: PEFT's for the family, "
+                   "all-linear where PEFT has none; or all-linear)")
     p.add_argument("--batch", type=int, default=8, help="prompts per micro-batch per chip "
                    "(per_device_train_batch_size)")
     p.add_argument("--accumulation", type=int, default=2, help="gradient_accumulation_steps")

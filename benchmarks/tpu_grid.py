@@ -9,7 +9,8 @@ Each cell is TRL's recipe batch of the Qwen3 and Gemma 3 recipes (8 prompts a ch
 largest bucket, 512, 64 new tokens, bf16 compute, float32 weights and Adam, the frozen models in bf16, full remat) with
 a reward model of the policy's shape. A cell is **yes** when XLA:TPU compiles the fused step (its peak per chip in GiB
 is shown), **no** when it refuses it for the chip's HBM (the temporaries it named) or when the peak it compiled
-is more than the chip's HBM (XLA:TPU checks the temporaries alone when it compiles). A cell not compiled may still be
+is more than the chip's HBM (XLA:TPU checks the temporaries alone when it compiles). LoRA cells adapt PEFT's default
+modules, every projection (all-linear) where PEFT has none (Qwen3.5). A cell not compiled may still be
 settled by another one of the same family, chips and training, on the assumption that a step's memory grows with the
 model (every dimension of the larger of two models of one family is at least the smaller's): a larger model that fits
 says yes (``yes<``), a smaller one refused says no (``no>``); everything else is left open (``?``).
@@ -23,7 +24,7 @@ import time
 from pathlib import Path
 
 from harness import BENCH
-from memory import TPU_CHIPS, hf_models, topology_chips
+from memory import TPU_CHIPS, hf_models, lora_targets, topology_chips
 
 MODELS = ("qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3.5-0.8b", "qwen3.5-2b", "qwen3.5-4b", "qwen3.5-9b",
           "gemma-3-1b", "gemma-3-4b", "gemma-3-12b")
@@ -78,7 +79,7 @@ def floor_gib(model: str, rank: int) -> float:
     n, n_rm, trained = size(param_shapes(policy)), size(param_shapes(rm)), None
     if rank:
         m = policy.replace(lora_rank=rank, lora_alpha=2.0 * rank)
-        trained = size(jax.eval_shape(lambda: lora.init_adapters(m, lora.resolve_targets(m, None), jax.random.key(0))))
+        trained = size(jax.eval_shape(lambda: lora.init_adapters(m, lora_targets(m), jax.random.key(0))))
     return (12 * (trained or n) + 2 * n + 2 * n_rm) / 2 ** 30
 
 
