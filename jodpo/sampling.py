@@ -1,4 +1,6 @@
-"""Sampling: one prefill over the prompt, then decoding over a KV cache in ``lax.scan`` chunks.
+"""Sampling: one prefill over the prompt, then decoding over a KV cache in ``lax.scan`` chunks; from the policy
+(``sample``), or from two models at once (``sample_pair``: TRL's online family, a reference's or a geometric
+mixture's completions beside the policy's).
 
 The decode loop is a ``while_loop`` over chunks of ``SamplingConfig.chunk`` steps, each a ``lax.scan`` of
 branch-free steps (run the model on the last token, choose the next); between chunks it stops as soon as every row
@@ -138,11 +140,11 @@ def _inverse_cdf(x_BV: jax.Array, rng: jax.Array, block: int = 128) -> jax.Array
 @flax.struct.dataclass
 class _State:
     step: jax.Array  # i32[]: tokens chosen so far (the next one chosen is token ``step``)
-    token: jax.Array  # i32[B]: the last token chosen, which the next decode step runs the model on
-    alive: jax.Array  # bool[B]: whether that token is a real one (its row had not ended before it)
-    cache: Cache
-    seen: jax.Array | None  # bool[B, V] tokens seen (repetition penalty only)
-    done: jax.Array  # bool[B]: row has produced an EOS
+    token: jax.Array  # i32[N]: the last token chosen, which the next decode step runs the models on
+    alive: jax.Array  # bool[N]: whether that token is a real one (its row had not ended before it)
+    caches: tuple[Cache, ...]  # one per model that decodes (``_Decoder``), over its rows
+    seen: jax.Array | None  # bool[N, V] tokens seen (repetition penalty only)
+    done: jax.Array  # bool[N]: row has produced an EOS
     tokens: jax.Array
     mask: jax.Array
     logprobs: jax.Array
@@ -167,12 +169,85 @@ def _emit(cfg: SamplingConfig, rng: jax.Array, state: _State, logits_BV: jax.Arr
                          logprobs=upd(state.logprobs, jnp.where(alive, logp, 0.0)))
 
 
-def _decode_step(model: Model, params: Params, cfg: SamplingConfig, rng: jax.Array, state: _State) -> _State:
+@dataclasses.dataclass(frozen=True)
+class _Decoder:
+    """One model of a decode loop: its parameters and the rows it runs on, whole blocks of the B prompts' rows
+    (``first`` to ``end``, in units of B: block s is completion s of every prompt)."""
+
+    params: Params
+    first: int
+    end: int
+
+
+def _decode_step(model: Model, decoders: tuple[_Decoder, ...], combine, cfg: SamplingConfig, rng: jax.Array,
+                 state: _State) -> _State:
     """One decode step, straight-line (no branch: on a GPU every ``lax.cond`` waits for its predicate to reach the
-    host, and the kernels behind it then start only after it): run the model on the last token (a row that has
-    ended runs on padding, unseen by any real token), then choose the next."""
-    h, cache = hidden_states(model, params, state.token[:, None], state.alive[:, None].astype(jnp.int32), state.cache)
-    return _emit(cfg, rng, state.replace(cache=cache), lm_head(model, params, h[:, -1]))
+    host, and the kernels behind it then start only after it): run each model on the last token of its rows (a row
+    that has ended runs on padding, unseen by any real token), combine their logits into each row's, choose the
+    next."""
+    B = state.token.shape[0] // max(d.end for d in decoders)
+    logits, caches = [], []
+    for d, cache in zip(decoders, state.caches):
+        rows = slice(d.first * B, d.end * B)
+        h, cache = hidden_states(model, d.params, state.token[rows, None],
+                                 state.alive[rows, None].astype(jnp.int32), cache)
+        logits.append(lm_head(model, d.params, h[:, -1]))
+        caches.append(cache)
+    return _emit(cfg, rng, state.replace(caches=tuple(caches)), combine(*logits))
+
+
+def _prefill(model: Model, params: Params, prompt_ids: jax.Array, prompt_mask: jax.Array, length: int, copies: int):
+    """One model's prefill over the B prompts: its parameters as the decode steps read them, its cache of ``length``
+    slots copied for ``copies`` blocks of rows, and the logits of token 0 likewise."""
+    B, P = prompt_ids.shape
+    cache = init_cache(model, B, length, per_layer=True)
+    # Once per call, not on every decode step: the weights split per layer (the decode steps then slice nothing), any
+    # LoRA adapters merged into them, and in the compute dtype (float32 master weights of a bf16 run are converted
+    # here, not 53 times a step).
+    params = compute_params(model, split_layers(model, params))
+    h, cache = hidden_states(model, params, prompt_ids, prompt_mask, cache, empty_cache=True)
+    logits = lm_head(model, params, h[:, -1])
+    if copies > 1:  # the prompt's cache (and first logits) for every block: one prefill, not ``copies``
+        tile = lambda x: jnp.concatenate([x] * copies, 0)  # noqa: E731
+        cache = {"state": jax.tree.map(tile, cache["state"]), "mask": tile(cache["mask"]), "index": cache["index"]}
+        logits = tile(logits)
+    return params, cache, logits
+
+
+def _sample(model: Model, sources: tuple[tuple[Params, int, int], ...], combine, prompt_ids: jax.Array,
+            prompt_mask: jax.Array, rng: jax.Array, config: SamplingConfig) -> Samples:
+    """The decode loop behind ``sample`` and ``sample_pair``: ``sources`` are ``(params, first, end)``, a model and
+    the blocks of rows it runs on (``_Decoder``); ``combine(*logits)`` makes the rows' logits f32[nB, V] out of the
+    models' (in the order of ``sources``), n = the largest ``end``."""
+    B, P = prompt_ids.shape
+    T, n = config.max_new_tokens, max(end for _, _, end in sources)
+    decoders, caches, first_logits = [], [], []
+    for params, first, end in sources:
+        params, cache, logits = _prefill(model, params, prompt_ids, prompt_mask, P + T, end - first)
+        decoders.append(_Decoder(params, first, end))
+        caches.append(cache)
+        first_logits.append(logits)
+    decoders = tuple(decoders)
+    seen = None
+    if config.repetition_penalty != 1.0:
+        hit = jax.nn.one_hot(prompt_ids, model.vocab_size, dtype=bool) & prompt_mask.astype(bool)[..., None]
+        seen = jnp.concatenate([jnp.any(hit, axis=1)] * n, 0)
+    zeros = lambda dt: jnp.zeros((n * B, T), dt)  # noqa: E731
+    state = _State(step=jnp.zeros((), jnp.int32), token=jnp.zeros((n * B,), jnp.int32),
+                   alive=jnp.zeros((n * B,), bool), caches=tuple(caches), seen=seen, done=jnp.zeros((n * B,), bool),
+                   tokens=zeros(jnp.int32), mask=zeros(jnp.int32), logprobs=zeros(jnp.float32))
+    state = _emit(config, rng, state, combine(*first_logits))  # token 0, from the prefills' logits
+
+    def chunk(state):
+        return jax.lax.scan(lambda s, _: (_decode_step(model, decoders, combine, config, rng, s), None), state, None,
+                            length=config.chunk, unroll=config.unroll)[0]
+
+    # Tokens 1 .. T-1, ``chunk`` decode steps at a time, until every row has ended. Only this loop's predicate is
+    # read between chunks; a scan's trip count is known, so its steps run without a check. The last chunk may run
+    # past T - 1: those steps record nothing (their cache writes land in the last slot, which nothing reads after).
+    state = jax.lax.while_loop(lambda s: (s.step < T) & ~jnp.all(s.done), chunk, state)
+    pad = jnp.int32(config.pad_token_id)
+    return Samples(tokens=jnp.where(state.mask > 0, state.tokens, pad), mask=state.mask, logprobs=state.logprobs)
 
 
 def sample(model: Model, params: Params, prompt_ids: jax.Array, prompt_mask: jax.Array, rng: jax.Array,
@@ -191,39 +266,39 @@ def sample(model: Model, params: Params, prompt_ids: jax.Array, prompt_mask: jax
       ``Samples`` with ``tokens``, ``mask`` and ``logprobs`` of shape [num_samples * B, max_new_tokens].
     Jittable (``model`` and ``config`` static); works on sharded params and batches.
     """
-    B, P = prompt_ids.shape
-    T = config.max_new_tokens
-    cache = init_cache(model, B, P + T, per_layer=True)
-    # Once per call, not on every decode step: the weights split per layer (the decode steps then slice nothing), any
-    # LoRA adapters merged into them, and in the compute dtype (float32 master weights of a bf16 run are converted
-    # here, not 53 times a step).
-    params = compute_params(model, split_layers(model, params))
-    h, cache = hidden_states(model, params, prompt_ids, prompt_mask, cache, empty_cache=True)
-    logits = lm_head(model, params, h[:, -1])
-    seen = None
-    if config.repetition_penalty != 1.0:
-        hit = jax.nn.one_hot(prompt_ids, model.vocab_size, dtype=bool) & prompt_mask.astype(bool)[..., None]
-        seen = jnp.any(hit, axis=1)
-    if num_samples > 1:  # copy the prompt's cache (and first logits) for every sample: block layout
-        tile = lambda x: jnp.concatenate([x] * num_samples, 0)  # noqa: E731
-        cache = {"state": jax.tree.map(tile, cache["state"]), "mask": tile(cache["mask"]), "index": cache["index"]}
-        logits, seen, B = tile(logits), None if seen is None else tile(seen), B * num_samples
-    zeros = lambda dt: jnp.zeros((B, T), dt)  # noqa: E731
-    state = _State(step=jnp.zeros((), jnp.int32), token=jnp.zeros((B,), jnp.int32), alive=jnp.zeros((B,), bool),
-                   cache=cache, seen=seen, done=jnp.zeros((B,), bool), tokens=zeros(jnp.int32),
-                   mask=zeros(jnp.int32), logprobs=zeros(jnp.float32))
-    state = _emit(config, rng, state, logits)  # token 0, from the prefill's logits
+    return _sample(model, ((params, 0, num_samples),), lambda logits: logits, prompt_ids, prompt_mask, rng, config)
 
-    def chunk(state):
-        return jax.lax.scan(lambda s, _: (_decode_step(model, params, config, rng, s), None), state, None,
-                            length=config.chunk, unroll=config.unroll)[0]
 
-    # Tokens 1 .. T-1, ``chunk`` decode steps at a time, until every row has ended. Only this loop's predicate is
-    # read between chunks; a scan's trip count is known, so its steps run without a check. The last chunk may run
-    # past T - 1: those steps record nothing (their cache writes land in the last slot, which nothing reads after).
-    state = jax.lax.while_loop(lambda s: (s.step < T) & ~jnp.all(s.done), chunk, state)
-    pad = jnp.int32(config.pad_token_id)
-    return Samples(tokens=jnp.where(state.mask > 0, state.tokens, pad), mask=state.mask, logprobs=state.logprobs)
+def geometric_mixture(policy_logits: jax.Array, ref_logits: jax.Array, mixture_coef) -> jax.Array:
+    """TRL 1.12's ``GeometricMixtureWrapper``: the log-probabilities ``log_softmax(c * ref + (1 - c) * policy)`` of
+    the raw logits, c = ``mixture_coef`` (a number or a traced scalar). The sampler then tempers and filters them as
+    any model's logits (so, as in TRL, the temperature applies to the mixture, and a repetition penalty to its
+    log-probabilities)."""
+    c = jnp.asarray(mixture_coef, jnp.float32)
+    return jax.nn.log_softmax(c * ref_logits.astype(jnp.float32) + (1 - c) * policy_logits.astype(jnp.float32), -1)
+
+
+def sample_pair(model: Model, params: Params, ref_params: Params, prompt_ids: jax.Array, prompt_mask: jax.Array,
+                rng: jax.Array, config: SamplingConfig, mixture_coef=None) -> Samples:
+    """Two completions per prompt from two models in one decode loop over two caches (TRL's online family): rows
+    [0, B) from the policy ``params``; rows [B, 2B) from the reference ``ref_params`` (``mixture_coef`` None: XPO's
+    reference completions), or from the geometric mixture of the two (Nash-MD: ``geometric_mixture`` with
+    ``mixture_coef``, a number or a traced scalar). Each model runs on the rows that need it: the policy on both blocks
+    for Nash-MD, on block 0 for XPO; the reference on block 1. On an accelerator a decode step reads each model's
+    weights once whatever its rows, so one loop over both costs less than a loop per completion.
+
+    ``Samples.logprobs`` are each row's own distribution's (the policy's, the reference's, the mixture's), raw.
+    ``ref_params`` may be the policy's base with ``params`` its LoRA adapters attached: the reference is the policy
+    with its adapters off. Jittable as ``sample``."""
+    B = prompt_ids.shape[0]
+    if mixture_coef is None:
+        sources, combine = ((params, 0, 1), (ref_params, 1, 2)), lambda pol, ref: jnp.concatenate([pol, ref])
+    else:
+        sources = ((params, 0, 2), (ref_params, 1, 2))
+
+        def combine(pol, ref):
+            return jnp.concatenate([pol[:B], geometric_mixture(pol[B:], ref, mixture_coef)])
+    return _sample(model, sources, combine, prompt_ids, prompt_mask, rng, config)
 
 
 # --------------------------------------------------------------------------------------------------
