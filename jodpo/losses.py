@@ -1,10 +1,11 @@
-"""Per-token log-probs, the DPO-family losses, and the online DPO loss with TRL's metrics.
+"""Per-token log-probs and the losses of batches with TRL's metrics: online DPO, TRL's online family (Nash-MD,
+XPO; ``ONLINE_LOSSES``), offline DPO.
 
 Rows are in TRL's *block layout*: for B prompts, rows [0, B) hold completion 0 of every prompt and rows
-[B, 2B) completion 1. Every loss is its own pure function of a ``Pair`` of log-ratios, chosen from
-``LOSSES`` by name (formulas as in TRL's ``trl/trainer/dpo_trainer.py``; ``simpo`` as TRL's CPOTrainer). A
-reference-free loss (``REFERENCE_FREE``: ``simpo``) gets no reference at all: its ``Pair`` holds the policy's
-average per-token log-probs, and the reference model is neither read nor run.
+[B, 2B) completion 1. The pairwise losses (``jodpo.pair_losses``, re-exported here) are each a pure function of a
+``Pair`` of log-ratios, chosen from ``LOSSES`` by name. A reference-free loss (``REFERENCE_FREE``: ``simpo``) gets
+no reference at all: its ``Pair`` holds the policy's average per-token log-probs, and the reference model is neither
+read nor run.
 """
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import jax
 import jax.numpy as jnp
 
 from jodpo.models.decoder import Model, Params, hidden_states, prefixed_hidden_states
+from jodpo.pair_losses import (LOSSES, REFERENCE_FREE, LossOptions, Pair, check_loss_options,  # noqa: F401 (re-exported)
+                               get_loss, needs_reference)
 from jodpo.models.heads import lm_head
 from jodpo.scoring import apply_eos_penalty, contains_eos, pair_indices
 
@@ -52,27 +55,6 @@ def completion_logprobs(model: Model, params: Params, prompt_ids: jax.Array, pro
 # --------------------------------------------------------------------------------------------------
 # The losses
 # --------------------------------------------------------------------------------------------------
-
-
-@flax.struct.dataclass
-class Pair:
-    """Summed log-ratios log pi - log pi_ref of the chosen and rejected completions, and their lengths (for a
-    reference-free loss: the policy's average per-token log-probs)."""
-
-    chosen: jax.Array  # f32[B]
-    rejected: jax.Array  # f32[B]
-    chosen_len: jax.Array  # f32[B], completion tokens (EOS included)
-    rejected_len: jax.Array
-
-
-@dataclasses.dataclass(frozen=True)
-class LossOptions:
-    label_smoothing: float = 0.0  # cDPO (sigmoid), robust, exo_pair: the assumed label-flip rate
-    discopop_tau: float = 0.05
-    ipo_length_normalized: bool = False  # TRL's online trainer sums; its offline DPO normalises
-    simpo_gamma: float = 0.5  # SimPO's target reward margin gamma (TRL CPOConfig's simpo_gamma)
-    rdpo_alpha: float = 0.0  # R-DPO's length coefficient alpha (Park et al. 2024); not TRL's rpo_alpha (an NLL term)
-    ld_alpha: float | None = None  # LD-DPO (TRL DPOConfig): weight of the log-probs past the shorter completion
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,120 +96,6 @@ class OnlineBatch:
     pair_weights: jax.Array | None = None  # f32[B]; None: every pair alike
     ref_logprobs: jax.Array | None = None  # f32[2B, C] the reference's, when already computed
     sample_logprobs: jax.Array | None = None  # f32[2B, C] the sampler's, when it is not the trained policy
-
-
-def _delta(p: Pair):
-    return p.chosen - p.rejected
-
-
-def _smoothed(z, e):
-    """-log sigmoid(z); with a label-flip rate e, cDPO's -(1 - e) log sigmoid(z) - e log sigmoid(-z)."""
-    return -(1 - e) * jax.nn.log_sigmoid(z) - e * jax.nn.log_sigmoid(-z)
-
-
-def sigmoid_loss(p: Pair, beta, o: LossOptions):
-    """DPO; with label smoothing, cDPO."""
-    return _smoothed(beta * _delta(p), o.label_smoothing)
-
-
-def simpo_loss(p: Pair, beta, o: LossOptions):
-    """SimPO (Meng et al. 2024), as TRL's CPOTrainer computes it (``loss_type="simpo"``): the Pair holds average
-    per-token log-probs (no reference), ``-log sigmoid(beta * (c - r) - gamma)``; with label smoothing as CPO's."""
-    return _smoothed(beta * (_delta(p) - o.simpo_gamma / beta), o.label_smoothing)
-
-
-def rdpo_loss(p: Pair, beta, o: LossOptions):
-    """R-DPO (Park et al. 2024, "Disentangling Length from Quality in DPO", eq. 9): DPO with the length term
-    ``alpha * (|y_c| - |y_r|)`` added to the margin inside the log-sigmoid, so a pair whose chosen completion is the
-    longer one pushes less on the policy (the length share of the preference is explained away)."""
-    return _smoothed(beta * _delta(p) + o.rdpo_alpha * (p.chosen_len - p.rejected_len), o.label_smoothing)
-
-
-def ipo_loss(p: Pair, beta, o: LossOptions):
-    if o.ipo_length_normalized:
-        d = p.chosen / jnp.maximum(p.chosen_len, 1.0) - p.rejected / jnp.maximum(p.rejected_len, 1.0)
-    else:
-        d = _delta(p)
-    return (d - 1 / (2 * beta)) ** 2
-
-
-def hinge_loss(p: Pair, beta, o: LossOptions):
-    return jax.nn.relu(1 - beta * _delta(p))
-
-
-def robust_loss(p: Pair, beta, o: LossOptions):
-    z, e = beta * _delta(p), o.label_smoothing
-    return (-(1 - e) * jax.nn.log_sigmoid(z) + e * jax.nn.log_sigmoid(-z)) / (1 - 2 * e)
-
-
-def exo_pair_loss(p: Pair, beta, o: LossOptions):
-    z, e = beta * _delta(p), o.label_smoothing
-    return (jax.nn.sigmoid(z) * (jax.nn.log_sigmoid(z) - jnp.log1p(-e))
-            + jax.nn.sigmoid(-z) * (jax.nn.log_sigmoid(-z) - jnp.log(e)))
-
-
-def nca_pair_loss(p: Pair, beta, o: LossOptions):
-    c, r = beta * p.chosen, beta * p.rejected
-    return -jax.nn.log_sigmoid(c) - 0.5 * jax.nn.log_sigmoid(-c) - 0.5 * jax.nn.log_sigmoid(-r)
-
-
-def sppo_hard_loss(p: Pair, beta, o: LossOptions):
-    return (p.chosen - 0.5 / beta) ** 2 + (p.rejected + 0.5 / beta) ** 2
-
-
-def apo_zero_loss(p: Pair, beta, o: LossOptions):
-    return 1 - jax.nn.sigmoid(beta * p.chosen) + jax.nn.sigmoid(beta * p.rejected)
-
-
-def apo_down_loss(p: Pair, beta, o: LossOptions):
-    return jax.nn.sigmoid(beta * p.chosen) + 1 - jax.nn.sigmoid(beta * _delta(p))
-
-
-def discopop_loss(p: Pair, beta, o: LossOptions):
-    z = beta * _delta(p)
-    w = jax.nn.sigmoid(z / o.discopop_tau)
-    return -jax.nn.log_sigmoid(z) * (1 - w) + jnp.exp(-z) * w
-
-
-LOSSES: dict[str, Callable[[Pair, jax.Array, LossOptions], jax.Array]] = {
-    "sigmoid": sigmoid_loss, "ipo": ipo_loss, "hinge": hinge_loss, "robust": robust_loss,
-    "exo_pair": exo_pair_loss, "nca_pair": nca_pair_loss, "sppo_hard": sppo_hard_loss,
-    "apo_zero": apo_zero_loss, "apo_down": apo_down_loss, "discopop": discopop_loss,
-    "simpo": simpo_loss, "rdpo": rdpo_loss,
-}
-# Losses without a reference model: their Pair holds the policy's average log-probs (TRL CPOTrainer's
-# average_log_prob for simpo), their implicit rewards are beta times those averages, and no reference is read or run.
-REFERENCE_FREE = frozenset({"simpo"})
-
-
-def needs_reference(loss_type: str) -> bool:
-    """Whether ``loss_type`` compares the policy with a frozen reference (every loss but ``REFERENCE_FREE``'s)."""
-    return loss_type not in REFERENCE_FREE
-
-
-def get_loss(loss_type: str):
-    """The per-sequence loss function of ``loss_type``; unknown names get the list of known ones."""
-    try:
-        return LOSSES[loss_type]
-    except KeyError:
-        raise ValueError(f"unknown loss_type {loss_type!r}; choose one of {sorted(LOSSES)}") from None
-
-
-def check_loss_options(loss_type: str, o: LossOptions) -> None:
-    get_loss(loss_type)
-    if loss_type == "robust" and not 0 <= o.label_smoothing < 0.5:
-        raise ValueError("loss_type='robust' needs 0 <= label_smoothing < 0.5")
-    if loss_type == "exo_pair" and not 0 < o.label_smoothing < 1:
-        raise ValueError("loss_type='exo_pair' needs 0 < label_smoothing < 1 (TRL suggests 1e-3)")
-    if o.rdpo_alpha and loss_type != "rdpo":
-        raise ValueError(f"rdpo_alpha is R-DPO's length term and loss_type is {loss_type!r}: set loss_type='rdpo' "
-                         "or rdpo_alpha=0")
-    if o.ld_alpha is not None and not 0 <= o.ld_alpha <= 1:
-        raise ValueError(f"ld_alpha must be in [0, 1] (1: plain log-probs, 0: the verbose part masked), got "
-                         f"{o.ld_alpha}")
-    if o.ld_alpha is not None and not needs_reference(loss_type):
-        raise ValueError(f"ld_alpha weights DPO's log-ratios (TRL's DPOTrainer); loss_type={loss_type!r} has no "
-                         "reference and already averages over the length: unset ld_alpha")
 
 
 def ld_weights(completion_mask: jax.Array, ld_alpha: float) -> jax.Array:
@@ -380,6 +248,155 @@ def online_batch_loss(model: Model, params: Params, ref_params: Params, batch: O
     if kl is not None:
         metrics["objective/rlhf_reward"] = (scores - beta * kl).mean()
     return value, metrics
+
+
+# --------------------------------------------------------------------------------------------------
+# TRL's online family: Nash-MD and XPO (trl.experimental.nash_md / xpo, as in TRL 1.12, their last release)
+# --------------------------------------------------------------------------------------------------
+
+
+@flax.struct.dataclass
+class Coefficients:
+    """A step's values of the settings TRL schedules per epoch (a list: ``values[min(int(epoch), len - 1)]``), as
+    the trainers' properties of the same names read them; scalars, traced in the jitted step."""
+
+    beta: jax.Array
+    alpha: jax.Array | float = 1e-5  # XPO's weight of the exploration term
+    mixture_coef: jax.Array | float = 0.5  # Nash-MD's weight of the reference in the sampled mixture
+
+
+def _verdict_weights(loss: LossConfig, scores: jax.Array, batch: OnlineBatch) -> jax.Array | None:
+    """f32[B] weights of a batch's pairs: a judge's pairs without a verdict weigh 0, and ``batch.pair_weights``
+    multiply in; None when every pair counts alike."""
+    weights = jnp.isfinite(scores[:scores.shape[0] // 2]).astype(jnp.float32) if loss.judged else None
+    if batch.pair_weights is not None:
+        weights = batch.pair_weights.astype(jnp.float32) * (1.0 if weights is None else weights)
+    return weights
+
+
+def nash_md_batch_loss(model: Model, params: Params, ref_params: Params, batch: OnlineBatch, coefs: Coefficients,
+                       loss: LossConfig):
+    """TRL 1.12's ``NashMDTrainer`` loss of a batch in block layout: rows [0, B) the policy's completions, rows
+    [B, 2B) the geometric mixture's (``sampling.sample_pair``); raw rewards (or, judged, the judge's probability that
+    the policy's completion is the better one: ``judges.pair_scores``).
+
+    With S = the policy's summed log-probs of its own completions and p = sigmoid(r_policy - r_mixture) (rewards
+    after the EOS penalties; judged: the judge's probability), per prompt:
+    ``beta * sum_t sg(logpi - logpi_ref) * logpi  -  (p - 0.5) * S`` (REINFORCE of the preference, 0.5 its control
+    variate; the KL's REINFORCE estimate), averaged. Only the policy's completions are read by the models.
+    Metrics, TRL's names: ``loss/score``, ``loss/kl`` (mean summed log-ratio), ``logps/chosen|rejected`` (the policy's
+    and the reference's log-probs of the policy's completions), ``rewards/chosen|rejected`` (the two completions'
+    scores; not with a judge), ``rewards/probabilities``, ``rewards/margins`` and ``rewards/accuracies`` (of the
+    log-ratio), ``objective/entropy``, ``val/model_contain_eos_token``, ``val/ref_contain_eos_token``, ``beta``,
+    ``mixture_coef``."""
+    B = batch.completion_ids.shape[0] // 2
+    own = OnlineBatch(batch.prompt_ids[:B], batch.prompt_mask[:B], batch.completion_ids[:B],
+                      batch.completion_mask[:B])  # prompt rows [:B] whether shared ([B, P]) or per row ([2B, P])
+    logp = batch_logprobs(model, params, own, loss)
+    ref = batch.ref_logprobs[:B] if batch.ref_logprobs is not None else batch_logprobs(
+        model, jax.lax.stop_gradient(ref_params), own, loss)
+    ref = jax.lax.stop_gradient(ref)
+    scores, has_eos = loss.scores(batch.rewards, batch.completion_ids, batch.completion_mask)
+    weights = _verdict_weights(loss, scores, batch)
+    p = jnp.nan_to_num(scores[:B]) if loss.judged else jax.nn.sigmoid(scores[:B] - scores[B:])
+    S = logp.sum(-1)
+    score = (p - 0.5) * S  # the preference's REINFORCE term, 0.5 its control variate
+    log_ratio = jax.lax.stop_gradient(logp - ref)
+    value = _mean(coefs.beta * (log_ratio * logp).sum(-1) - score, weights)
+    S, S_ref = jax.lax.stop_gradient(S), ref.sum(-1)
+    margin = S - S_ref
+    metrics = {"loss": value, "loss/score": _mean(score, weights), "loss/kl": _mean(log_ratio.sum(-1), weights),
+               "logps/chosen": _mean(S, weights), "logps/rejected": _mean(S_ref, weights),
+               "rewards/probabilities": _mean(p, weights), "objective/entropy": _mean(-S, weights),
+               "rewards/margins": _mean(margin, weights),
+               "rewards/accuracies": _mean((margin > 0).astype(jnp.float32), weights),
+               "val/model_contain_eos_token": has_eos[:B].astype(jnp.float32).mean(),
+               "val/ref_contain_eos_token": has_eos[B:].astype(jnp.float32).mean(),
+               "beta": jnp.asarray(coefs.beta, jnp.float32),
+               "mixture_coef": jnp.asarray(coefs.mixture_coef, jnp.float32)}
+    if loss.judged:
+        metrics["objective/judge_abstained"] = 1.0 - weights.mean()
+    else:
+        metrics |= {"rewards/chosen": scores[:B].mean(), "rewards/rejected": scores[B:].mean()}
+    return value, jax.tree.map(jax.lax.stop_gradient, metrics)
+
+
+def xpo_batch_loss(model: Model, params: Params, ref_params: Params, batch: OnlineBatch, coefs: Coefficients,
+                   loss: LossConfig):
+    """TRL 1.12's ``XPOTrainer`` loss of a batch in block layout: rows [0, B) the policy's completions, rows
+    [B, 2B) the reference's (``sampling.sample_pair``); raw rewards (or a judge's verdicts).
+
+    The pair of each prompt is (policy's, reference's), chosen by the scores as online DPO chooses (the policy's
+    completion when its score is >= the other's); its loss is ``loss.loss_type``'s (TRL: sigmoid or ipo; jodpo any of
+    ``LOSSES`` that has a reference) plus ``alpha`` times the policy's summed log-prob of the reference's completion
+    (XPO's exploration term), averaged. Metrics, TRL's names: ``loss/dpo``, ``loss/xpo``, ``objective/model_scores``,
+    ``objective/ref_scores``, ``objective/scores_margin`` (not with a judge), ``objective/kl`` and
+    ``objective/entropy`` (over both completions), ``rewards/*``, ``logps/chosen|rejected`` (as TRL logs them: the
+    policy's mean summed log-prob of the chosen (rejected) completions plus the reference's),
+    ``val/model_contain_eos_token``, ``val/ref_contain_eos_token``, ``alpha``, ``beta``."""
+    B = batch.completion_ids.shape[0] // 2
+    S, S_ref, S_loss, S_ref_loss = _summed_logprobs(model, params, ref_params, batch, loss)
+    scores, has_eos = loss.scores(batch.rewards, batch.completion_ids, batch.completion_mask)
+    chosen, rejected = pair_indices(scores)
+    weights = _verdict_weights(loss, scores, batch)
+    length = batch.completion_mask.sum(-1).astype(jnp.float32)
+    dpo, metrics = preference_loss(S_loss, S_ref_loss, length, chosen, rejected, beta=coefs.beta,
+                                   loss_type=loss.loss_type, options=loss.options, weights=weights)
+    xpo = _mean(coefs.alpha * S[B:], weights)  # the policy's log-prob of the reference's completions
+    S = jax.lax.stop_gradient(S)
+    metrics |= {
+        "loss": dpo + xpo, "loss/dpo": dpo, "loss/xpo": jax.lax.stop_gradient(xpo),
+        "logps/chosen": metrics["logps/chosen"] + _mean(S_ref_loss[chosen], weights),
+        "logps/rejected": metrics["logps/rejected"] + _mean(S_ref_loss[rejected], weights),
+        "objective/kl": (S - S_ref).mean(), "objective/entropy": -S.mean(),
+        "val/model_contain_eos_token": has_eos[:B].astype(jnp.float32).mean(),
+        "val/ref_contain_eos_token": has_eos[B:].astype(jnp.float32).mean(),
+        "alpha": jnp.asarray(coefs.alpha, jnp.float32)}
+    if loss.judged:
+        metrics["objective/judge_abstained"] = 1.0 - weights.mean()
+    else:
+        metrics |= {"objective/model_scores": scores[:B].mean(), "objective/ref_scores": scores[B:].mean(),
+                    "objective/scores_margin": (scores[:B] - scores[B:]).mean()}
+    return dpo + xpo, jax.tree.map(jax.lax.stop_gradient, metrics)
+
+
+def _online_dpo_batch_loss(model, params, ref_params, batch: OnlineBatch, coefs: Coefficients, loss: LossConfig):
+    return online_batch_loss(model, params, ref_params, batch, coefs.beta, loss)
+
+
+# The batch loss of each online method (``jodpo.methods``), one signature:
+# (model, params, ref_params, OnlineBatch, Coefficients, LossConfig) -> (loss, metrics)
+ONLINE_LOSSES: dict[str, Callable] = {"online_dpo": _online_dpo_batch_loss, "nash_md": nash_md_batch_loss,
+                                      "xpo": xpo_batch_loss}
+
+
+def _family_batch(prompt_ids, prompt_mask, completion_ids, completion_mask, rewards, settings: dict):
+    """An ``OnlineBatch`` and ``LossConfig`` from ``nash_md_loss``'s or ``xpo_loss``'s arrays and keywords."""
+    arrays = (jnp.asarray(x) for x in (prompt_ids, prompt_mask, completion_ids, completion_mask, rewards))
+    ref_logprobs = settings.pop("ref_logprobs", None)
+    if "eos_token_ids" in settings:
+        settings["eos_token_ids"] = tuple(settings["eos_token_ids"])
+    return OnlineBatch(*arrays, ref_logprobs=ref_logprobs), LossConfig(**settings)
+
+
+def nash_md_loss(model: Model, params: Params, ref_params: Params, prompt_ids: jax.Array, prompt_mask: jax.Array,
+                 completion_ids: jax.Array, completion_mask: jax.Array, rewards: jax.Array, *, beta,
+                 mixture_coef=0.5, **settings):
+    """``nash_md_batch_loss`` of arrays (``OnlineBatch``'s fields; ``rewards`` raw): Nash-MD's loss and TRL's
+    metrics, differentiable in ``params``. ``settings``: ``LossConfig``'s fields (``missing_eos_penalty``,
+    ``eos_token_ids``, ``judged``, ``max_length``, ...) and ``ref_logprobs``."""
+    batch, loss = _family_batch(prompt_ids, prompt_mask, completion_ids, completion_mask, rewards, settings)
+    return nash_md_batch_loss(model, params, ref_params, batch, Coefficients(beta, mixture_coef=mixture_coef), loss)
+
+
+def xpo_loss(model: Model, params: Params, ref_params: Params, prompt_ids: jax.Array, prompt_mask: jax.Array,
+             completion_ids: jax.Array, completion_mask: jax.Array, rewards: jax.Array, *, beta, alpha=1e-5,
+             **settings):
+    """``xpo_batch_loss`` of arrays (``OnlineBatch``'s fields; ``rewards`` raw): XPO's loss and TRL's metrics,
+    differentiable in ``params``. ``settings``: ``LossConfig``'s fields (``loss_type``, ``missing_eos_penalty``,
+    ``eos_token_ids``, ``judged``, ...) and ``ref_logprobs``."""
+    batch, loss = _family_batch(prompt_ids, prompt_mask, completion_ids, completion_mask, rewards, settings)
+    return xpo_batch_loss(model, params, ref_params, batch, Coefficients(beta, alpha=alpha), loss)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import jax
 import optax
 
 from jodpo.losses import LossConfig, LossOptions, check_loss_options, needs_reference
+from jodpo.methods import Method, get_method
 from jodpo.models.decoder import Model, Params
 from jodpo.optim import OptimizerConfig
 from jodpo.pairing import resolve_pairing
@@ -44,6 +45,23 @@ class StepConfig:
     # semi-online (Lanchantin et al. 2025): the sampler's parameters are the policy's at the last multiple of
     # sync_steps optimizer steps (1: on-policy); with async_mode, at the last multiple before the previous rollout
     sync_steps: int = 1
+    # which of TRL's online trainers a step is (``jodpo.methods.METHODS``): online_dpo | nash_md | xpo
+    method: str = "online_dpo"
+    alpha: tuple[float, ...] = (1e-5,)  # XPO's exploration weight, alpha[min(int(epoch), len - 1)]
+    mixture_coef: tuple[float, ...] = (0.5,)  # Nash-MD's reference weight in the mixture, indexed as beta
+
+    @property
+    def online_method(self) -> Method:
+        return get_method(self.method)
+
+    @property
+    def reward_eos_ids(self) -> tuple[int, ...]:
+        """The EOS ids a reward model sharing the tokenizer does not read (``score_completions``): the special EOS
+        ids (TRL 1.16 scores the text decoded without them), or for TRL 1.12's trainers, which score the token ids
+        with every pad-token id masked, only an EOS that is the pad token."""
+        if self.online_method.reward_reads_eos:
+            return tuple(i for i in self.special_eos_ids if i == self.sampling.pad_token_id)
+        return self.special_eos_ids
 
     @property
     def reference_free(self) -> bool:
@@ -90,6 +108,27 @@ class StepConfig:
             raise ValueError(f"num_generations must be >= 2 and sync_steps >= 1, got {self.num_generations} and "
                              f"{self.sync_steps}")
         resolve_pairing(self.pairing, self.num_generations)
+        method = get_method(self.method)
+        for name in ("alpha", "mixture_coef"):
+            value = getattr(self, name)
+            values = (value,) if isinstance(value, (int, float)) else tuple(value)
+            if not values:
+                raise ValueError(f"{name} must be a number or a non-empty list of them, got {value}")
+            object.__setattr__(self, name, tuple(float(v) for v in values))
+        if any(not 0 <= c <= 1 for c in self.mixture_coef):
+            raise ValueError(f"mixture_coef weighs the reference in the mixture: each must be in [0, 1], got "
+                             f"{self.mixture_coef}")
+        if method.fixed_pair and (self.num_generations != 2 or resolve_pairing(self.pairing, 2) != "random"
+                                  or self.lagging):
+            raise ValueError(f"method={self.method!r} ({method.trainer}) samples one completion from the policy and "
+                             "one beside it for each prompt and trains on that pair, on-policy: num_generations=2, "
+                             "pairing='auto', async_mode off and sync_steps=1")
+        if method.fixed_pair and self.reference_free:
+            raise ValueError(f"method={self.method!r} ({method.trainer}) compares the policy with its reference; "
+                             f"loss_type={self.loss_type!r} has none")
+        if not method.uses_loss_type and (self.loss_type != "sigmoid" or self.loss_options != LossOptions()):
+            raise ValueError(f"method={self.method!r} ({method.trainer}) trains with its own loss: leave loss_type "
+                             "and its options at their defaults")
 
 
 @flax.struct.dataclass

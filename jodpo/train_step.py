@@ -1,14 +1,17 @@
-"""The online DPO training step (and the offline DPO step), as pure functions of ``(state, batch)``.
+"""The online training step of TRL's online trainers (``StepConfig.method``: online DPO, Nash-MD, XPO; and the
+offline DPO step), as pure functions of ``(state, batch)``.
 
 One optimizer step covers an accumulation window of A micro-batches of B prompts, arrays shaped [A, B, ...]:
   1. ``sample_completions``: k = ``num_generations`` completions per prompt (two, as TRL, by default) from the
-     policy, rows in TRL's block layout;
+     policy, rows in TRL's block layout (Nash-MD, XPO: the policy's beside the mixture's or the reference's,
+     ``jodpo.methods``);
   2. ``score_completions``: a reward model that shares the policy tokenizer scores the token ids on the
      device; any other reward (another tokenizer, Python functions) or a pairwise judge (``jodpo.judges``) is
      computed on the host between ``sample_completions`` and ``online_update`` (the *split* path);
   3. ``online_update``: one pair per prompt (``choose_pairs``: as sampled for k = 2, else best-vs-worst or random,
      ``jodpo.pairing``), then ``update``: per micro-batch loss and gradient (``lax.scan``), averaged over the
-     window, then clip-by-global-norm + AdamW + the learning-rate schedule, in one optax chain.
+     window (the method's loss), then clip-by-global-norm + AdamW + the learning-rate schedule, in one optax
+     chain.
 ``online_step`` is 1-3 fused in one jitted call (no host round trip). ``offline_step`` is DPO on preference
 data: the pairs come from the dataset. Unless ``async_mode`` or ``sync_steps`` > 1 ask for a lagging sampler, the
 policy is never sampled or updated with stale parameters: within one window the parameters do not change, so
@@ -26,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jodpo.losses import OnlineBatch, batch_logprobs, dpo_loss, online_batch_loss
+from jodpo.losses import Coefficients, OnlineBatch, batch_logprobs, dpo_loss
 from jodpo.losses import LossOptions, completion_logprobs, online_dpo_loss  # noqa: F401 (re-exported)
 from jodpo.models.decoder import Model, Params
 from jodpo.models.lora import attach
@@ -69,17 +72,32 @@ def policy_params(cfg: StepConfig, params: Params, base: Params) -> Params:
     return attach(base, params) if cfg.model.lora_rank else params
 
 
-def current_beta(cfg: StepConfig, step: jax.Array) -> jax.Array:
-    """``beta[min(int(epoch), len - 1)]`` with epoch = steps done / steps per epoch (TRL crashes on a list)."""
+def scheduled(cfg: StepConfig, values: tuple[float, ...], step: jax.Array) -> jax.Array:
+    """``values[min(int(epoch), len - 1)]`` with epoch = steps done / steps per epoch: TRL's per-epoch lists (its
+    trainers index them with the float epoch, which fails for any list of two or more)."""
     epoch = jnp.asarray(step, jnp.int32) // cfg.updates_per_epoch
-    return jnp.asarray(cfg.beta, jnp.float32)[jnp.minimum(epoch, len(cfg.beta) - 1)]
+    return jnp.asarray(values, jnp.float32)[jnp.minimum(epoch, len(values) - 1)]
+
+
+def current_beta(cfg: StepConfig, step: jax.Array) -> jax.Array:
+    """``beta`` at optimizer step ``step`` (``scheduled``)."""
+    return scheduled(cfg, cfg.beta, step)
+
+
+def coefficients(cfg: StepConfig, step: jax.Array) -> Coefficients:
+    """The scheduled settings at optimizer step ``step``: beta, XPO's alpha, Nash-MD's mixture_coef."""
+    return Coefficients(beta=current_beta(cfg, step), alpha=scheduled(cfg, cfg.alpha, step),
+                        mixture_coef=scheduled(cfg, cfg.mixture_coef, step))
 
 
 def sample_completions(cfg: StepConfig, state: TrainState, prompt_ids: jax.Array, prompt_mask: jax.Array,
                        num_samples: int | None = None, ref_params: Params | None = None) -> Samples:
-    """``num_samples`` completions per prompt (None: ``cfg.num_generations``, a step's; one for evaluation): ``Samples``
-    of shape [A, num_samples * B, T], block layout within each micro-batch. ``ref_params`` (the base model) is needed
-    with LoRA, where the state holds only the adapters. With ``cfg.lagging`` the state's ``sampler_params`` sample."""
+    """A step's completions (``num_samples`` None: the method's, ``cfg.num_generations`` per prompt: from the policy
+    for online DPO, the policy's beside the mixture's for Nash-MD or the reference's for XPO), or ``num_samples``
+    completions per prompt from the policy alone (evaluation: one): ``Samples`` of shape [A, k * B, T], block layout
+    within each micro-batch. ``ref_params`` (the reference; with LoRA the base model, where the state holds only the
+    adapters) is needed with LoRA and by the methods that sample beside it. With ``cfg.lagging`` the state's
+    ``sampler_params`` sample."""
     sampler = state.sampler_params if cfg.lagging else state.params
     return sample_with(cfg, sampler, state.rng, state.step, prompt_ids, prompt_mask, num_samples, ref_params)
 
@@ -98,10 +116,16 @@ def sample_with(cfg: StepConfig, params: Params, rng: jax.Array, step: jax.Array
     n = cfg.num_generations if num_samples is None else num_samples
     key = jax.random.fold_in(rng, step)
     flat = lambda x: x.transpose(1, 0, 2).reshape(B * A, P)  # noqa: E731
-    if cfg.model.lora_rank and ref_params is None:
-        raise ValueError("with LoRA adapters sample_completions needs ref_params (the base model they ride on)")
-    out = sample(cfg.model, policy_params(cfg, params, ref_params), flat(prompt_ids), flat(prompt_mask), key,
-                 cfg.sampling, num_samples=n)
+    method = cfg.online_method
+    if ref_params is None and (cfg.model.lora_rank or (num_samples is None and method.fixed_pair)):
+        raise ValueError("sample_completions needs ref_params: with LoRA adapters the base model they ride on, and "
+                         f"{method.trainer}'s steps sample beside the reference")
+    policy = policy_params(cfg, params, ref_params)
+    if num_samples is None:  # a step's: the method's
+        out = method.sample(cfg.model, policy, ref_params, flat(prompt_ids), flat(prompt_mask), key, cfg.sampling, n,
+                            coefficients(cfg, step))
+    else:
+        out = sample(cfg.model, policy, flat(prompt_ids), flat(prompt_mask), key, cfg.sampling, num_samples=n)
     # rows s * AB + b * A + a -> [a, s * B + b]
     return jax.tree.map(lambda x: x.reshape(n, B, A, -1).transpose(2, 0, 1, 3).reshape(A, n * B, -1), out)
 
@@ -117,8 +141,8 @@ def sampler_weights(cfg: StepConfig, params: Params) -> Params:
 def score_completions(cfg: StepConfig, rm_params: Params, prompt_ids: jax.Array, prompt_mask: jax.Array,
                       samples: Samples) -> jax.Array:
     """f32[A, nB] raw reward-model scores of ``[A, nB, T]`` samples from token ids (the reward model shares the
-    policy tokenizer)."""
-    eos = cfg.special_eos_ids
+    policy tokenizer), read as the method's trainer reads them (``StepConfig.reward_eos_ids``)."""
+    eos = cfg.reward_eos_ids
 
     def one(x):
         ids_BP, mask_BP, tokens, mask = x
@@ -219,10 +243,10 @@ def _online_batch(cfg: StepConfig, prompt_ids, prompt_mask, samples: Samples, re
 
 def _update(cfg: StepConfig, state: TrainState, ref_params: Params, batch: OnlineBatch) -> tuple[TrainState, dict]:
     """``update`` of a window's ``OnlineBatch`` (arrays [A, ...]): the loss of each micro-batch (``_accumulate``)."""
-    beta, loss = current_beta(cfg, state.step), cfg.loss
+    coefs, loss, batch_loss = coefficients(cfg, state.step), cfg.loss, cfg.online_method.loss
 
     def loss_fn(params, mb: OnlineBatch):
-        return online_batch_loss(cfg.model, policy_params(cfg, params, ref_params), ref_params, mb, beta, loss)
+        return batch_loss(cfg.model, policy_params(cfg, params, ref_params), ref_params, mb, coefs, loss)
 
     grads, metrics = _accumulate(cfg.model, loss_fn, state.params, batch)
     return apply_gradients(cfg, state, grads, metrics)

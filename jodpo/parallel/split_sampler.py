@@ -63,8 +63,7 @@ class SplitSampler:
             self.weights_step = version
         ids, mask = self.prompts(step, self.mesh)
         draw = np.int32(step * self.updates_per_step)  # the state's step at rollout ``step``
-        samples = self._sample(self.step_cfg, self.weights, self.rng, draw, ids, mask, self.step_cfg.num_generations,
-                               self.base)
+        samples = self._sample(self.step_cfg, self.weights, self.rng, draw, ids, mask, None, self.base)
         self.pending = (step, samples)
 
     def samples(self, state: ts.TrainState, step: int) -> Samples:

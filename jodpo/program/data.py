@@ -248,7 +248,18 @@ class PromptData:
         return len(self.ids)
 
 
-def prepare_prompts(ds, tokenizer, max_prompt_length: int) -> PromptData:
+def with_bos(seqs: list[np.ndarray], bos_token_id: int | None) -> list[np.ndarray]:
+    """Each prompt with ``bos_token_id`` first unless it starts with it already (TRL 1.12's ``tokenize_row``, which
+    its Nash-MD and XPO trainers tokenize with); None: as they are."""
+    if bos_token_id is None:
+        return seqs
+    return [s if len(s) and s[0] == bos_token_id else np.concatenate([np.int32([bos_token_id]), s]).astype(np.int32)
+            for s in seqs]
+
+
+def prepare_prompts(ds, tokenizer, max_prompt_length: int, bos_token_id: int | None = None) -> PromptData:
+    """The prompts of ``ds`` rendered (chat template) and tokenized without special tokens, ``bos_token_id`` put first
+    where given (``with_bos``), left-truncated to ``max_prompt_length``."""
     if "prompt" not in ds.column_names:
         raise DataError(f"the dataset has no 'prompt' column (columns: {ds.column_names}); online DPO needs prompts, "
                         "offline DPO needs prompt/chosen/rejected")
@@ -263,7 +274,7 @@ def prepare_prompts(ds, tokenizer, max_prompt_length: int) -> PromptData:
 
         warnings.warn(f"{empty} of {len(prompts)} prompts are empty; they train on completions of nothing (the "
                       "model's text from its start); drop those rows if that is not meant", stacklevel=2)
-    ids = _truncate_left(_tokenize(tokenizer, texts), max_prompt_length, "prompts")
+    ids = _truncate_left(with_bos(_tokenize(tokenizer, texts), bos_token_id), max_prompt_length, "prompts")
     columns = {c: list(ds[c]) for c in ds.column_names if c != "prompt"}
     refs = columns.get("completion")
     return PromptData(prompts, ids, columns, [_reference_text(r) for r in refs] if refs is not None else None)

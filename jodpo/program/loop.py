@@ -54,8 +54,7 @@ def online_iteration(run: Run, state, step: int, sampler: SplitSampler | None = 
                                                              ids, mask)
         return state, metrics, (idx, samples, raw, None)
     else:
-        samples = run.steps.sample_completions(run.step_cfg, state, ids, mask, run.step_cfg.num_generations,
-                                               run.ref_params)
+        samples = run.steps.sample_completions(run.step_cfg, state, ids, mask, None, run.ref_params)
     rows, judged = None, {}
     if run.judge is not None:
         raw, rows, judged = judge_samples(run, state, idx, S.to_host(samples.tokens))
