@@ -3,7 +3,8 @@
 The public functional API: outside code imports exactly these names from ``jodpo``. Importing jodpo does no work
 and changes no setting of jax (the commands set up XLA themselves: ``jodpo.program.backend``)."""
 from jodpo.errors import CheckpointError
-from jodpo.losses import LOSSES, LossOptions, completion_logprobs, dpo_loss, online_dpo_loss
+from jodpo.losses import (LOSSES, LossOptions, completion_logprobs, dpo_loss, nash_md_loss, online_dpo_loss,
+                          xpo_loss)
 from jodpo.models import Model, init_cache, init_params, load_model, load_tokenizer, logits, param_axes, reward_scores
 from jodpo.models.export import save_hf
 from jodpo.program.config import TrainConfig
@@ -13,15 +14,21 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    """TRL's trainer API (``OnlineDPOConfig``, ``OnlineDPOTrainer``), imported when first used: the training
-    program's modules (Orbax, the trackers) load only for code that trains."""
+    """TRL's trainer API (``OnlineDPOConfig``, ``OnlineDPOTrainer``; TRL 1.12's ``NashMDConfig``, ``NashMDTrainer``,
+    ``XPOConfig``, ``XPOTrainer``), imported when first used: the training program's modules (Orbax, the trackers)
+    load only for code that trains."""
     if name in ("OnlineDPOConfig", "OnlineDPOTrainer"):
         from jodpo.program import trainer
 
         return getattr(trainer, name)
+    if name in ("NashMDConfig", "NashMDTrainer", "XPOConfig", "XPOTrainer"):
+        from jodpo.program import family_trainers
+
+        return getattr(family_trainers, name)
     raise AttributeError(f"module 'jodpo' has no attribute {name!r}")
 
 
 __all__ = ["LOSSES", "CheckpointError", "LossOptions", "Model", "Samples", "SamplingConfig", "completion_logprobs",
-           "dpo_loss", "init_cache", "init_params", "load_model", "load_tokenizer", "logits", "online_dpo_loss",
-           "param_axes", "reward_scores", "sample", "save_hf", "TrainConfig", "OnlineDPOConfig", "OnlineDPOTrainer"]
+           "dpo_loss", "nash_md_loss", "xpo_loss", "init_cache", "init_params", "load_model", "load_tokenizer",
+           "logits", "online_dpo_loss", "param_axes", "reward_scores", "sample", "save_hf", "TrainConfig", "OnlineDPOConfig", "OnlineDPOTrainer",
+           "NashMDConfig", "NashMDTrainer", "XPOConfig", "XPOTrainer"]

@@ -17,7 +17,8 @@ import warnings
 from pathlib import Path
 
 from jodpo.errors import ConfigError
-from jodpo.losses import LOSSES, LossOptions, check_loss_options
+from jodpo.losses import LOSSES, REFERENCE_FREE, LossOptions, check_loss_options
+from jodpo.methods import METHODS
 from jodpo.models.model import ATTENTIONS, PRECISIONS
 from jodpo.pairing import PAIRINGS
 from jodpo.program.tracking import trackers
@@ -119,6 +120,13 @@ class TrainConfig:
     rdpo_alpha: float = _f(0.0, "rdpo's length coefficient alpha (R-DPO, Park et al. 2024; not TRL's rpo_alpha)")
     ld_alpha: float | None = _f(None, "LD-DPO (TRL DPOConfig): weight of the log-probs past the shorter completion's "
                                       "length, in [0, 1] (None: off)")
+    # --- TRL's online family (docs/online_family.md)
+    method: str = _f("online_dpo", "which of TRL's online trainers a step is: online_dpo | nash_md (TRL 1.12's "
+                                   "NashMDTrainer) | xpo (TRL 1.12's XPOTrainer)")
+    mixture_coef: float | tuple[float, ...] = _f(0.5, "nash_md: the reference's weight in the geometric mixture "
+                                                      "sampled beside the policy, in [0, 1]; a list is indexed by epoch")
+    alpha: float | tuple[float, ...] = _f(1e-5, "xpo: weight of the exploration term (the policy's log-prob of the "
+                                                "reference's completion); a list is indexed by epoch")
     missing_eos_penalty: float | None = _f(None, "subtracted from the reward of completions without EOS (TRL)")
     non_eos_penalty: bool = _f(False, "replace the reward of completions without EOS by penalty_reward_value")
     penalty_reward_value: float = _f(-1.0, "the reward given by non_eos_penalty (open-instruct)")
@@ -218,6 +226,7 @@ def _check(c: TrainConfig) -> None:
                                                      c.simpo_gamma, c.rdpo_alpha, c.ld_alpha))
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    _check_method(c)
     for name in ("param_dtype", "frozen_param_dtype"):
         if getattr(c, name) not in ("float32", "bfloat16"):
             raise ConfigError(f"{name} must be float32 or bfloat16, got {getattr(c, name)!r}")
@@ -265,6 +274,45 @@ def _check(c: TrainConfig) -> None:
         warnings.warn(f"max_new_tokens ({c.max_new_tokens}) >= max_length ({c.max_length}): prompts will be truncated "
                       "or removed in the loss forward; use max_length > max_new_tokens + the prompt length "
                       "(as TRL warns).", stacklevel=3)
+
+
+def _values(v) -> tuple[float, ...]:
+    return v if isinstance(v, tuple) else (v,)
+
+
+def _check_method(c: TrainConfig) -> None:
+    """``method`` and the settings of TRL's online family (``jodpo.methods``)."""
+    if c.method not in METHODS:
+        raise ConfigError(f"unknown method {c.method!r}; choose one of {sorted(METHODS)}")
+    method = METHODS[c.method]
+    for name, owner in (("mixture_coef", "nash_md"), ("alpha", "xpo")):
+        if not _values(getattr(c, name)):
+            raise ConfigError(f"{name} must be a number or a non-empty list of them, got {getattr(c, name)}")
+        if c.method != owner and _values(getattr(c, name)) != _values(FIELDS[name].default):
+            raise ConfigError(f"{name} is {owner}'s setting and method is {c.method!r}: set method={owner!r} or "
+                              f"leave {name} at its default")
+    if any(not 0 <= m <= 1 for m in _values(c.mixture_coef)):
+        raise ConfigError(f"mixture_coef weighs the reference in the mixture: each must be in [0, 1], got "
+                          f"{c.mixture_coef}")
+    if not method.fixed_pair:
+        return
+    shaped = {"num_generations": 2, "pairing": "auto", "async_mode": False, "sync_steps": 1, "num_epochs": 1,
+              "num_mini_batches": 1, "sampler_devices": 0}
+    changed = [f"{k}={getattr(c, k)!r}" for k, v in shaped.items() if getattr(c, k) != v]
+    if changed:
+        raise ConfigError(f"method={c.method!r} ({method.trainer}) samples one completion from the policy and one "
+                          f"beside it per prompt and trains on that pair once, on-policy, on the training devices; "
+                          f"{', '.join(changed)} asks otherwise: leave {', '.join(k.split('=')[0] for k in changed)} "
+                          "at the default")
+    if c.loss_type in REFERENCE_FREE:
+        raise ConfigError(f"method={c.method!r} ({method.trainer}) compares the policy with its reference; "
+                          f"loss_type={c.loss_type!r} has none: use sigmoid or ipo (TRL's)")
+    options = LossOptions(c.label_smoothing, c.discopop_tau, c.ipo_length_normalized, c.simpo_gamma, c.rdpo_alpha,
+                          c.ld_alpha)
+    if not method.uses_loss_type and (c.loss_type != "sigmoid" or options != LossOptions()):
+        raise ConfigError(f"method={c.method!r} ({method.trainer}) trains with its own loss (REINFORCE of the "
+                          "preference plus a KL term): leave loss_type and its options (label_smoothing, "
+                          "ipo_length_normalized, discopop_tau, simpo_gamma, rdpo_alpha, ld_alpha) at their defaults")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from jodpo.models.params import frozen_params, param_shapes
 from jodpo.optim import restarted
 from jodpo.program.rewards import RewardSet
 from jodpo.program.sources import (Given, describe_policy, eval_sets, load_judge, load_rewards, load_split, named,
-                                   read_policy, say_attention)
+                                   prompt_bos, read_policy, say_attention)
 from jodpo.sampling import SamplingConfig
 
 
@@ -167,7 +167,7 @@ def build(cfg: TrainConfig, given: Given = Given()) -> Run:
     if offline:
         train = D.prepare_preferences(train_rows, tokenizer, cfg.max_prompt_length, cfg.max_new_tokens)
     else:
-        train = D.prepare_prompts(train_rows, tokenizer, cfg.max_prompt_length)
+        train = D.prepare_prompts(train_rows, tokenizer, cfg.max_prompt_length, prompt_bos(cfg, tokenizer))
     evaluation = eval_sets(cfg, given, tokenizer, dp, offline)
     if given.ref_model is not None and (cfg.use_peft or not needs_reference(cfg.loss_type)):
         raise ConfigError("ref_model: with " + ("peft_config the reference is the base without its adapters" if
@@ -222,6 +222,9 @@ def build(cfg: TrainConfig, given: Given = Given()) -> Run:
 
     global_batch = cfg.per_device_train_batch_size * dp * cfg.micro_batches
     updates = cfg.updates_per_step
+    if offline and cfg.method != "online_dpo":
+        raise ConfigError(f"method={cfg.method!r} samples its pairs and scores them: give a reward or a judge (this "
+                          "dataset has chosen/rejected columns, which train offline DPO)")
     if offline and (updates > 1 or cfg.async_mode or sampler_mesh is not None or cfg.num_generations != 2
                     or cfg.pairing != "auto" or cfg.sync_steps != 1):
         raise ConfigError("num_epochs, num_mini_batches, async_mode, sampler_devices, num_generations, pairing and "
@@ -248,7 +251,7 @@ def build(cfg: TrainConfig, given: Given = Given()) -> Run:
         reward_model=rm if rewards is not None and rewards.on_device else None, judged=judge is not None,
         logprob_temperature=cfg.temperature if cfg.temperature_scaled_logprobs else None, stop_token_ids=stop,
         async_mode=cfg.async_mode, num_generations=cfg.num_generations, pairing=cfg.pairing,
-        sync_steps=cfg.sync_steps)
+        sync_steps=cfg.sync_steps, method=cfg.method, alpha=cfg.alpha, mixture_coef=cfg.mixture_coef)
     save_every = int(cfg.save_steps) if cfg.save_steps >= 1 else max(1, math.ceil(total * cfg.save_steps))
     run = Run(cfg, tokenizer, step_cfg, mesh, policy_params, ref_params, rewards, judge, train, evaluation,
               cfg.prompt_buckets or D.default_buckets(cfg.max_prompt_length), global_batch, spe, total, save_every,

@@ -14,6 +14,7 @@ import numpy as np
 
 from jodpo import judges as J
 from jodpo.errors import CheckpointError, ConfigError
+from jodpo.methods import get_method
 from jodpo.models import load_model, load_tokenizer
 from jodpo.models.loading import describe_model
 from jodpo.models.model import Model, attention_note
@@ -177,6 +178,12 @@ def training_prompts(mixer: dict | None, name: str, split: str, trained: dict) -
     return f"{split!r} is also the training split (dataset_train_split)" if split == t_split else None
 
 
+def prompt_bos(cfg: TrainConfig, tokenizer) -> int | None:
+    """The token put first in each prompt: the tokenizer's BOS for the methods whose TRL trainers tokenize with
+    ``tokenize_row`` (TRL 1.12's Nash-MD and XPO), else None."""
+    return tokenizer.bos_token_id if get_method(cfg.method).prompt_bos else None
+
+
 def eval_sets(cfg: TrainConfig, given: Given, tokenizer, dp: int, offline: bool) -> tuple:
     """The run's evaluation sets as ``((metric prefix, PromptData), ...)``: the caller's (one, or each of a dict),
     else ``eval_dataset`` / ``dataset_eval_mixer`` / with ``eval_steps`` the training data's test split (never for
@@ -198,7 +205,7 @@ def eval_sets(cfg: TrainConfig, given: Given, tokenizer, dp: int, offline: bool)
     out = []
     for prefix, rows in named_rows.items():
         data = D.prepare_prompts(rows.select(range(min(len(rows), cfg.max_eval_prompts))), tokenizer,
-                                 cfg.max_prompt_length)
+                                 cfg.max_prompt_length, prompt_bos(cfg, tokenizer))
         if len(data) < dp:  # an eval batch needs a prompt per data-parallel device
             warnings.warn(f"the evaluation set{'' if prefix == 'eval' else ' ' + prefix[5:]} has {len(data)} "
                           f"prompts, fewer than the {dp} data-parallel devices (mesh_data x mesh_fsdp); it is not "

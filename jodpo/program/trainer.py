@@ -29,7 +29,7 @@ class OnlineDPOConfig(TrainConfig):
         unknown = sorted(set(fields) - set(FIELDS))
         if unknown:
             close = difflib.get_close_matches(unknown[0], FIELDS, n=1)
-            raise ConfigError(f"OnlineDPOConfig: unknown field(s) {unknown}." +
+            raise ConfigError(f"{type(self).__name__}: unknown field(s) {unknown}." +
                               (f" Did you mean {close[0]!r}?" if close else "") +
                               " docs/config.md lists jodpo's fields (TRL's names)")
         if isinstance(fields.get("beta"), (list, tuple)) and len(fields["beta"]) == 1:

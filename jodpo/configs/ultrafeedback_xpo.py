@@ -1,0 +1,17 @@
+"""TRL 1.12's XPO quick start: Qwen2-0.5B-Instruct on UltraFeedback prompts (chat data), with the reward model in
+place of the PairRM judge (trl-lib/Qwen2-0.5B-Reward, the policy's tokenizer) and the example script's learning rate
+5e-7 and warm-up ratio 0.1; the rest as ultrafeedback_qwen2.py (TRL's online DPO settings: 8 prompts x 2
+accumulation steps, 64 new tokens, missing_eos_penalty 1.0). Each step samples one completion from the policy and
+one from the reference, and trains on the DPO loss of that pair plus alpha (TRL's default 1e-5) times the policy's
+log-probability of the reference's completion; docs/online_family.md."""
+from jodpo.program.config import load_config_file
+
+
+def get_config():
+    return load_config_file("ultrafeedback_qwen2.py").replace(
+        method="xpo",
+        alpha=1e-5,  # a list is indexed by epoch, as TRL's
+        beta=0.1,
+        loss_type="sigmoid",  # or ipo, as TRL's XPOTrainer
+        output_dir="Qwen2-0.5B-XPO",
+    )
