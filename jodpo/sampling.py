@@ -169,6 +169,23 @@ def _emit(cfg: SamplingConfig, rng: jax.Array, state: _State, logits_BV: jax.Arr
                          logprobs=upd(state.logprobs, jnp.where(alive, logp, 0.0)))
 
 
+def sampler_params(model: Model, params: Params) -> Params:
+    """``params`` as the sampler holds them for a call: split per layer (a decode step then slices no weights), any
+    LoRA adapters merged, in the compute dtype (float32 master weights of a bf16 run converted once, not on every
+    step). They go with a per-layer cache, ``init_cache(..., per_layer=True)``."""
+    return compute_params(model, split_layers(model, params))
+
+
+def decode_step(model: Model, params: Params, cache: Cache, token_B: jax.Array,
+                alive_B: jax.Array) -> tuple[jax.Array, Cache]:
+    """The model's part of one step of the sampler's decode loop: ``token_B`` i32[B] (``alive_B`` bool[B]: a real
+    token; a row that has ended runs on padding, unseen by any real token) after ``cache``; returns the next token's
+    logits f32[B, V] and the cache with it written. ``params`` from ``sampler_params``, ``cache`` per layer. What
+    ``bench.py traffic`` compiles to count the bytes a decode step moves."""
+    h, cache = hidden_states(model, params, token_B[:, None], alive_B[:, None].astype(jnp.int32), cache)
+    return lm_head(model, params, h[:, -1]), cache
+
+
 @dataclasses.dataclass(frozen=True)
 class _Decoder:
     """One model of a decode loop: its parameters and the rows it runs on, whole blocks of the B prompts' rows
@@ -189,9 +206,8 @@ def _decode_step(model: Model, decoders: tuple[_Decoder, ...], combine, cfg: Sam
     logits, caches = [], []
     for d, cache in zip(decoders, state.caches):
         rows = slice(d.first * B, d.end * B)
-        h, cache = hidden_states(model, d.params, state.token[rows, None],
-                                 state.alive[rows, None].astype(jnp.int32), cache)
-        logits.append(lm_head(model, d.params, h[:, -1]))
+        step_logits, cache = decode_step(model, d.params, cache, state.token[rows], state.alive[rows])
+        logits.append(step_logits)
         caches.append(cache)
     return _emit(cfg, rng, state.replace(caches=tuple(caches)), combine(*logits))
 
@@ -201,10 +217,7 @@ def _prefill(model: Model, params: Params, prompt_ids: jax.Array, prompt_mask: j
     slots copied for ``copies`` blocks of rows, and the logits of token 0 likewise."""
     B, P = prompt_ids.shape
     cache = init_cache(model, B, length, per_layer=True)
-    # Once per call, not on every decode step: the weights split per layer (the decode steps then slice nothing), any
-    # LoRA adapters merged into them, and in the compute dtype (float32 master weights of a bf16 run are converted
-    # here, not 53 times a step).
-    params = compute_params(model, split_layers(model, params))
+    params = sampler_params(model, params)  # once per call, not on every decode step
     h, cache = hidden_states(model, params, prompt_ids, prompt_mask, cache, empty_cache=True)
     logits = lm_head(model, params, h[:, -1])
     if copies > 1:  # the prompt's cache (and first logits) for every block: one prefill, not ``copies``

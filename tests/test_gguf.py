@@ -359,7 +359,7 @@ def test_gemma_27b_query_scale_and_layer_pattern_as_llama_cpp_and_google_configs
                                                      r"gemma3.attention.sliding_window"):
         G.GGUF(_metadata_only(tmp_path / "g3_nosw.gguf", "gemma3", 26, 1152, 4, 1, 256)).hf_config()
     with pytest.raises(jodpo.CheckpointError, match=r"GGUF architecture 'phi3' is not supported; jodpo reads "
-                                                     r"\['gemma2', 'gemma3', 'llama', 'qwen2', 'qwen3'\]"):
+                                                     r"\['gemma2', 'gemma3', 'llama', 'qwen2', 'qwen3', 'qwen35'\]"):
         G.GGUF(_metadata_only(tmp_path / "phi.gguf", "phi3", 2, 64, 4, 4, 16))
 
 

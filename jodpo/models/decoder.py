@@ -202,16 +202,19 @@ def _stack(model: Model, params: Params, xs: tuple, mix, states=None, remat: boo
 
         def take(leaf, kind, run=run, lo=lo, n=n):  # the run's layers, [reps, layers of the kind in a period, ...]
             start, count = (run.start, n) if kind is None else (lo[kind], run.period.count(kind))
-            return leaf[start:start + run.reps * count].reshape(run.reps, count, *leaf.shape[1:])
+            leaf = leaf[start:start + run.reps * count]  # (the whole stack, where one run covers it: no copy)
+            return leaf if count == 1 else leaf.reshape(run.reps, count, *leaf.shape[1:])  # one a period: as stacked
 
         scanned = (_map_layers(_for_kinds(layers, period), take),
                    jnp.asarray(windows[run.start:run.end].reshape(run.reps, n)), jnp.arange(run.reps, dtype=jnp.int32))
 
-        def body(carry, scanned, period=period, occ=occ, lo=lo):
+        def body(carry, scanned, period=period, occ=occ, lo=lo, n=n):
             x, states = carry
             p_run, w_run, rep = scanned
             for q, kind in enumerate(period):
-                p = _map_layers(_for_kinds(p_run, (kind,)), lambda leaf, k, q=q: leaf[q if k is None else occ[q]])
+                counts = {k: period.count(k) for k in period} | {None: n}
+                p = _map_layers(_for_kinds(p_run, (kind,)), lambda leaf, k, q=q: leaf if counts[k] == 1 else
+                                leaf[q if k is None else occ[q]])
                 j = lo[kind] + rep * period.count(kind) + occ[q]
 
                 def one(x, states, p, window, kind=kind, j=j):
