@@ -1,7 +1,7 @@
 """Held-out instruction following before -> after, over seeds: jodpo's online-DPO variants and TRL's
 OnlineDPOTrainer trained on the same task (jodpo/configs/smollm2_ifeval.py), evaluated the same way.
 
-  python benchmarks/instructions.py [--variants k2 best_of_4 semi_online simpo trl] [--seeds 0 1 2] [--steps 30]
+  python benchmarks/instructions.py [--variants k2 best_of_4 semi_online simpo nash_md xpo trl] [--seeds 0 1 2] [--steps 30]
                                     [--eval-prompts 96] [--out runs/evidence] [--set FIELD=VALUE ...] [--table-only]
 
 Every variant samples the same number of completions per step (the recipe's prompts x 2):
@@ -9,6 +9,8 @@ Every variant samples the same number of completions per step (the recipe's prom
 - ``best_of_4``: four samples of half as many prompts, the best against the worst (``pairing="best_worst"``);
 - ``semi_online``: k2 with the sampler refreshed every 5 steps (``sync_steps=5``);
 - ``simpo``: k2 with the reference-free SimPO loss (``loss_type="simpo"``, beta 2, gamma 1: SimPO's scale, untuned);
+- ``nash_md``, ``xpo``: TRL 1.12's Nash-MD (a completion from the policy beside one from the geometric mixture with
+  the reference, mixture_coef 0.5) and XPO (beside one from the reference, alpha 1e-5) with k2's settings;
 - ``trl``: TRL 1.16's ``OnlineDPOTrainer`` with k2's model (the recipe's weights written once as a transformers
   directory), prompts, reward function and hyperparameters.
 
@@ -36,8 +38,11 @@ VARIANTS = {
     "best_of_4": {"num_generations": 4, "pairing": "best_worst", "batch_divisor": 2},
     "semi_online": {"sync_steps": 5},
     "simpo": {"loss_type": "simpo", "beta": 2.0, "simpo_gamma": 1.0},
+    "nash_md": {"method": "nash_md"},
+    "xpo": {"method": "xpo"},
     "trl": {},
 }
+KL_METRIC = {"nash_md": "loss/kl"}  # Nash-MD logs its KL under TRL 1.12's name; the others as objective/kl
 SETS = {"train_types": "eval.jsonl", "held_out_types": "eval_held_out.jsonl"}
 
 
@@ -146,7 +151,7 @@ def run_one(base, name: str, seed: int, a, out: Path, eval_dir: Path) -> dict:
     result = {"variant": name, "seed": seed, "steps": a.steps, "train_s": None if before else t1 - t0,
               "eval_s": t2 - t1,
               "episodes_per_s": None if before else cfg.per_device_train_batch_size * a.steps / (t1 - t0),
-              "kl": last_mean(run / "metrics.jsonl", "objective/kl"),
+              "kl": last_mean(run / "metrics.jsonl", KL_METRIC.get(name, "objective/kl")),
               **{f"{k}_tokens": s["mean_tokens"]["model"] for k, s in summaries.items()},
               **{k: {"mean": s["mean"], "ci95": s["ci95"], "n": s["n"]} for k, s in summaries.items()}}
     done.write_text(json.dumps(result, indent=2) + "\n")
