@@ -125,11 +125,10 @@ def mixture_greedy(wrapper, ids: np.ndarray, mask: np.ndarray, eos: int, pad: in
 
 
 def record_mixture_greedy(root: Path) -> dict:
-    """TRL 1.12's GeometricMixtureWrapper decoding greedily over left-padded prompts of each family (``mixture_greedy``);
-    and what its own ``generate`` gives in this environment (``generate_tokens``): with transformers 5 it feeds the
-    models the last token alone at each step (no cache, yet only the new token: the mixture forgets the prompt),
-    which ``mixture_greedy`` does not reproduce; scripts/record_trl112_generate.py checks ``generate`` under
-    transformers 4, where it decodes what ``mixture_greedy`` decodes."""
+    """TRL 1.12's GeometricMixtureWrapper decoding greedily over left-padded prompts of each family (``mixture_greedy``:
+    the argmax of its forward over the whole sequence at each step, the mixture it defines); and what its own
+    ``generate`` gives in this environment (``generate_tokens``), which parts from that after the first tokens
+    (scripts/record_trl112_generate.py records it under transformers 4 too; docs/online_family.md)."""
     from transformers import GenerationConfig
     from trl.experimental.nash_md.nash_md_trainer import GeometricMixtureWrapper
 

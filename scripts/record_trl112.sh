@@ -2,8 +2,8 @@
 # Regenerates tests/golden/trl112_*.json: TRL 1.12's Nash-MD and XPO, recorded in environments of their own (TRL 1.12
 # cannot share the suite's, which has TRL 1.16). Makes two virtualenvs once: $TRL112_VENV (default /tmp/trl112:
 # torch 2.13, the CPU build; transformers 5.24, the suite's; trl 1.12.0) records everything; $TRL112_TF4_VENV
-# (default /tmp/trl112tf4: transformers 4.57) checks TRL's GeometricMixtureWrapper.generate where it decodes the
-# mixture as meant (under transformers 5 it conditions on the last token alone: docs/online_family.md).
+# (default /tmp/trl112tf4: transformers 4.57) records TRL's GeometricMixtureWrapper.generate under transformers 4 too
+# (under both it parts from the greedy mixture of the wrapper's own forward: docs/online_family.md).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 export TRL_EXPERIMENTAL_SILENCE=1
