@@ -9,6 +9,7 @@ import pytest
 
 import jodpo
 from jodpo import losses
+from jodpo import pair_losses
 from jodpo import scoring
 from jodpo.program import rewards
 from tests import hf_fixtures
@@ -47,7 +48,7 @@ def test_each_loss_against_hand_computed_value(name):
 
 def test_ipo_length_normalised_and_unknown_loss():
     pair = losses.Pair(jnp.array([CH]), jnp.array([RJ]), jnp.array([4.0]), jnp.array([2.0]))
-    got = losses.ipo_loss(pair, BETA, losses.LossOptions(ipo_length_normalized=True))[0]
+    got = pair_losses.ipo_loss(pair, BETA, losses.LossOptions(ipo_length_normalized=True))[0]
     assert float(got) == pytest.approx((CH / 4 - RJ / 2 - 1 / (2 * BETA)) ** 2, rel=1e-6)
     with pytest.raises(ValueError, match="unknown loss_type 'dpo'.*'sigmoid'"):
         losses.get_loss("dpo")
