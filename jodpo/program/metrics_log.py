@@ -133,7 +133,8 @@ class RunLogger:
             self.tb = SummaryWriter(str(output_dir / "tensorboard"), purge_step=start_step + 1 if start_step else None)
         if "wandb" in names:
             self.wandb = WandbTracker(output_dir, config or {}, run_name, start_step)
-        self.bar = StepBar(total=total_steps, initial=start_step, desc="online dpo", dynamic_ncols=True,
+        desc = (config or {}).get("method", "online_dpo").replace("_", " ")  # online dpo, nash md, xpo
+        self.bar = StepBar(total=total_steps, initial=start_step, desc=desc, dynamic_ncols=True,
                            bar_format="{desc} {n_fmt}/{total_fmt} [{elapsed}<{remaining}]{postfix}")
         if penalty:
             self.message(penalty)
@@ -152,7 +153,12 @@ class RunLogger:
         if self.wandb is not None:
             self.wandb.log(record)
         if "loss" in record:  # a training step (evaluation lines only go to the files)
-            score = record.get("objective/scores", record.get("rewards/margins", float("nan")))
+            # the completions' scores (XPO's and Nash-MD's: the policy's), else (judged) Nash-MD's probability or the
+            # implicit rewards' margin
+            nash_md = "rewards/probabilities" in record
+            keys = ("objective/scores", "objective/model_scores", "rewards/chosen" if nash_md else "",
+                    "rewards/probabilities", "rewards/margins")
+            score = next((record[k] for k in keys if k in record), float("nan"))
             self.bar.set_postfix_str(f"eps {record.get('eps', 0):.1f} | loss {record['loss']:.4f} | score {score:.3f}",
                                      refresh=False)
 
