@@ -91,3 +91,38 @@ def test_per_epoch_lists_are_indexed_by_the_whole_epoch_and_keep_the_last():
     cfg = types.SimpleNamespace(updates_per_epoch=3)
     got = [float(ts.scheduled(cfg, (0.5, 0.2, 0.1), step)) for step in range(11)]
     assert got == pytest.approx([0.5] * 3 + [0.2] * 3 + [0.1] * 5)
+
+
+def test_a_judges_verdicts_are_nash_mds_probability_and_pick_xpos_pair(neox):
+    """With a judge (jodpo's, beyond TRL 1.12's rewards): Nash-MD's P is the judge's probability that the policy's
+    completion is better, XPO's pair is ordered by the verdict, and a pair without a verdict weighs nothing."""
+    import jax
+    import jax.numpy as jnp
+
+    from jodpo import judges, losses
+
+    model, params = neox
+    ref = jax.tree.map(lambda x: x * 1.02, params)
+    rng = np.random.default_rng(0)
+    B, P, C = 2, 5, 4
+    prompt = jnp.asarray(rng.integers(3, model.vocab_size, (B, P)), jnp.int32)
+    comp = jnp.asarray(rng.integers(3, model.vocab_size, (2 * B, C)), jnp.int32)
+    pmask, cmask = jnp.ones((B, P), jnp.int32), jnp.ones((2 * B, C), jnp.int32).at[1, 3].set(0)
+    verdicts = jnp.asarray(judges.pair_scores(np.array([0.8, np.nan])))  # pair 1: no verdict
+    logp = losses.completion_logprobs(model, params, prompt, pmask, comp, cmask)
+    ref_logp = losses.completion_logprobs(model, ref, prompt, pmask, comp, cmask)
+    S, R, beta, alpha = logp.sum(-1), ref_logp.sum(-1), 0.2, 0.03
+
+    value, m = jodpo.nash_md_loss(model, params, ref, prompt, pmask, comp, cmask, verdicts, beta=beta, judged=True)
+    want = beta * ((logp - ref_logp) * logp)[0].sum() - (0.8 - 0.5) * S[0]
+    assert float(value) == pytest.approx(float(want), rel=1e-5)
+    assert float(m["rewards/probabilities"]) == pytest.approx(0.8) and float(m["objective/judge_abstained"]) == 0.5
+    assert "rewards/chosen" not in m
+
+    value, m = jodpo.xpo_loss(model, params, ref, prompt, pmask, comp, cmask, verdicts, beta=beta, alpha=alpha,
+                              judged=True)
+    margin = (S[0] - R[0]) - (S[B] - R[B])  # the policy's completion chosen (0.8 >= 0.2)
+    want = -jax.nn.log_sigmoid(beta * margin) + alpha * S[B]
+    assert float(value) == pytest.approx(float(want), rel=1e-5)
+    assert float(m["loss/xpo"]) == pytest.approx(float(alpha * S[B]), rel=1e-5)
+    assert "objective/model_scores" not in m and float(m["objective/judge_abstained"]) == 0.5
