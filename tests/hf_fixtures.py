@@ -5,8 +5,9 @@ partial rotary, Llama-3 RoPE scaling with grouped-query attention, tied embeddin
 window, Qwen2's q/k/v biases, Qwen3's q/k norms (with an explicit head_dim and a sliding-window layer), Qwen3.5's
 Gated DeltaNet and gated-attention layers (alternating), Gemma 2's (1 + w) norms, four a layer, scaled embeddings,
 GeGLU, query_pre_attn_scalar and soft-capping (caps small enough to bite on these weights), Gemma 3's q/k norms and
-its local layers' own RoPE base beside scaled global RoPE. Every sliding window (4 to 6 slots) is shorter than the
-prompts the tests feed them.
+its local layers' own RoPE base beside scaled global RoPE, SmolLM3's NoPE layer, OLMo 2's norms after attention and MLP
+and q/k norms over the whole projections, OLMo 3's three sliding layers to one global with YaRN. Every sliding window
+(4 to 6 slots) is shorter than the prompts the tests feed them.
 """
 from __future__ import annotations
 
@@ -43,13 +44,13 @@ def build_tokenizer(out: Path):
 
 
 FAMILIES = ("neox", "neox_seq", "llama", "llama_tied", "mistral", "qwen2", "qwen3", "qwen3_5", "gemma2",
-            "gemma3")  # family_configs' keys, in order
+            "gemma3", "smollm3", "olmo2", "olmo3")  # family_configs' keys, in order
 
 
 def family_configs(pad_id: int, eos_id: int) -> dict:
     """transformers configs of the tiny variants, keyed by fixture name."""
-    from transformers import (Gemma2Config, Gemma3TextConfig, GPTNeoXConfig, LlamaConfig, MistralConfig, Qwen2Config,
-                              Qwen3_5TextConfig, Qwen3Config)
+    from transformers import (Gemma2Config, Gemma3TextConfig, GPTNeoXConfig, LlamaConfig, MistralConfig, Olmo2Config,
+                              Olmo3Config, Qwen2Config, Qwen3_5TextConfig, Qwen3Config, SmolLM3Config)
 
     common = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                   intermediate_size=128, max_position_embeddings=128, pad_token_id=pad_id, eos_token_id=eos_id,
@@ -81,6 +82,19 @@ def family_configs(pad_id: int, eos_id: int) -> dict:
                                    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
                                                     "full_attention": {"rope_type": "linear", "factor": 8.0,
                                                                        "rope_theta": 1000.0}}, **common),
+        # layer 1 without RoPE (NoPE) and sliding (transformers' default layer_types with use_sliding_window)
+        "smollm3": SmolLM3Config(num_key_value_heads=2, no_rope_layers=[1, 0], use_sliding_window=True,
+                                 sliding_window=5, tie_word_embeddings=False, **common),
+        # no norms before attention or MLP, q/k norms over the whole projections (two kv heads: k_norm over 2 x 16)
+        "olmo2": Olmo2Config(num_key_value_heads=2, **common),
+        # three sliding layers (window 4) and a global one with YaRN (its attention factor), the sliding ones at the
+        # plain base
+        "olmo3": Olmo3Config(num_key_value_heads=2, sliding_window=4,
+                             rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                                              "full_attention": {"rope_type": "yarn", "rope_theta": 100.0,
+                                                                 "factor": 4.0, "original_max_position_embeddings": 32,
+                                                                 "attention_factor": 1.3}},
+                             **{**common, "num_hidden_layers": 4}),
     }
 
 

@@ -21,7 +21,8 @@ export_hf = helpers.script("export_hf")
 @pytest.mark.parametrize("family,targets", [("neox", None), ("neox", ["all-linear"]), ("llama", ["all-linear"]),
                                             ("qwen2", ["q_proj", "v_proj", "down_proj"]), ("qwen3", None),
                                             ("qwen3_5", ["all-linear"]),
-                                            ("gemma2", ["all-linear"]), ("gemma3", None)])
+                                            ("gemma2", ["all-linear"]), ("gemma3", None),
+                                            ("smollm3", ["q_proj", "v_proj"]), ("olmo3", ["all-linear"])])
 def test_adapters_are_the_base_at_start_and_equal_peft(checkpoints, tmp_path, family, targets):
     path = checkpoints[family]["causal_lm"]
     base_model, base = jodpo.load_model(str(path))

@@ -19,7 +19,8 @@ from tests import references
 @pytest.mark.parametrize("family,loss_type,use_rm", [("neox", "sigmoid", True), ("llama", "ipo", True),
                                                      ("neox", "ipo", False), ("llama", "sigmoid", False),
                                                      ("qwen3", "sigmoid", True), ("qwen3_5", "sigmoid", True),
-                                                     ("gemma3", "sigmoid", True)])
+                                                     ("gemma3", "sigmoid", True), ("smollm3", "sigmoid", True),
+                                                     ("olmo3", "sigmoid", True)])
 def test_one_step_equals_trl(checkpoints, tmp_path, family, loss_type, use_rm):
     paths = checkpoints[family]
     references.check_step_equals_trl(paths, references.record_trl_step(paths, loss_type, use_rm, tmp_path), loss_type, use_rm, tmp_path)

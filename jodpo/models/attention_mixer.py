@@ -2,9 +2,9 @@
 
 Every mixer kind (this one, ``jodpo.models.deltanet``) offers the decoder the same functions:
   specs(model, n)                   its parameters' ``(shape, logical_axes)`` for n layers, stacked on a ``layers`` axis
-  full(model, p, x, ctx, window)    a group of tokens without a cache (training, scoring)
-  prefixed(model, p, xs, ctx, window)   the shared-prompt layout: a prefix group and the suffixes that continue it
-  cached(model, p, x, state, j, ctx, window)   new tokens after a cache state (the prefill, the decode steps)
+  full(model, p, x, ctx, site)    a group of tokens without a cache (training, scoring)
+  prefixed(model, p, xs, ctx, site)   the shared-prompt layout: a prefix group and the suffixes that continue it
+  cached(model, p, x, state, j, ctx, site)   new tokens after a cache state (the prefill, the decode steps)
   init_state(model, batch, length, dtype)      one layer's empty cache state
 ``p`` is one layer's parameters of this kind (``params["layers"]["attn"]`` sliced), ``x`` its normed input
 ``[B, L, D]``; each returns the mixer's output ``[B, L, D]`` (after its output projection). ``ctx``
@@ -20,7 +20,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jodpo.models.layers import Context, attention, forward_attention, layer_rope, qkv
+from jodpo.models.layers import Context, Site, attention, forward_attention, layer_rope, qkv
 from jodpo.models.model import Model, Params, einsum
 
 WEIGHTS = ("q", "k", "v", "o", "o_gate")  # the projections LoRA can adapt (jodpo.models.lora)
@@ -36,7 +36,10 @@ def specs(model: Model, n: int) -> dict:
     }
     if model.attn_output_gate:
         out["o_gate"] = ((n, D, H, Dh), ("layers", "embed", "heads", "head_dim"))
-    if model.qk_norm:  # one scale per head dim, shared by the heads (never split)
+    if model.qk_norm_whole:  # a scale per channel of the whole projection (OLMo 2)
+        out["q_norm"] = {"scale": ((n, H, Dh), ("layers", "heads", "head_dim"))}
+        out["k_norm"] = {"scale": ((n, K, Dh), ("layers", "kv_heads", "head_dim"))}
+    elif model.qk_norm:  # one scale per head dim, shared by the heads (never split)
         out["q_norm"] = {"scale": ((n, Dh), ("layers", "head_dim"))}
         out["k_norm"] = {"scale": ((n, Dh), ("layers", "head_dim"))}
     if model.qkv_bias:
@@ -71,28 +74,28 @@ def _output(model: Model, p: Params, a_BLHD, gate, dtype) -> jax.Array:
     return out
 
 
-def _within(window, dist):
-    return (dist >= 0) & (dist < window)
+def _within(site: Site, dist):
+    return (dist >= 0) & (dist < site.window)
 
 
-def full(model: Model, p: Params, x, ctx: Context, window) -> jax.Array:
-    q, k, v, gate = _project(model, p, x, layer_rope(model, ctx.rope[0], window))
-    a = forward_attention(model, q, k, v, ctx.mask[0][:, None, :] & _within(window, ctx.dist[0])[None])
+def full(model: Model, p: Params, x, ctx: Context, site) -> jax.Array:
+    q, k, v, gate = _project(model, p, x, layer_rope(model, ctx.rope[0], site))
+    a = forward_attention(model, q, k, v, ctx.mask[0][:, None, :] & _within(site, ctx.dist[0])[None])
     return _output(model, p, a, gate, x.dtype)
 
 
-def prefixed(model: Model, p: Params, xs, ctx: Context, window) -> tuple[jax.Array, jax.Array]:
+def prefixed(model: Model, p: Params, xs, ctx: Context, site) -> tuple[jax.Array, jax.Array]:
     """The prefix's tokens attend among themselves; the suffix rows (block layout: row r continues prefix r % B)
     attend to their prefix's keys and values (shared: their gradients add up) and to their own."""
     (xp, xs_), (rope_p, rope_s) = xs, ctx.rope
-    qp, kp, vp, gp = _project(model, p, xp, layer_rope(model, rope_p, window))
-    qs, ks, vs, gs = _project(model, p, xs_, layer_rope(model, rope_s, window))
+    qp, kp, vp, gp = _project(model, p, xp, layer_rope(model, rope_p, site))
+    qs, ks, vs, gs = _project(model, p, xs_, layer_rope(model, rope_s, site))
     n = xs_.shape[0] // xp.shape[0]
     tile = lambda a: jnp.concatenate([a] * n, 0)  # noqa: E731
     prefix_mask, suffix_keys = ctx.mask[0], ctx.mask[1]  # [B, P]; [N, P + C] (the tiled prefix's, then its own)
-    ap = forward_attention(model, qp, kp, vp, prefix_mask[:, None, :] & _within(window, ctx.dist[0])[None])
+    ap = forward_attention(model, qp, kp, vp, prefix_mask[:, None, :] & _within(site, ctx.dist[0])[None])
     a_s = forward_attention(model, qs, jnp.concatenate([tile(kp), ks], 1), jnp.concatenate([tile(vp), vs], 1),
-                            suffix_keys[:, None, :] & _within(window, ctx.dist[1])[None])
+                            suffix_keys[:, None, :] & _within(site, ctx.dist[1])[None])
     return _output(model, p, ap, gp, xp.dtype), _output(model, p, a_s, gs, xs_.dtype)
 
 
@@ -101,11 +104,11 @@ def init_state(model: Model, batch: int, length: int, dtype) -> dict:
     return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
 
 
-def cached(model: Model, p: Params, x, state: dict, j, ctx: Context, window) -> tuple[jax.Array, dict]:
+def cached(model: Model, p: Params, x, state: dict, j, ctx: Context, site) -> tuple[jax.Array, dict]:
     """The new tokens' keys and values are written at slot ``ctx.start`` (only those slots: the cache is updated in
     place, never copied); they attend to every earlier real slot, or, when ``ctx.empty`` promises an empty cache (a
     prefill), among themselves with the forwards' kernel (``Model.attention``)."""
-    q, k, v, gate = _project(model, p, x, layer_rope(model, ctx.rope[0], window))
+    q, k, v, gate = _project(model, p, x, layer_rope(model, ctx.rope[0], site))
     at = (0, 0, ctx.start, 0) if j is None else (j, 0, 0, ctx.start, 0)
 
     def write(slab, new):  # [B, L, K, Dh] -> the slab's head-major layout, at the new tokens' slots
@@ -114,8 +117,8 @@ def cached(model: Model, p: Params, x, state: dict, j, ctx: Context, window) -> 
 
     state = {"k": write(state["k"], k), "v": write(state["v"], v)}
     if ctx.empty:
-        a = forward_attention(model, q, k, v, ctx.mask[0][:, None, :] & _within(window, ctx.dist[0])[None])
+        a = forward_attention(model, q, k, v, ctx.mask[0][:, None, :] & _within(site, ctx.dist[0])[None])
     else:
         ks, vs = (state["k"], state["v"]) if j is None else (state["k"][j], state["v"][j])
-        a = attention(model, q, ks, vs, ctx.mask[1][:, None, :] & _within(window, ctx.dist[1])[None])
+        a = attention(model, q, ks, vs, ctx.mask[1][:, None, :] & _within(site, ctx.dist[1])[None])
     return _output(model, p, a, gate, x.dtype), state

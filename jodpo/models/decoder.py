@@ -16,7 +16,10 @@ Where families differ inside a mixer or the MLP, a field of ``Model`` says so (`
   Gemma 2   (1 + w) RMSNorms in float32, four a layer (post_norms), scaled embeddings, GeGLU, query_pre_attn_scalar,
             local (sliding-window) and global layers, soft-capped attention scores and logits;
   Gemma 3   Gemma 2 with q/k norms instead of soft-capping, and the local layers' own RoPE base;
-  Qwen3.5   (1 + w) RMSNorms; Gated DeltaNet layers and gated attention (an output gate, partial RoPE), 3 : 1.
+  Qwen3.5   (1 + w) RMSNorms; Gated DeltaNet layers and gated attention (an output gate, partial RoPE), 3 : 1;
+  SmolLM3   Llama with no RoPE on every 4th layer (NoPE);
+  OLMo 2    norms after the attention and the MLP (none before), q/k norms over the whole projections;
+  OLMo 3    OLMo 2 with three sliding layers to a global one, their own RoPE beside the global layers' YaRN.
 
 The cache is a dict pytree passed in and returned (never a mutable collection):
   state  each layer's mixer state: per kind, stacked over that kind's layers ({"attention": {"k", "v"}, ...}), or,
@@ -36,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jodpo.models import attention_mixer, deltanet
-from jodpo.models.layers import FULL_WINDOW, Context, embed, mlp, norm, rope_tables
+from jodpo.models.layers import FULL_WINDOW, Context, Site, embed, mlp, norm, rope_tables
 from jodpo.models.model import ATTENTIONS, PRECISIONS, Cache, Model, Params, einsum  # noqa: F401 - re-exported
 
 # mixer kind -> its module, and where its parameters sit in params["layers"]
@@ -154,28 +157,36 @@ def _positions(mask_BL: jax.Array, n_before_B: jax.Array) -> jax.Array:
     return n_before_B[:, None] + jnp.maximum(jnp.cumsum(mask_BL, -1, dtype=jnp.int32) - 1, 0)
 
 
-def _windows(model: Model) -> np.ndarray:
-    """Each layer's attention window in slots (full attention, and the other kinds: the largest int)."""
+def sites(model: Model) -> Site:
+    """Each layer's ``Site`` as int32 arrays ``[N]``: its attention window in slots (full attention, and the other
+    kinds: the largest int) and whether it rotates (1) or not (0, ``Model.nope_layers``)."""
     windows = np.asarray(model.sliding_windows or (0,) * model.num_layers, np.int32)
-    return np.where(windows > 0, windows, FULL_WINDOW)
+    rope = np.ones(model.num_layers, np.int32)
+    rope[list(model.nope_layers)] = 0
+    return Site(np.where(windows > 0, windows, FULL_WINDOW).astype(np.int32), rope)
 
 
-def _layer(model: Model, kind: str, p: Params, xs: tuple, window, mix, state=None, j=None):
+def _site(all_sites: Site, i) -> Site:
+    return Site(*(a[i] for a in all_sites))
+
+
+def _layer(model: Model, kind: str, p: Params, xs: tuple, site: Site, mix, state=None, j=None):
     """One decoder layer over groups of tokens ``xs`` (a tuple of ``[B_i, L_i, D]``): norm, the mixer
-    (``mix(kind, p, normed, window, state, j)`` returns its outputs, one per group, and its updated cache state, in
+    (``mix(kind, p, normed, site, state, j)`` returns its outputs, one per group, and its updated cache state, in
     the caller's mode), residual, MLP. LoRA adapters are folded into the layer's weights here, one layer at a time
     (inside the scan and its rematerialisation: no merged copy of the model)."""
     p = merge_adapters(model, p)
-    outs, state = mix(kind, p, tuple(norm(model, p["ln1"], x) for x in xs), window, state, j)
+    pre = (lambda name, x: norm(model, p[name], x)) if model.pre_norms else (lambda name, x: x)  # noqa: E731
+    outs, state = mix(kind, p, tuple(pre("ln1", x) for x in xs), site, state, j)
     new = []
     for x, a in zip(xs, outs):
-        if model.post_norms:  # Gemma: the mixer's output is normed before the residual
+        if model.post_norms:  # Gemma, OLMo 2: the mixer's output is normed before the residual
             a = norm(model, p["post_attn"], a)
         if model.parallel_residual:
-            x = x + a + mlp(model, p["mlp"], norm(model, p["ln2"], x))
+            x = x + a + mlp(model, p["mlp"], pre("ln2", x))
         else:
             x = x + a
-            out = mlp(model, p["mlp"], norm(model, p["ln2"], x))
+            out = mlp(model, p["mlp"], pre("ln2", x))
             x = x + (norm(model, p["post_mlp"], out) if model.post_norms else out)
         new.append(x)
     return tuple(new), state
@@ -193,7 +204,7 @@ def _stack(model: Model, params: Params, xs: tuple, mix, states=None, remat: boo
     ``states`` (the cache's states, per kind stacked over its layers) each mixer reads and writes its layer's, at its
     index among its kind's layers, and the scan carries them (updated in place). ``remat``: each layer
     rematerialised as ``model.remat`` says (the forwards that are differentiated)."""
-    windows, layers = _windows(model), params["layers"]
+    all_sites, layers = sites(model), params["layers"]
     for run in layer_runs(model.kinds):
         period, n = run.period, len(run.period)
         occ = [period[:q].count(k) for q, k in enumerate(period)]  # layer q's place among its kind in the period
@@ -205,22 +216,23 @@ def _stack(model: Model, params: Params, xs: tuple, mix, states=None, remat: boo
             return leaf[start:start + run.reps * count].reshape(run.reps, count, *leaf.shape[1:])
 
         scanned = (_map_layers(_for_kinds(layers, period), take),
-                   jnp.asarray(windows[run.start:run.end].reshape(run.reps, n)), jnp.arange(run.reps, dtype=jnp.int32))
+                   Site(*(jnp.asarray(a[run.start:run.end].reshape(run.reps, n)) for a in all_sites)),
+                   jnp.arange(run.reps, dtype=jnp.int32))
 
         def body(carry, scanned, period=period, occ=occ, lo=lo):
             x, states = carry
-            p_run, w_run, rep = scanned
+            p_run, site_run, rep = scanned
             for q, kind in enumerate(period):
                 p = _map_layers(_for_kinds(p_run, (kind,)), lambda leaf, k, q=q: leaf[q if k is None else occ[q]])
                 j = lo[kind] + rep * period.count(kind) + occ[q]
 
-                def one(x, states, p, window, kind=kind, j=j):
-                    x, state = _layer(model, kind, p, x, window, mix, None if states is None else states[kind], j)
+                def one(x, states, p, site, kind=kind, j=j):
+                    x, state = _layer(model, kind, p, x, site, mix, None if states is None else states[kind], j)
                     return x, None if states is None else {**states, kind: state}
 
                 if remat and model.remat != "none":
                     one = jax.checkpoint(one, policy=_REMAT_POLICIES[model.remat], prevent_cse=False)
-                x, states = one(x, states, p, w_run[q])
+                x, states = one(x, states, p, _site(site_run, q))
             return (x, states), None
 
         (xs, states), _ = jax.lax.scan(body, (xs, states), scanned)
@@ -268,8 +280,8 @@ def hidden_states(model: Model, params: Params, tokens_BL: jax.Array, mask_BL: j
         ctx = Context(mask=(mask_BL,), dist=(dist_LL,), rope=(rope_tables(model, _positions(mask_BL, jnp.zeros(
             (B,), jnp.int32))),))
 
-        def mix(kind, p, normed, window, state, j):
-            return (MIXERS[kind].full(model, p[KEYS[kind]], normed[0], ctx, window),), None
+        def mix(kind, p, normed, site, state, j):
+            return (MIXERS[kind].full(model, p[KEYS[kind]], normed[0], ctx, site),), None
 
         (x,), _ = _stack(model, params, (x,), mix, remat=True)
         return norm(model, params["final_norm"], x), None
@@ -281,16 +293,17 @@ def hidden_states(model: Model, params: Params, tokens_BL: jax.Array, mask_BL: j
     dist_LS = (start + jnp.arange(L, dtype=jnp.int32))[:, None] - jnp.arange(S, dtype=jnp.int32)[None, :]
     ctx = Context(mask=(mask_BL, kv_mask_BS), dist=(dist_LL, dist_LS), rope=(tables,), start=start, empty=empty_cache)
 
-    def mix(kind, p, normed, window, state, j):
-        y, state = MIXERS[kind].cached(model, p[KEYS[kind]], normed[0], state, j, ctx, window)
+    def mix(kind, p, normed, site, state, j):
+        y, state = MIXERS[kind].cached(model, p[KEYS[kind]], normed[0], state, j, ctx, site)
         return (y,), state
 
     if split:
         # Unrolled (see split_layers): per-layer weights and cache states, so a decode step slices nothing; each
         # layer's state is updated in place where it lives.
-        windows, states = _windows(model), list(cache["state"])
+        all_sites, states = sites(model), list(cache["state"])
         for i, p in enumerate(params["layers"]):
-            (x,), states[i] = _layer(model, model.kinds[i], p, (x,), int(windows[i]), mix, states[i], None)
+            site = Site(*(int(a[i]) for a in all_sites))
+            (x,), states[i] = _layer(model, model.kinds[i], p, (x,), site, mix, states[i], None)
         states = tuple(states)
     else:
         (x,), states = _stack(model, params, (x,), mix, states=cache["state"])
@@ -319,8 +332,8 @@ def prefixed_hidden_states(model: Model, params: Params, prefix_ids_BP: jax.Arra
     ctx = Context(mask=(pmask, jnp.concatenate([tile(pmask), smask], 1)),
                   dist=(slots[:P, None] - slots[None, :P], slots[P:, None] - slots[None, :]), rope=tables)
 
-    def mix(kind, p, normed, window, state, j):  # query slot - key slot, as in the concatenated sequence
-        return MIXERS[kind].prefixed(model, p[KEYS[kind]], normed, ctx, window), None
+    def mix(kind, p, normed, site, state, j):  # query slot - key slot, as in the concatenated sequence
+        return MIXERS[kind].prefixed(model, p[KEYS[kind]], normed, ctx, site), None
 
     x = (embed(model, params, prefix_ids_BP), embed(model, params, suffix_ids_NC))
     (h_prefix, h_suffix), _ = _stack(model, params, x, mix, remat=True)

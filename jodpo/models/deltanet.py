@@ -106,11 +106,11 @@ def _run(model: Model, p: Params, x_BLD, mask_BL, state: dict) -> tuple[jax.Arra
     return einsum(model, "blhk,hkd->bld", o, p["out"].astype(dt)), new
 
 
-def full(model: Model, p: Params, x, ctx: Context, window) -> jax.Array:
+def full(model: Model, p: Params, x, ctx: Context, site) -> jax.Array:
     return _run(model, p, x, ctx.mask[0], init_state(model, x.shape[0], 0, x.dtype))[0]
 
 
-def prefixed(model: Model, p: Params, xs, ctx: Context, window) -> tuple[jax.Array, jax.Array]:
+def prefixed(model: Model, p: Params, xs, ctx: Context, site) -> tuple[jax.Array, jax.Array]:
     """The prefix from nothing; each suffix row (block layout) from a copy of its prefix's final state, so the
     prefix's gradient gathers every suffix's."""
     xp, xs_ = xs
@@ -121,7 +121,7 @@ def prefixed(model: Model, p: Params, xs, ctx: Context, window) -> tuple[jax.Arr
     return yp, ys
 
 
-def cached(model: Model, p: Params, x, state: dict, j, ctx: Context, window) -> tuple[jax.Array, dict]:
+def cached(model: Model, p: Params, x, state: dict, j, ctx: Context, site) -> tuple[jax.Array, dict]:
     mine = state if j is None else jax.tree.map(lambda a: a[j], state)
     y, new = _run(model, p, x, ctx.mask[0], mine)
     if j is not None:

@@ -6,7 +6,10 @@ What differs between families is a field of ``Model`` read here, never the famil
   norm, norm_offset      LayerNorm (NeoX); RMSNorm as Llama computes it; x * (1 + w) in float32 (Gemma)
   activation, gated_mlp  GELU (NeoX), SwiGLU (Llama, Qwen), GeGLU with tanh-approximated GELU (Gemma)
   qkv_bias, qk_norm      biases on q, k, v (Qwen2); an RMSNorm over each head's queries and keys (Qwen3, Gemma 3)
-  rotary_dim, inv_freq   partial rotary (NeoX); the sliding-window layers' own RoPE base (local_inv_freq, Gemma 3)
+  rotary_dim, inv_freq   partial rotary (NeoX); the sliding-window layers' own RoPE base (local_inv_freq, Gemma 3,
+                         OLMo 3); YaRN's scale of cos and sin (rope_scale); layers without RoPE (nope_layers, SmolLM3)
+  qk_norm_whole          the q/k norms over the whole projection, every head at once (OLMo 2 and 3)
+  norm_scale_f32         the norm's scale multiplied in float32, before the cast back (OLMo 2, Gemma 4)
   query_scale            the scores' scale (Gemma's query_pre_attn_scalar)
   attn_softcap           cap * tanh(scores / cap) before the mask (Gemma 2)
 """
@@ -32,6 +35,15 @@ _ACTIVATIONS = {
 }
 ACTIVATIONS = tuple(_ACTIVATIONS)
 FULL_WINDOW = np.iinfo(np.int32).max  # a full-attention layer's window
+
+
+class Site(NamedTuple):
+    """A layer's scalars that change no shapes, scan inputs of the layer stack (``decoder.sites``): its attention
+    window in slots (``FULL_WINDOW``: none) and whether it rotates its queries and keys (SmolLM3's NoPE layers do not).
+    Ints, or traced int32 scalars inside a scan."""
+
+    window: Any
+    rope: Any
 
 
 class Context(NamedTuple):
@@ -61,17 +73,21 @@ def recomputed(f):
     return jax.checkpoint(f, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
 
 
-def norm(model: Model, p: Params, x: jax.Array) -> jax.Array:
-    """The model's norm over the last axis of ``x`` (hidden states ``[..., D]``, or a head's ``[..., Dh]``)."""
-    return recomputed(functools.partial(_normalise, model))(p, x)
+def norm(model: Model, p: Params, x: jax.Array, over: int = 1) -> jax.Array:
+    """The model's norm over the last ``over`` axes of ``x`` (hidden states ``[..., D]``, a head's ``[..., Dh]``, or a
+    whole projection's ``[..., H, Dh]``); ``p`` None: an RMSNorm without a scale (Gemma 4's value norm)."""
+    return recomputed(functools.partial(_normalise, model, over=over))(p, x)
 
 
-def _normalise(model: Model, p: Params, x_BLD: jax.Array) -> jax.Array:
-    x = x_BLD.astype(jnp.float32)
+def _normalise(model: Model, p: Params | None, x_BLD: jax.Array, over: int = 1) -> jax.Array:
+    x, axes = x_BLD.astype(jnp.float32), tuple(range(-over, 0))
     if model.norm == "rmsnorm":
-        y = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + model.norm_eps)
-        if model.norm_offset:
-            # As Gemma's RMSNorm: x * (1 + w) in float32 (w as the compute dtype holds it), then the cast.
+        y = x * jax.lax.rsqrt(jnp.mean(x * x, axes, keepdims=True) + model.norm_eps)
+        if p is None:
+            return y.astype(x_BLD.dtype)
+        if model.norm_offset or model.norm_scale_f32:
+            # As Gemma's (and OLMo 2's) RMSNorm: x * (offset + w) in float32 (w as the compute dtype holds it), then
+            # the cast.
             w = p["scale"].astype(x_BLD.dtype).astype(jnp.float32)
             return (y * (model.norm_offset + w)).astype(x_BLD.dtype)
         # As transformers' LlamaRMSNorm: normalise in float32, cast back, then scale.
@@ -102,29 +118,35 @@ def rope(model: Model, x_BLHD: jax.Array, cos_BLR: jax.Array, sin_BLR: jax.Array
     return jnp.concatenate([x_rot * cos + rotated * sin, x_pass], -1)
 
 
-def _tables(inv_freq, positions_BL):
+def _tables(inv_freq, positions_BL, scale: float = 1.0):
     freqs = positions_BL.astype(jnp.float32)[..., None] * jnp.asarray(np.asarray(inv_freq, np.float32))
     emb = jnp.concatenate([freqs, freqs], -1)
+    if scale != 1.0:  # YaRN's attention factor, on cos and sin in float32 as transformers applies it
+        return jnp.cos(emb) * np.float32(scale), jnp.sin(emb) * np.float32(scale)
     return jnp.cos(emb), jnp.sin(emb)
 
 
 def rope_tables(model: Model, positions_BL: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``(cos, sin)`` of the positions, ``[B, L, R]``; with ``local_inv_freq`` the global layers' and the local
     layers' stacked, ``[2, B, L, R]`` (``layer_rope`` picks a layer's)."""
+    main = _tables(model.inv_freq, positions_BL, model.rope_scale)
     if not model.local_inv_freq:
-        return _tables(model.inv_freq, positions_BL)
-    (cos, sin), (cos_local, sin_local) = _tables(model.inv_freq, positions_BL), _tables(model.local_inv_freq,
-                                                                                       positions_BL)
-    return jnp.stack([cos, cos_local]), jnp.stack([sin, sin_local])
+        return main
+    local = _tables(model.local_inv_freq, positions_BL)
+    return jnp.stack([main[0], local[0]]), jnp.stack([main[1], local[1]])
 
 
-def layer_rope(model: Model, tables, window) -> tuple[jax.Array, jax.Array]:
-    """One layer's ``(cos, sin)`` out of ``rope_tables``: the local ones on a sliding-window layer (``window``, an int
-    or a traced scalar, below ``FULL_WINDOW``) of a model that has them."""
-    if not model.local_inv_freq:
-        return tables
-    local = jnp.asarray(window) < FULL_WINDOW
-    return tuple(jnp.where(local, t[1], t[0]) for t in tables)
+def layer_rope(model: Model, tables, site: Site) -> tuple[jax.Array, jax.Array]:
+    """One layer's ``(cos, sin)`` out of ``rope_tables``: the local ones on a sliding-window layer (``site.window``
+    below ``FULL_WINDOW``) of a model that has them; on a layer without RoPE (``site.rope`` 0) cos 1 and sin 0, which
+    rotate nothing (x * 1 + rotate_half(x) * 0 is x exactly)."""
+    if model.local_inv_freq:
+        local = jnp.asarray(site.window) < FULL_WINDOW
+        tables = tuple(jnp.where(local, t[1], t[0]) for t in tables)
+    if model.nope_layers:
+        on = jnp.asarray(site.rope) > 0
+        tables = (jnp.where(on, tables[0], 1.0), jnp.where(on, tables[1], 0.0))
+    return tables
 
 
 def mlp(model: Model, p: Params, x_BLD: jax.Array) -> jax.Array:
@@ -157,8 +179,9 @@ def qkv(model: Model, p: Params, x_BLD, cos, sin):
     v = einsum(model, "bld,dhk->blhk", x_BLD, p["v"].astype(dt))
     if model.qkv_bias:
         q, k, v = q + p["q_bias"].astype(dt), k + p["k_bias"].astype(dt), v + p["v_bias"].astype(dt)
-    if model.qk_norm:
-        q, k = norm(model, p["q_norm"], q), norm(model, p["k_norm"], k)
+    if model.qk_norm:  # over each head, or (OLMo 2) over the whole projection, every head at once
+        over = 2 if model.qk_norm_whole else 1
+        q, k = norm(model, p["q_norm"], q, over), norm(model, p["k_norm"], k, over)
     return rope(model, q, cos, sin), rope(model, k, cos, sin), v
 
 

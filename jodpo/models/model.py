@@ -39,7 +39,7 @@ class DeltaNet:
 class Model:
     """Static architecture of a decoder (and its head). Hashable; holds no arrays."""
 
-    family: str  # "gpt_neox" | "llama" | "qwen2" | "qwen3" | "gemma2" | "gemma3" (Mistral, SmolLM load as "llama")
+    family: str  # a module of jodpo.models.families: "gpt_neox", "llama" (Mistral, SmolLM 1-2 too), "olmo2" (OLMo 3 too), ...
     task: str  # "causal_lm" (LM head) | "reward" (score head, num_labels=1)
     vocab_size: int
     hidden_size: int
@@ -64,10 +64,16 @@ class Model:
     # layers 1M and scaled); () = every layer uses inv_freq
     local_inv_freq: tuple[float, ...] = ()
     qk_norm: bool = False  # RMSNorm over each head's queries and keys after the projection, before RoPE (Qwen3, Gemma 3)
+    qk_norm_whole: bool = False  # ... over the whole q and k projections instead, every head at once (OLMo 2 and 3)
+    # YaRN's attention factor: cos and sin of inv_freq's tables times this (OLMo 3's global layers); 1 = none
+    rope_scale: float = 1.0
+    nope_layers: tuple[int, ...] = ()  # the layers that rotate nothing (SmolLM3's NoPE layers, every 4th)
     # RMSNorm as x * (norm_offset + w), the product in float32 before the cast back (Gemma: 1.0); 0.0 is Llama's
     # (normalise in float32, cast, then scale by w)
     norm_offset: float = 0.0
+    norm_scale_f32: bool = False  # x * w in float32 before the cast back, as Gemma's with an offset 0 (OLMo 2, Gemma 4)
     post_norms: bool = False  # Gemma's four norms a layer: the attention's and the MLP's outputs are normed too
+    pre_norms: bool = True  # the mixer's and the MLP's inputs normed; OLMo 2 norms only their outputs (post_norms)
     embed_scale: float = 1.0  # embeddings times this, rounded to the compute dtype (Gemma: sqrt(hidden_size))
     query_scale: float | None = None  # attention scores' scale (Gemma: query_pre_attn_scalar**-0.5); None: head_dim**-0.5
     attn_softcap: float = 0.0  # attention scores soft-capped as cap * tanh(s / cap) (Gemma 2); 0 = off

@@ -35,7 +35,7 @@ def param_specs(model: Model) -> dict:
         if model.gated_mlp:
             mlp["gate_bias"] = ((N, F), ("layers", "mlp"))
     final = {k: (shape[1:], axes[1:]) for k, (shape, axes) in norm().items()}
-    layers = {"ln1": norm(), "ln2": norm()}
+    layers = {"ln1": norm(), "ln2": norm()} if model.pre_norms else {}
     layers |= {KEYS[k]: m.specs(model, len(model.layers_of(k))) for k, m in MIXERS.items() if model.layers_of(k)}
     layers["mlp"] = mlp
     if model.post_norms:  # Gemma: the attention's and the MLP's outputs normed before their residuals
