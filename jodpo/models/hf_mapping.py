@@ -103,6 +103,13 @@ def rope_inv_freq(rope: dict, head_dim: int, max_position_embeddings: int) -> tu
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     dim = int(head_dim * rope.get("partial_rotary_factor", 1.0))
     base = float(rope["rope_theta"])
+    if rope_type == "proportional":
+        # Gemma 4's global layers: the first partial_rotary_factor of each rotate-half half rotates, at exponents over
+        # the whole head; the other frequencies are 0 (cos 1, sin 0: those dims pass as they are); all over factor
+        angles = int(rope.get("partial_rotary_factor", 1.0) * head_dim // 2)
+        rotated = 1.0 / (base ** (np.arange(0, 2 * angles, 2, dtype=np.int64).astype(np.float32) / head_dim))
+        inv = np.concatenate([rotated.astype(np.float32), np.zeros(head_dim // 2 - angles, np.float32)])
+        return (inv / np.float32(rope.get("factor", 1.0))).astype(np.float32), head_dim
     inv_freq = (1.0 / (base ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))).astype(np.float32)
     if rope_type == "default":
         return inv_freq, dim

@@ -10,6 +10,7 @@ What differs between families is a field of ``Model`` read here, never the famil
                          OLMo 3); YaRN's scale of cos and sin (rope_scale); layers without RoPE (nope_layers, SmolLM3)
   qk_norm_whole          the q/k norms over the whole projection, every head at once (OLMo 2 and 3)
   norm_scale_f32         the norm's scale multiplied in float32, before the cast back (OLMo 2, Gemma 4)
+  v_norm, k_eq_v         a scale-free norm over each head's values; values that are the projected keys (Gemma 4)
   query_scale            the scores' scale (Gemma's query_pre_attn_scalar)
   attn_softcap           cap * tanh(scores / cap) before the mask (Gemma 2)
 """
@@ -56,13 +57,16 @@ class Context(NamedTuple):
     prefixed      (prefix [B, P], suffix keys [N, P+C])  ([P, P], [C, P + C])          (prefix's, suffix's)
     cached        (new tokens [B, L], slots [B, S])      ([L, L], [L, S])              (new tokens',)
     ============  =====================================  ===========================  ==============================
-    ``start``: the cache slot of the first new token; ``empty``: the cache holds nothing yet (a prefill)."""
+    ``start``: the cache slot of the first new token; ``empty``: the cache holds nothing yet (a prefill);
+    ``positions``: each group's rotary positions, from which a mixer of another head size makes its own RoPE tables
+    (``jodpo.models.global_attention``)."""
 
     mask: tuple
     dist: tuple
     rope: tuple
     start: Any = None
     empty: bool = False
+    positions: tuple = ()
 
 
 def recomputed(f):
@@ -149,6 +153,26 @@ def layer_rope(model: Model, tables, site: Site) -> tuple[jax.Array, jax.Array]:
     return tables
 
 
+def per_layer_inputs(model: Model, params: Params, tokens_BL: jax.Array, x_BLD: jax.Array) -> jax.Array:
+    """Gemma 4's per-layer inputs of the tokens, layer-major ``[N, B, L, Dp]`` (as the layer scan reads them): each
+    token's row of the per-layer table (times sqrt(Dp) rounded to the compute dtype, as its scaled embedding) plus the
+    RMSNorm of the scaled embeddings ``x`` projected to every layer's Dp values (times D^-1/2), times 2^-1/2."""
+    N, Dp, dt = model.num_layers, model.per_layer_embeddings.dim, x_BLD.dtype
+    table = jnp.take(params["embed_per_layer"], tokens_BL, axis=0).astype(dt)  # [B, L, N, Dp]
+    table = table * jnp.asarray(np.float32(Dp ** 0.5)).astype(dt)
+    proj = einsum(model, "bld,dnk->blnk", x_BLD, params["per_layer_proj"].astype(dt)) * model.hidden_size ** -0.5
+    return ((norm(model, params["per_layer_norm"], proj) + table) * 2 ** -0.5).transpose(2, 0, 1, 3)
+
+
+def per_layer_block(model: Model, p: Params, x_BLD: jax.Array, inputs_BLK: jax.Array) -> jax.Array:
+    """``x`` plus the RMSNorm of its gated projection times the layer's per-layer inputs, projected back (Gemma 4's
+    ``per_layer_input_gate``, ``per_layer_projection``, ``post_per_layer_input_norm``; after the MLP's residual)."""
+    dt = x_BLD.dtype
+    h = _ACTIVATIONS[model.activation](einsum(model, "bld,dk->blk", x_BLD, p["ple"]["ple_gate"].astype(dt)))
+    h = einsum(model, "blk,kd->bld", h * inputs_BLK.astype(dt), p["ple"]["ple_proj"].astype(dt))
+    return x_BLD + norm(model, p["ple_norm"], h)
+
+
 def mlp(model: Model, p: Params, x_BLD: jax.Array) -> jax.Array:
     dt = x_BLD.dtype
     act = _ACTIVATIONS[model.activation]
@@ -171,18 +195,40 @@ def mlp(model: Model, p: Params, x_BLD: jax.Array) -> jax.Array:
     return out
 
 
-def qkv(model: Model, p: Params, x_BLD, cos, sin):
-    """Rotated queries [B, L, H, Dh] and keys, values [B, L, K, Dh] of the new tokens."""
+def queries(model: Model, p: Params, x_BLD, cos, sin):
+    """Rotated queries [B, L, H, Dh] of the new tokens."""
     dt = x_BLD.dtype
     q = einsum(model, "bld,dhk->blhk", x_BLD, p["q"].astype(dt))
-    k = einsum(model, "bld,dhk->blhk", x_BLD, p["k"].astype(dt))
-    v = einsum(model, "bld,dhk->blhk", x_BLD, p["v"].astype(dt))
     if model.qkv_bias:
-        q, k, v = q + p["q_bias"].astype(dt), k + p["k_bias"].astype(dt), v + p["v_bias"].astype(dt)
+        q = q + p["q_bias"].astype(dt)
     if model.qk_norm:  # over each head, or (OLMo 2) over the whole projection, every head at once
-        over = 2 if model.qk_norm_whole else 1
-        q, k = norm(model, p["q_norm"], q, over), norm(model, p["k_norm"], k, over)
-    return rope(model, q, cos, sin), rope(model, k, cos, sin), v
+        q = norm(model, p["q_norm"], q, 2 if model.qk_norm_whole else 1)
+    return rope(model, q, cos, sin)
+
+
+def keys_values(model: Model, p: Params, x_BLD, cos, sin):
+    """Rotated keys and values [B, L, K, Dh] of the new tokens (with ``k_eq_v``: the values are the keys as
+    projected, before their norm and RoPE; with ``v_norm``: normed without a scale)."""
+    dt = x_BLD.dtype
+    k = einsum(model, "bld,dhk->blhk", x_BLD, p["k"].astype(dt))
+    if model.qkv_bias:
+        k = k + p["k_bias"].astype(dt)
+    if model.k_eq_v:
+        v = k
+    else:
+        v = einsum(model, "bld,dhk->blhk", x_BLD, p["v"].astype(dt))
+        if model.qkv_bias:
+            v = v + p["v_bias"].astype(dt)
+    if model.qk_norm:
+        k = norm(model, p["k_norm"], k, 2 if model.qk_norm_whole else 1)
+    if model.v_norm:
+        v = norm(model, None, v)
+    return rope(model, k, cos, sin), v
+
+
+def qkv(model: Model, p: Params, x_BLD, cos, sin):
+    """Rotated queries [B, L, H, Dh] and keys, values [B, L, K, Dh] of the new tokens."""
+    return (queries(model, p, x_BLD, cos, sin), *keys_values(model, p, x_BLD, cos, sin))
 
 
 def attention(model: Model, q_BLHD, k_BKSD, v_BKSD, attend_BLS) -> jax.Array:
