@@ -17,6 +17,8 @@ ratios within a run, not seconds across runs). docs/performance.md has the figur
   python benchmarks/bench.py device [--out DIR] [--dry-run] [--tests-timeout 100] [--step-timeout 210]
                                  [--variant-timeout 40] [--baseline DIR]
                                  (the GPU check of a short lease: device.py, scripts/device_check.sh)
+  python benchmarks/bench.py traffic [--rows 32] [--prompt-len 128] [--new-tokens 128] [--dtype bfloat16|float32]
+                                  [--hf-config qwen3.5-2b] [--tpu v5e:1x1] [--no-step] [--out F.json]  (traffic.py)
   python benchmarks/bench.py tpu-grid [--models qwen3-0.6b ...] [--tpus v5e:1x1 v5e:2x4 ...] [--lora-ranks 0 16]
                                    [--out runs/tpu-grid] [--table-only]  (memory --tpu over a grid: tpu_grid.py)
   python benchmarks/bench.py deltanet [--lengths 512 2048] [--chunk 64] [--repeats 3] [--out F.json]
@@ -80,6 +82,7 @@ import program
 import real
 import sample
 import tpu_grid
+import traffic
 import train
 import workers
 from harness import PYTHIA_70M, Channel, machine, set_environment
@@ -92,7 +95,8 @@ BENCHMARKS = {"sample": (sample.bench_sample, sample.print_sample), "train": (tr
               "memory": (memory.bench_memory, memory.print_memory),
               "device": (device.bench_device, device.print_device),
               "tpu-grid": (tpu_grid.bench_tpu_grid, tpu_grid.print_tpu_grid),
-              "deltanet": (deltanet.bench_deltanet, deltanet.print_deltanet)}
+              "deltanet": (deltanet.bench_deltanet, deltanet.print_deltanet),
+              "traffic": (traffic.bench_traffic, traffic.print_traffic)}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -105,6 +109,7 @@ def parser() -> argparse.ArgumentParser:
     memory.add_parser(sub, SHAPE)
     device.add_parser(sub)
     tpu_grid.add_parser(sub)
+    traffic.add_parser(sub, SHAPE)
     deltanet.add_parser(sub)
     return ap
 

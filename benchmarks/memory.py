@@ -39,7 +39,7 @@ def topology_chips(tpu: str) -> int:
     return math.prod(int(d) for d in tpu.partition(":")[2].split("x") if d.isdigit()) or 1
 
 
-def _devices(a) -> list:
+def compile_devices(a) -> list:
     """The devices the pieces are compiled for: jax's default one, or every chip of the TPU topology ``a.tpu``
     (``jax.experimental.topologies``: libtpu's compiler, no TPU attached; jax itself stays on the CPU)."""
     import jax
@@ -152,7 +152,7 @@ def bench_memory(a) -> dict:
     from jodpo.models import params as params_mod
     from jodpo.parallel import sharding as S
 
-    devices = _devices(a)
+    devices = compile_devices(a)
     mesh = S.make_mesh(1, -1, 1, devices)  # FSDP over every chip: weights, gradients, Adam, frozen models, batch
     with tempfile.TemporaryDirectory() as tmp:
         policy, rm = hf_models(a.hf_config, a.reward_hf_config, Path(tmp)) if a.hf_config else \

@@ -167,12 +167,29 @@ def _emit(cfg: SamplingConfig, rng: jax.Array, state: _State, logits_BV: jax.Arr
                          logprobs=upd(state.logprobs, jnp.where(alive, logp, 0.0)))
 
 
+def sampler_params(model: Model, params: Params) -> Params:
+    """``params`` as the sampler holds them for a call: split per layer (a decode step then slices no weights), any
+    LoRA adapters merged, in the compute dtype (float32 master weights of a bf16 run converted once, not on every
+    step). They go with a per-layer cache, ``init_cache(..., per_layer=True)``."""
+    return compute_params(model, split_layers(model, params))
+
+
+def decode_step(model: Model, params: Params, cache: Cache, token_B: jax.Array,
+                alive_B: jax.Array) -> tuple[jax.Array, Cache]:
+    """The model's part of one step of the sampler's decode loop: ``token_B`` i32[B] (``alive_B`` bool[B]: a real
+    token; a row that has ended runs on padding, unseen by any real token) after ``cache``; returns the next token's
+    logits f32[B, V] and the cache with it written. ``params`` from ``sampler_params``, ``cache`` per layer. What
+    ``bench.py traffic`` compiles to count the bytes a decode step moves."""
+    h, cache = hidden_states(model, params, token_B[:, None], alive_B[:, None].astype(jnp.int32), cache)
+    return lm_head(model, params, h[:, -1]), cache
+
+
 def _decode_step(model: Model, params: Params, cfg: SamplingConfig, rng: jax.Array, state: _State) -> _State:
     """One decode step, straight-line (no branch: on a GPU every ``lax.cond`` waits for its predicate to reach the
-    host, and the kernels behind it then start only after it): run the model on the last token (a row that has
-    ended runs on padding, unseen by any real token), then choose the next."""
-    h, cache = hidden_states(model, params, state.token[:, None], state.alive[:, None].astype(jnp.int32), state.cache)
-    return _emit(cfg, rng, state.replace(cache=cache), lm_head(model, params, h[:, -1]))
+    host, and the kernels behind it then start only after it): run the model on the last token, then choose the
+    next."""
+    logits, cache = decode_step(model, params, state.cache, state.token, state.alive)
+    return _emit(cfg, rng, state.replace(cache=cache), logits)
 
 
 def sample(model: Model, params: Params, prompt_ids: jax.Array, prompt_mask: jax.Array, rng: jax.Array,
@@ -194,10 +211,7 @@ def sample(model: Model, params: Params, prompt_ids: jax.Array, prompt_mask: jax
     B, P = prompt_ids.shape
     T = config.max_new_tokens
     cache = init_cache(model, B, P + T, per_layer=True)
-    # Once per call, not on every decode step: the weights split per layer (the decode steps then slice nothing), any
-    # LoRA adapters merged into them, and in the compute dtype (float32 master weights of a bf16 run are converted
-    # here, not 53 times a step).
-    params = compute_params(model, split_layers(model, params))
+    params = sampler_params(model, params)  # once per call, not on every decode step
     h, cache = hidden_states(model, params, prompt_ids, prompt_mask, cache, empty_cache=True)
     logits = lm_head(model, params, h[:, -1])
     seen = None

