@@ -7,8 +7,8 @@ EOS ids (<eos>, <turn|>) come from its generation_config.json. jodpo's TPU defau
 weights, the layers rematerialised, the batch, weights, gradients and Adam state split over every chip of the slice
 (mesh_fsdp=-1; the per-layer table too), the frozen reference and reward model in bf16. Its 4.6 B parameters (2.3 B
 of them the per-layer table) are 56 GB as float32 weights and Adam moments (12 bytes each), more than one v5e or v6e
-chip holds: a slice of 8 chips, or use_peft=True (PEFT's defaults, q_proj and v_proj); which TPU chips it compiles for
-is the tpu-grid's to say (docs/tpu.md)."""
+chip holds, and XLA:TPU refuses its step on 8 v5e chips too (temporaries 35.5 GiB a chip: docs/tpu.md): a v6e or v5p
+slice, or use_peft=True (PEFT's defaults, q_proj and v_proj), whose cells the tpu-grid has not compiled yet."""
 from jodpo import TrainConfig
 from jodpo.program.config import load_config_file
 
