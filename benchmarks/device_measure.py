@@ -238,7 +238,7 @@ def run(spec: dict) -> None:
             elif what == "step":
                 variants[name] = fused_step(cfg_v)
             elif what == "family":
-                variants[name] = family(v["config"], spec.get("shrink"))
+                variants[name] = family(v["config"], (spec.get("shrink") or {}).get(v["config"]))
             else:  # the update alone, on the pairs sampled above
                 holder = {"state": state}
 

@@ -5,14 +5,15 @@ sessions (a cell already there is not compiled again), then the tables of docs/t
   python benchmarks/bench.py tpu-grid [--models qwen3-0.6b ...] [--tpus v5e:1x1 v5e:2x4 ...] [--lora-ranks 0 16]
                                       [--out runs/tpu-grid] [--table-only]
 
-Each cell is TRL's recipe batch of the Qwen3 and Gemma 3 recipes (8 prompts a chip, 2 micro-batches, prompts at the
-largest bucket, 512, 64 new tokens, bf16 compute, float32 weights and Adam, the frozen models in bf16, full remat) with
-a reward model of the policy's shape. A cell is **yes** when XLA:TPU compiles the fused step (its peak per chip in GiB
+Each cell is TRL's recipe batch of the Qwen3, Gemma 3 and Gemma 4 recipes (8 prompts a chip, 2 micro-batches, prompts
+at the largest bucket, 512, 64 new tokens, bf16 compute, float32 weights and Adam, the frozen models in bf16, full
+remat) with a reward model of the policy's shape. A cell is **yes** when XLA:TPU compiles the fused step (its peak per chip in GiB
 is shown), **no** when it refuses it for the chip's HBM (the temporaries it named) or when the peak it compiled
 is more than the chip's HBM (XLA:TPU checks the temporaries alone when it compiles). LoRA cells adapt PEFT's default
 modules, every projection (all-linear) where PEFT has none (Qwen3.5). A cell not compiled may still be
 settled by another one of the same family, chips and training, on the assumption that a step's memory grows with the
-model (every dimension of the larger of two models of one family is at least the smaller's): a larger model that fits
+model (every dimension of the larger of two Qwen3, Qwen3.5 or Gemma 3 models is at least the smaller's; Gemma 4's
+sizes grow in memory though not in every dimension: benchmarks/configs/README.md): a larger model that fits
 says yes (``yes<``), a smaller one refused says no (``no>``); everything else is left open (``?``).
 """
 from __future__ import annotations
@@ -27,7 +28,7 @@ from harness import BENCH
 from memory import TPU_CHIPS, hf_models, lora_targets, topology_chips
 
 MODELS = ("qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3.5-0.8b", "qwen3.5-2b", "qwen3.5-4b", "qwen3.5-9b",
-          "gemma-3-1b", "gemma-3-4b", "gemma-3-12b")
+          "gemma-3-1b", "gemma-3-4b", "gemma-3-12b", "gemma-4-e2b", "gemma-4-e4b", "gemma-4-31b")
 TPUS = ("v5e:1x1", "v6e:1x1", "v5p:1x1x1", "v5e:2x4", "v6e:2x4", "v5p:2x2x2")
 RECIPE = ["--batch", "8", "--accumulation", "2", "--prompt-len", "512", "--new-tokens", "64", "--max-length", "512",
           "--frozen-param-dtype", "bfloat16", "--pieces", "online_step"]
@@ -94,7 +95,8 @@ def hbm_of(tpu: str) -> float:
 
 
 def family(model: str) -> str:
-    return model.split("-")[0]
+    """The name less its size: qwen3, qwen3.5, gemma-3, gemma-4."""
+    return model.rsplit("-", 1)[0]
 
 
 def settle(models: list[str], tpus: list[str], ranks: list[int], compiled: dict, floors: dict) -> dict:

@@ -54,16 +54,24 @@ def learning_rate_schedule(cfg: OptimizerConfig) -> optax.Schedule:
     return schedule
 
 
-def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
-    """clip_by_global_norm -> AdamW (decoupled weight decay, as torch.optim.AdamW) with the schedule."""
+def make_optimizer(cfg: OptimizerConfig, frozen: tuple[str, ...] = ()) -> optax.GradientTransformation:
+    """clip_by_global_norm -> AdamW (decoupled weight decay, as torch.optim.AdamW) with the schedule. ``frozen``: the
+    names of leaves never updated, weight decay neither (what transformers keeps as buffers, outside the optimizer:
+    ``jodpo.models.params.buffers``)."""
     adamw = optax.adamw(learning_rate_schedule(cfg), b1=cfg.adam_beta1, b2=cfg.adam_beta2, eps=cfg.adam_epsilon,
                         weight_decay=cfg.weight_decay)
-    if not cfg.max_grad_norm:
-        return adamw
-    return optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm), adamw)
+    tx = adamw if not cfg.max_grad_norm else optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm), adamw)
+    if not frozen:
+        return tx
+
+    def hold(updates, params=None):
+        return jax.tree_util.tree_map_with_path(
+            lambda path, u: jnp.zeros_like(u) if any(getattr(k, "key", None) in frozen for k in path) else u, updates)
+
+    return optax.chain(tx, optax.stateless(hold))
 
 
-def restarted(cfg: OptimizerConfig, params, updates_done) -> optax.OptState:
+def restarted(cfg: OptimizerConfig, params, updates_done, frozen: tuple[str, ...] = ()) -> optax.OptState:
     """A fresh optimizer state for ``params`` after ``updates_done`` updates: what a resume from a checkpoint without
     one (``save_only_model``) continues with. AdamW's moments start from zero and its bias correction from its first
     step, as a new AdamW's, so the first update is an ordinary first step (a moment count left at ``updates_done``
@@ -71,5 +79,5 @@ def restarted(cfg: OptimizerConfig, params, updates_done) -> optax.OptState:
     the learning-rate schedule stands at ``updates_done``, where the run is."""
     done = jnp.asarray(updates_done, jnp.int32)
     is_schedule = lambda s: isinstance(s, optax.ScaleByScheduleState)  # noqa: E731
-    return jax.tree.map(lambda s: s._replace(count=done) if is_schedule(s) else s, make_optimizer(cfg).init(params),
-                        is_leaf=is_schedule)
+    return jax.tree.map(lambda s: s._replace(count=done) if is_schedule(s) else s,
+                        make_optimizer(cfg, frozen).init(params), is_leaf=is_schedule)

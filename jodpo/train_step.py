@@ -33,7 +33,7 @@ from jodpo.losses import Coefficients, OnlineBatch, batch_logprobs, dpo_loss
 from jodpo.losses import LossOptions, completion_logprobs, online_dpo_loss  # noqa: F401 (re-exported)
 from jodpo.models.decoder import Model, Params
 from jodpo.models.lora import attach
-from jodpo.models.params import frozen_params
+from jodpo.models.params import buffers, frozen_params
 from jodpo.optim import SCHEDULES, OptimizerConfig, learning_rate_schedule, make_optimizer  # noqa: F401 (re-exported)
 from jodpo.pairing import group_metrics, pair_rows, resolve_pairing, take_rows
 from jodpo.scoring import score_tokens
@@ -45,7 +45,7 @@ def init_state(cfg: StepConfig, params: Params, rng: jax.Array) -> TrainState:
     reference: the jitted steps donate the state's buffers, never the reference's."""
     params = jax.tree.map(jnp.copy, params)
     return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                      opt_state=make_optimizer(cfg.optimizer).init(params), rng=rng,
+                      opt_state=make_optimizer(cfg.optimizer, buffers(cfg.model)).init(params), rng=rng,
                       sampler_params=sampler_weights(cfg, params) if cfg.lagging else None)
 
 
@@ -206,7 +206,7 @@ def _accumulate(model: Model, loss_fn, params: Params, batches):
 
 def apply_gradients(cfg: StepConfig, state: TrainState, grads: Params, metrics: dict) -> tuple[TrainState, dict]:
     """One optax update. A non-finite loss or gradient norm skips it (parameters and moments unchanged)."""
-    tx = make_optimizer(cfg.optimizer)
+    tx = make_optimizer(cfg.optimizer, buffers(cfg.model))
     grad_norm = optax.global_norm(grads)  # logged before clipping, as transformers does
     finite = jnp.isfinite(grad_norm) & jnp.isfinite(metrics["loss"])
 

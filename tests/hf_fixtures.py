@@ -5,8 +5,9 @@ partial rotary, Llama-3 RoPE scaling with grouped-query attention, tied embeddin
 window, Qwen2's q/k/v biases, Qwen3's q/k norms (with an explicit head_dim and a sliding-window layer), Qwen3.5's
 Gated DeltaNet and gated-attention layers (alternating), Gemma 2's (1 + w) norms, four a layer, scaled embeddings,
 GeGLU, query_pre_attn_scalar and soft-capping (caps small enough to bite on these weights), Gemma 3's q/k norms and
-its local layers' own RoPE base beside scaled global RoPE. Every sliding window (4 to 6 slots) is shorter than the
-prompts the tests feed them.
+its local layers' own RoPE base beside scaled global RoPE, SmolLM3's NoPE layer, OLMo 2's norms after attention and MLP
+and q/k norms over the whole projections, OLMo 3's three sliding layers to one global with YaRN. Every sliding window
+(4 to 6 slots) is shorter than the prompts the tests feed them.
 """
 from __future__ import annotations
 
@@ -43,13 +44,14 @@ def build_tokenizer(out: Path):
 
 
 FAMILIES = ("neox", "neox_seq", "llama", "llama_tied", "mistral", "qwen2", "qwen3", "qwen3_5", "gemma2",
-            "gemma3")  # family_configs' keys, in order
+            "gemma3", "smollm3", "olmo2", "olmo3", "gemma4")  # family_configs' keys, in order
 
 
 def family_configs(pad_id: int, eos_id: int) -> dict:
     """transformers configs of the tiny variants, keyed by fixture name."""
-    from transformers import (Gemma2Config, Gemma3TextConfig, GPTNeoXConfig, LlamaConfig, MistralConfig, Qwen2Config,
-                              Qwen3_5TextConfig, Qwen3Config)
+    from transformers import (Gemma2Config, Gemma3TextConfig, Gemma4TextConfig, GPTNeoXConfig, LlamaConfig,
+                              MistralConfig, Olmo2Config, Olmo3Config, Qwen2Config, Qwen3_5TextConfig, Qwen3Config,
+                              SmolLM3Config)
 
     common = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                   intermediate_size=128, max_position_embeddings=128, pad_token_id=pad_id, eos_token_id=eos_id,
@@ -81,7 +83,72 @@ def family_configs(pad_id: int, eos_id: int) -> dict:
                                    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
                                                     "full_attention": {"rope_type": "linear", "factor": 8.0,
                                                                        "rope_theta": 1000.0}}, **common),
+        # layer 1 without RoPE (NoPE) and sliding (transformers' default layer_types with use_sliding_window)
+        "smollm3": SmolLM3Config(num_key_value_heads=2, no_rope_layers=[1, 0], use_sliding_window=True,
+                                 sliding_window=5, tie_word_embeddings=False, **common),
+        # no norms before attention or MLP, q/k norms over the whole projections (two kv heads: k_norm over 2 x 16)
+        "olmo2": Olmo2Config(num_key_value_heads=2, **common),
+        # three sliding layers (window 4) and a global one with YaRN (its attention factor), the sliding ones at the
+        # plain base
+        "olmo3": Olmo3Config(num_key_value_heads=2, sliding_window=4,
+                             rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                                              "full_attention": {"rope_type": "yarn", "rope_theta": 100.0,
+                                                                 "factor": 4.0, "original_max_position_embeddings": 32,
+                                                                 "attention_factor": 1.3}},
+                             **{**common, "num_hidden_layers": 4}),
+        # everything its config allows at once: sliding layers (window 5, head_dim 16, two kv heads) and global ones
+        # (head_dim 32, one kv head, values = keys, proportional RoPE over a quarter), per-layer embeddings (8 a
+        # layer), the last two layers reusing the keys and values of layers 1 and 2 with double-wide MLPs, a soft-cap
+        # that bites
+        "gemma4": Gemma4TextConfig(num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+                                   attention_k_eq_v=True, sliding_window=5, num_kv_shared_layers=2,
+                                   layer_types=["sliding_attention", "full_attention", "sliding_attention",
+                                                "sliding_attention", "full_attention"],
+                                   hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB,
+                                   use_double_wide_mlp=True, final_logit_softcapping=5.0,
+                                   **{**common, "num_hidden_layers": 5}),
     }
+
+
+def _register_gemma4_classifier():
+    """transformers has no Gemma4ForSequenceClassification: the tests' is its generic sequence classifier over the text
+    model (``score.weight`` on the last non-pad token's hidden state), as transformers defines every other family's
+    (Gemma3TextForSequenceClassification), registered with AutoModelForSequenceClassification in the test processes."""
+    from transformers import AutoModelForSequenceClassification, Gemma4TextConfig
+    from transformers.modeling_layers import GenericForSequenceClassification
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4PreTrainedModel
+
+    class Gemma4ForSequenceClassification(GenericForSequenceClassification, Gemma4PreTrainedModel):
+        config_class = Gemma4TextConfig
+        # transformers decides this by reading the class's module's source for its experts decorator, which
+        # modeling_gemma4 has (its other classes answer True) and this file does not
+        _can_set_experts_implementation_cached_value = True
+
+    AutoModelForSequenceClassification.register(Gemma4TextConfig, Gemma4ForSequenceClassification, exist_ok=True)
+
+
+try:
+    _register_gemma4_classifier()
+except ImportError:  # no torch (a subprocess without it)
+    pass
+
+
+def randomize(model):
+    """``model`` (torch) with larger random weights than HF's init, so that differences show up: matrices normal(0,
+    0.08), vectors (norms, biases) and Gemma 4's layer scalars (buffers, saved with the weights) moved by
+    normal(0, 0.05)."""
+    import torch
+
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim >= 2:
+                p.normal_(0.0, 0.08)
+            elif p.ndim == 1:
+                p.add_(torch.randn_like(p) * 0.05)
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                b.add_(torch.randn_like(b) * 0.05)
+    return model
 
 
 def checkpoint_dirs(root: Path) -> dict[str, dict[str, Path]]:
@@ -103,13 +170,7 @@ def build_checkpoints(root: Path) -> dict[str, dict[str, Path]]:
         dirs = {}
         for task, cls in (("causal_lm", AutoModelForCausalLM), ("reward", AutoModelForSequenceClassification)):
             cfg.num_labels = 1
-            model = cls.from_config(cfg, dtype=torch.float32)
-            with torch.no_grad():  # larger random weights than HF's init, so that differences show up
-                for p in model.parameters():
-                    if p.ndim >= 2:
-                        p.normal_(0.0, 0.08)
-                    elif p.ndim == 1:
-                        p.add_(torch.randn_like(p) * 0.05)
+            model = randomize(cls.from_config(cfg, dtype=torch.float32))
             d = root / f"{name}-{task}"
             model.save_pretrained(d)
             tok.save_pretrained(d)

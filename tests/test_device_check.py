@@ -62,6 +62,8 @@ def test_the_step_phase_numbers_agree(dry_run):
     qwen = v["sampler and step, Qwen3.5-2B shape"]  # the hybrid family's step, shrunk to a tiny model here
     assert qwen["episodes_per_s"] == pytest.approx(B / qwen["median_s"]) and qwen["config"] == "qwen3.5-2b"
     assert 0 < qwen["parameters"] < 10 ** 6 and qwen["rows"] == 2 * B
+    gemma = v["sampler and step, Gemma 4 E2B shape"]  # two attention shapes, per-layer embeddings, KV sharing
+    assert gemma["config"] == "gemma-4-e2b" and 0 < gemma["parameters"] < 10 ** 6 and gemma["tokens_per_s"] > 0
     assert v["sampler, scan unroll 2"]["completion_tokens"] == x["completion_tokens"]  # unrolling samples the same
     assert r["complete"] is True and r["command"].startswith("python benchmarks/bench.py device")
     table = (out / "device_check.md").read_text()

@@ -13,6 +13,7 @@ import pytest
 
 from jodpo.parallel import sharding as S
 from jodpo import train
+from jodpo.models.families import SUPPORTED
 from jodpo.program import loop
 from jodpo.program.checkpoint import Checkpointer
 from tests import hf_fixtures, subproc
@@ -104,7 +105,7 @@ CASES = {  # name: (argv after --config CFG, the phrase the one-line message mus
                     "not in the local Hugging Face cache and HF_HUB_OFFLINE is set. Download it on a machine with "
                     "network (hf download EleutherAI/pythia-70m)"),
     "unsupported architecture": (["--config.model_name_or_path={bad}/bert"], "architecture ['BertForMaskedLM'] is not "
-                                                                             "supported; jodpo supports"),
+                                                                             f"supported; jodpo supports {SUPPORTED}."),
     "reward model is a causal LM": (["--config.reward_model_path={policy}"], "not a sequence classifier"),
     "reward model with two labels": (["--config.reward_model_path={bad}/two_labels"], "sequence classifier with 2 "
                                                                                       "labels; a reward model needs "

@@ -46,7 +46,8 @@ def neox_run(checkpoints, tmp_path_factory):
     return _train(checkpoints, "neox", tmp_path_factory.mktemp("neox"), steps=2)
 
 
-@pytest.mark.parametrize("family", ["neox", "llama", "llama_tied", "mistral", "qwen2", "qwen3_5"])
+@pytest.mark.parametrize("family", ["neox", "llama", "llama_tied", "mistral", "qwen2", "qwen3_5", "smollm3", "olmo3",
+                                    "gemma4"])
 def test_trained_policy_exports_to_transformers(checkpoints, tmp_path, family, neox_run):
     steps = 2 if family == "neox" else 3
     run = neox_run if family == "neox" else _train(checkpoints, family, tmp_path, steps)

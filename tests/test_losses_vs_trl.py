@@ -19,10 +19,15 @@ from tests import references
 @pytest.mark.parametrize("family,loss_type,use_rm", [("neox", "sigmoid", True), ("llama", "ipo", True),
                                                      ("neox", "ipo", False), ("llama", "sigmoid", False),
                                                      ("qwen3", "sigmoid", True), ("qwen3_5", "sigmoid", True),
-                                                     ("gemma3", "sigmoid", True)])
+                                                     ("gemma3", "sigmoid", True), ("smollm3", "sigmoid", True),
+                                                     ("olmo3", "sigmoid", True), ("gemma4", "sigmoid", True)])
 def test_one_step_equals_trl(checkpoints, tmp_path, family, loss_type, use_rm):
     paths = checkpoints[family]
-    references.check_step_equals_trl(paths, references.record_trl_step(paths, loss_type, use_rm, tmp_path), loss_type, use_rm, tmp_path)
+    # Gemma 4's float32 gradients are themselves 1-3e-5 (of the largest) from float64's, torch's and jodpo's alike (its
+    # unscaled attention scores; measured): its gradient norm is held to 4e-5
+    scale = 4.0 if family == "gemma4" else 1.0
+    references.check_step_equals_trl(paths, references.record_trl_step(paths, loss_type, use_rm, tmp_path), loss_type,
+                                     use_rm, tmp_path, scale=scale)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -161,14 +161,21 @@ def test_prefixed_forward_equals_full_forward_with_gradients(checkpoints, family
 
     got, want = jax.jit(shared)(params), jax.jit(repeated)(params)
     real = mask.astype(bool)
-    np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], rtol=1e-5, atol=1e-5)
+    # 1e-5 of the largest: float32's rounding in another order (Gemma 4's unscaled scores carry it furthest: 1.4-1.9e-5
+    # of states up to 3.2 measured; in float64 throughout the two agree to 1e-14)
+    np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], rtol=1e-5,
+                               atol=1e-5 * float(np.abs(np.asarray(want)[real]).max()))
     g_got, g_want = (jax.jit(jax.grad(lambda p, f=f: jnp.sum(f(p) * weights)))(params) for f in (shared, repeated))
+    # Gemma 4's gradients 5e-5 of the largest (3.6e-5 measured, the embeddings'; the forwards agree to 1e-14 in float64)
+    tol = 5e-5 if family == "gemma4" else 2e-5
     for (path, a), b in zip(jax.tree.leaves_with_path(g_got), jax.tree.leaves(g_want)):
         scale = float(np.abs(b).max()) or 1.0
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5 * scale, err_msg=jax.tree_util.keystr(path))
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=tol * scale, err_msg=jax.tree_util.keystr(path))
     rm, rm_params = jodpo.load_model(str(checkpoints[family]["reward"]), task="reward")
+    # float32's rounding in another order: Gemma 4's unscaled scores (scale 1) carry it furthest (1.1e-5 measured; the
+    # same forwards in float64 agree to 1e-6, the float32 score head's own rounding)
     np.testing.assert_allclose(np.asarray(heads.prefixed_reward_scores(rm, rm_params, prompt, pmask, suffix, smask)),
-                               np.asarray(jodpo.reward_scores(rm, rm_params, ids, mask)), rtol=1e-5, atol=1e-6)
+                               np.asarray(jodpo.reward_scores(rm, rm_params, ids, mask)), rtol=1e-5, atol=2e-5)
     with pytest.raises(ValueError, match="block layout"):
         decoder.prefixed_hidden_states(model, params, prompt, pmask, suffix[:4], smask[:4])
 

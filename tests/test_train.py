@@ -140,8 +140,8 @@ def test_a_resumed_run_reads_no_policy_weights_of_its_own_dtype(checkpoints, tmp
 def test_every_config_runs_two_steps_on_local_stand_ins(name, checkpoints, tmp_path):
     cfg = C.load_config_file(name)
     policy = cfg.model_name_or_path.lower()  # a tiny stand-in of the recipe's family
-    family = next((f for key, f in (("qwen3.5", "qwen3_5"), ("qwen3", "qwen3"), ("gemma-3", "gemma3"), ("qwen", "qwen2"))
-                   if key in policy), "neox")
+    family = next((f for key, f in (("qwen3.5", "qwen3_5"), ("qwen3", "qwen3"), ("gemma-3", "gemma3"),
+                                    ("gemma-4", "gemma4"), ("qwen", "qwen2")) if key in policy), "neox")
     chat = "ultrafeedback" in cfg.dataset_name
     # open-instruct's recipe reads a preference dataset's prompts (online, since the run has a reward model)
     # a reward reading the instruction columns (smollm2_ifeval.py) gets prompts carrying them

@@ -4,7 +4,9 @@ tokenizer (248,320 entries) is not the reward model's (Qwen3's), so each complet
 the reward model's own tokenizer and chat template before it is scored (the reward model still runs on the device).
 The checkpoint on the hub is a Qwen3_5ForConditionalGeneration: its language model is trained, its vision tower and
 multi-token-prediction layer are left out (one line says so), and an export is a Qwen3_5ForCausalLM. Qwen3.5's EOS ids
-come from its generation_config.json; its chat template renders the prompts as TRL renders them (its default)."""
+come from its generation_config.json; its chat template renders the prompts as TRL renders them (its default).
+TPU chips (docs/tpu.md's grid, at this batch, with a reward model of the policy's shape): full fine-tuning does not fit
+one v5e chip (20.5 GiB of temporaries asked); one v6e or v5p chip and 8 chips are not compiled yet."""
 from jodpo import TrainConfig
 from jodpo.program.config import load_config_file
 

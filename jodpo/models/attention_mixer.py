@@ -1,64 +1,94 @@
 """The softmax-attention mixer kind: its parameters, its three forwards and its cache state.
 
-Every mixer kind (this one, ``jodpo.models.deltanet``) offers the decoder the same functions:
+Every mixer kind (this one, ``jodpo.models.deltanet``, ``global_attention``, ``shared_kv``) offers the decoder the same
+functions:
   specs(model, n)                   its parameters' ``(shape, logical_axes)`` for n layers, stacked on a ``layers`` axis
-  full(model, p, x, ctx, window)    a group of tokens without a cache (training, scoring)
-  prefixed(model, p, xs, ctx, window)   the shared-prompt layout: a prefix group and the suffixes that continue it
-  cached(model, p, x, state, j, ctx, window)   new tokens after a cache state (the prefill, the decode steps)
-  init_state(model, batch, length, dtype)      one layer's empty cache state
+  full(model, p, x, ctx, site, kv)  a group of tokens without a cache (training, scoring)
+  prefixed(model, p, xs, ctx, site, kv)   the shared-prompt layout: a prefix group and the suffixes that continue it
+  cached(model, p, x, state, j, ctx, site)   new tokens after a cache state (the prefill, the decode steps)
+  init_state(model, batch, length, dtype)    one layer's empty cache state (None: it keeps none)
 ``p`` is one layer's parameters of this kind (``params["layers"]["attn"]`` sliced), ``x`` its normed input
 ``[B, L, D]``; each returns the mixer's output ``[B, L, D]`` (after its output projection). ``ctx``
 (``layers.Context``) carries what the decoder computes once for every layer: token masks, RoPE tables, the attention
-masks before windows, the cache slot the new tokens go to. ``state`` is the layer's state, or the kind's states stacked
-over its layers with ``j`` the layer's index among them (the stacked cache; None for a layer's own state).
+masks before windows, the cache slot the new tokens go to. ``site`` (``layers.Site``) is the layer's window and whether
+it rotates. ``state`` is the layer's state, or the kind's states stacked over its layers with ``j`` the layer's index
+among them (the stacked cache; None for a layer's own state). ``kv`` is KV sharing's slot in the cache-free forwards
+(None in a model without it): the keys and values of the last layer of this kind so far, ``(k, v)`` (``full``) or
+``((prefix's), (suffix's))`` (``prefixed``), which a layer of this kind replaces with its own and a layer of a kind
+that reads this one's (``model.READS``) attends to; ``full`` and ``prefixed`` return it with their output.
 
 This kind: keys and values of every token in a cache ``[B, kv_heads, slots, head_dim]`` (head-major, as the decode
-steps read them), RoPE, q/k norms, biases, grouped kv heads, sliding windows, soft-capping, an output gate.
+steps read them), RoPE, q/k norms, biases, grouped kv heads, sliding windows, soft-capping, an output gate, a value
+norm, values that are the keys. ``reads=True`` runs a layer that projects no keys or values of its own but attends to
+another layer's (``jodpo.models.shared_kv``).
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-from jodpo.models.layers import Context, attention, forward_attention, layer_rope, qkv
+from jodpo.models.layers import Context, Site, attention, forward_attention, keys_values, layer_rope, queries
 from jodpo.models.model import Model, Params, einsum
 
 WEIGHTS = ("q", "k", "v", "o", "o_gate")  # the projections LoRA can adapt (jodpo.models.lora)
 
 
-def specs(model: Model, n: int) -> dict:
+def view(model: Model) -> Model:
+    """The ``Model`` as this kind's layers compute (``global_attention``'s is another shape)."""
+    return model
+
+
+def context(model: Model, ctx: Context) -> Context:
+    """``ctx`` with this kind's RoPE tables (the decoder's own)."""
+    return ctx
+
+
+def specs(model: Model, n: int, reads: bool = False) -> dict:
+    """The parameters; ``reads``: a layer that reuses another's keys and values has no k or v projection (nor norm)."""
     D, H, K, Dh = model.hidden_size, model.num_heads, model.num_kv_heads, model.head_dim
     out = {
         "q": ((n, D, H, Dh), ("layers", "embed", "heads", "head_dim")),
-        "k": ((n, D, K, Dh), ("layers", "embed", "kv_heads", "head_dim")),
-        "v": ((n, D, K, Dh), ("layers", "embed", "kv_heads", "head_dim")),
         "o": ((n, H, Dh, D), ("layers", "heads", "head_dim", "embed")),
     }
+    kv = [] if reads else ["k"] + ([] if model.k_eq_v else ["v"])
+    for name in kv:
+        out[name] = ((n, D, K, Dh), ("layers", "embed", "kv_heads", "head_dim"))
     if model.attn_output_gate:
         out["o_gate"] = ((n, D, H, Dh), ("layers", "embed", "heads", "head_dim"))
-    if model.qk_norm:  # one scale per head dim, shared by the heads (never split)
+    if model.qk_norm_whole:  # a scale per channel of the whole projection (OLMo 2)
+        out["q_norm"] = {"scale": ((n, H, Dh), ("layers", "heads", "head_dim"))}
+        if not reads:
+            out["k_norm"] = {"scale": ((n, K, Dh), ("layers", "kv_heads", "head_dim"))}
+    elif model.qk_norm:  # one scale per head dim, shared by the heads (never split)
         out["q_norm"] = {"scale": ((n, Dh), ("layers", "head_dim"))}
-        out["k_norm"] = {"scale": ((n, Dh), ("layers", "head_dim"))}
+        if not reads:
+            out["k_norm"] = {"scale": ((n, Dh), ("layers", "head_dim"))}
     if model.qkv_bias:
         out["q_bias"] = ((n, H, Dh), ("layers", "heads", "head_dim"))
         if model.attn_output_gate:
             out["o_gate_bias"] = ((n, H, Dh), ("layers", "heads", "head_dim"))
-        out["k_bias"] = ((n, K, Dh), ("layers", "kv_heads", "head_dim"))
-        out["v_bias"] = ((n, K, Dh), ("layers", "kv_heads", "head_dim"))
+        for name in kv:
+            out[f"{name}_bias"] = ((n, K, Dh), ("layers", "kv_heads", "head_dim"))
     if model.out_bias:
         out["o_bias"] = ((n, D), ("layers", "embed"))
     return out
 
 
-def _project(model: Model, p: Params, x, rope):
-    """Rotated queries, keys, values of the new tokens, and the output gate's pre-activation (None without one)."""
-    q, k, v = qkv(model, p, x, *rope)
+def empty_kv(model: Model, batch: int, length: int, dtype) -> tuple:
+    """KV sharing's slot before any layer of this kind filled it: keys and values ``[B, L, K, Dh]``."""
+    shape = (batch, length, model.num_kv_heads, model.head_dim)
+    return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+
+
+def _queries(model: Model, p: Params, x, rope):
+    """Rotated queries of the new tokens, and the output gate's pre-activation (None without one)."""
+    q = queries(model, p, x, *rope)
     gate = None
     if model.attn_output_gate:
         gate = einsum(model, "bld,dhk->blhk", x, p["o_gate"].astype(x.dtype))
         if model.qkv_bias:
             gate = gate + p["o_gate_bias"].astype(x.dtype)
-    return q, k, v, gate
+    return q, gate
 
 
 def _output(model: Model, p: Params, a_BLHD, gate, dtype) -> jax.Array:
@@ -71,29 +101,35 @@ def _output(model: Model, p: Params, a_BLHD, gate, dtype) -> jax.Array:
     return out
 
 
-def _within(window, dist):
-    return (dist >= 0) & (dist < window)
+def _within(site: Site, dist):
+    return (dist >= 0) & (dist < site.window)
 
 
-def full(model: Model, p: Params, x, ctx: Context, window) -> jax.Array:
-    q, k, v, gate = _project(model, p, x, layer_rope(model, ctx.rope[0], window))
-    a = forward_attention(model, q, k, v, ctx.mask[0][:, None, :] & _within(window, ctx.dist[0])[None])
-    return _output(model, p, a, gate, x.dtype)
+def full(model: Model, p: Params, x, ctx: Context, site: Site, kv=None, reads: bool = False):
+    rope = layer_rope(model, ctx.rope[0], site)
+    q, gate = _queries(model, p, x, rope)
+    k, v = kv if reads else keys_values(model, p, x, *rope)
+    a = forward_attention(model, q, k, v, ctx.mask[0][:, None, :] & _within(site, ctx.dist[0])[None])
+    return _output(model, p, a, gate, x.dtype), (kv if reads or kv is None else (k, v))
 
 
-def prefixed(model: Model, p: Params, xs, ctx: Context, window) -> tuple[jax.Array, jax.Array]:
+def prefixed(model: Model, p: Params, xs, ctx: Context, site: Site, kv=None, reads: bool = False):
     """The prefix's tokens attend among themselves; the suffix rows (block layout: row r continues prefix r % B)
     attend to their prefix's keys and values (shared: their gradients add up) and to their own."""
-    (xp, xs_), (rope_p, rope_s) = xs, ctx.rope
-    qp, kp, vp, gp = _project(model, p, xp, layer_rope(model, rope_p, window))
-    qs, ks, vs, gs = _project(model, p, xs_, layer_rope(model, rope_s, window))
+    (xp, xs_), (rope_p, rope_s) = xs, (layer_rope(model, r, site) for r in ctx.rope)
+    (qp, gp), (qs, gs) = _queries(model, p, xp, rope_p), _queries(model, p, xs_, rope_s)
+    if reads:
+        (kp, vp), (ks, vs) = kv
+    else:
+        (kp, vp), (ks, vs) = keys_values(model, p, xp, *rope_p), keys_values(model, p, xs_, *rope_s)
     n = xs_.shape[0] // xp.shape[0]
     tile = lambda a: jnp.concatenate([a] * n, 0)  # noqa: E731
     prefix_mask, suffix_keys = ctx.mask[0], ctx.mask[1]  # [B, P]; [N, P + C] (the tiled prefix's, then its own)
-    ap = forward_attention(model, qp, kp, vp, prefix_mask[:, None, :] & _within(window, ctx.dist[0])[None])
+    ap = forward_attention(model, qp, kp, vp, prefix_mask[:, None, :] & _within(site, ctx.dist[0])[None])
     a_s = forward_attention(model, qs, jnp.concatenate([tile(kp), ks], 1), jnp.concatenate([tile(vp), vs], 1),
-                            suffix_keys[:, None, :] & _within(window, ctx.dist[1])[None])
-    return _output(model, p, ap, gp, xp.dtype), _output(model, p, a_s, gs, xs_.dtype)
+                            suffix_keys[:, None, :] & _within(site, ctx.dist[1])[None])
+    out = _output(model, p, ap, gp, xp.dtype), _output(model, p, a_s, gs, xs_.dtype)
+    return out, (kv if reads or kv is None else ((kp, vp), (ks, vs)))
 
 
 def init_state(model: Model, batch: int, length: int, dtype) -> dict:
@@ -101,21 +137,26 @@ def init_state(model: Model, batch: int, length: int, dtype) -> dict:
     return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
 
 
-def cached(model: Model, p: Params, x, state: dict, j, ctx: Context, window) -> tuple[jax.Array, dict]:
+def cached(model: Model, p: Params, x, state: dict, j, ctx: Context, site: Site,
+           reads: bool = False) -> tuple[jax.Array, dict]:
     """The new tokens' keys and values are written at slot ``ctx.start`` (only those slots: the cache is updated in
     place, never copied); they attend to every earlier real slot, or, when ``ctx.empty`` promises an empty cache (a
-    prefill), among themselves with the forwards' kernel (``Model.attention``)."""
-    q, k, v, gate = _project(model, p, x, layer_rope(model, ctx.rope[0], window))
-    at = (0, 0, ctx.start, 0) if j is None else (j, 0, 0, ctx.start, 0)
+    prefill), among themselves with the forwards' kernel (``Model.attention``). ``reads``: ``state`` is another layer's
+    (KV sharing), which already holds these tokens' keys and values: read, never written."""
+    rope = layer_rope(model, ctx.rope[0], site)
+    q, gate = _queries(model, p, x, rope)
+    if not reads:
+        k, v = keys_values(model, p, x, *rope)
+        at = (0, 0, ctx.start, 0) if j is None else (j, 0, 0, ctx.start, 0)
 
-    def write(slab, new):  # [B, L, K, Dh] -> the slab's head-major layout, at the new tokens' slots
-        new = new.transpose(0, 2, 1, 3).astype(slab.dtype)
-        return jax.lax.dynamic_update_slice(slab, new if j is None else new[None], at)
+        def write(slab, new):  # [B, L, K, Dh] -> the slab's head-major layout, at the new tokens' slots
+            new = new.transpose(0, 2, 1, 3).astype(slab.dtype)
+            return jax.lax.dynamic_update_slice(slab, new if j is None else new[None], at)
 
-    state = {"k": write(state["k"], k), "v": write(state["v"], v)}
-    if ctx.empty:
-        a = forward_attention(model, q, k, v, ctx.mask[0][:, None, :] & _within(window, ctx.dist[0])[None])
-    else:
-        ks, vs = (state["k"], state["v"]) if j is None else (state["k"][j], state["v"][j])
-        a = attention(model, q, ks, vs, ctx.mask[1][:, None, :] & _within(window, ctx.dist[1])[None])
+        state = {"k": write(state["k"], k), "v": write(state["v"], v)}
+        if ctx.empty:
+            a = forward_attention(model, q, k, v, ctx.mask[0][:, None, :] & _within(site, ctx.dist[0])[None])
+            return _output(model, p, a, gate, x.dtype), state
+    ks, vs = (state["k"], state["v"]) if j is None else (state["k"][j], state["v"][j])
+    a = attention(model, q, ks, vs, ctx.mask[1][:, None, :] & _within(site, ctx.dist[1])[None])
     return _output(model, p, a, gate, x.dtype), state

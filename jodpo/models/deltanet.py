@@ -106,11 +106,11 @@ def _run(model: Model, p: Params, x_BLD, mask_BL, state: dict) -> tuple[jax.Arra
     return einsum(model, "blhk,hkd->bld", o, p["out"].astype(dt)), new
 
 
-def full(model: Model, p: Params, x, ctx: Context, window) -> jax.Array:
-    return _run(model, p, x, ctx.mask[0], init_state(model, x.shape[0], 0, x.dtype))[0]
+def full(model: Model, p: Params, x, ctx: Context, site, kv=None):
+    return _run(model, p, x, ctx.mask[0], init_state(model, x.shape[0], 0, x.dtype))[0], kv
 
 
-def prefixed(model: Model, p: Params, xs, ctx: Context, window) -> tuple[jax.Array, jax.Array]:
+def prefixed(model: Model, p: Params, xs, ctx: Context, site, kv=None):
     """The prefix from nothing; each suffix row (block layout) from a copy of its prefix's final state, so the
     prefix's gradient gathers every suffix's."""
     xp, xs_ = xs
@@ -118,10 +118,10 @@ def prefixed(model: Model, p: Params, xs, ctx: Context, window) -> tuple[jax.Arr
     n = xs_.shape[0] // xp.shape[0]
     state = jax.tree.map(lambda a: jnp.concatenate([a] * n, 0), state)
     ys, _ = _run(model, p, xs_, ctx.mask[1][:, xp.shape[1]:], state)
-    return yp, ys
+    return (yp, ys), kv
 
 
-def cached(model: Model, p: Params, x, state: dict, j, ctx: Context, window) -> tuple[jax.Array, dict]:
+def cached(model: Model, p: Params, x, state: dict, j, ctx: Context, site) -> tuple[jax.Array, dict]:
     mine = state if j is None else jax.tree.map(lambda a: a[j], state)
     y, new = _run(model, p, x, ctx.mask[0], mine)
     if j is not None:

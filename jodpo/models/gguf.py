@@ -9,7 +9,8 @@ safetensors checkpoint (``loading.load_params``). The dequantized weights are ex
 ``from_pretrained(dir, gguf_file=...)`` computes.
 
 Supported: the ``llama`` (Llama, SmolLM, Mistral, TinyLlama), ``qwen2``, ``qwen3``, ``qwen35`` (Qwen3.5/3.6 dense, its
-DeltaNet layers' value heads put back in transformers' order), ``gemma2`` and ``gemma3`` (text) architectures, RoPE
+DeltaNet layers' value heads put back in transformers' order), ``gemma2``, ``gemma3`` (text) and ``gemma4`` (text,
+dense: its layer pattern, head shapes, KV sharing and per-layer embeddings from the file) architectures, RoPE
 without scaling or with linear scaling, and every quantization type the ``gguf`` package
 dequantizes (F32, F16, BF16, Q4_0 ... Q8_0, the K-quants, the IQ types). What a Gemma file does not say (its
 local/global layer pattern, the local layers' RoPE base, the query scale) is what llama.cpp assumes
@@ -26,7 +27,8 @@ import numpy as np
 
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "qwen35": "Qwen3_5ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+                 "qwen35": "Qwen3_5ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+                 "gemma4": "Gemma4ForCausalLM"}
 
 # llama.cpp's tensor names -> transformers' ({i}: the layer), as gguf-py's tensor_mapping.py pairs them
 _NAMES = {
@@ -58,12 +60,23 @@ _LINEAR_ATTENTION = {f"blk.{{i}}.{g}": f"model.layers.{{i}}.linear_attn.{h}" for
     ("ssm_beta.weight", "in_proj_b.weight"), ("ssm_alpha.weight", "in_proj_a.weight"),
     ("ssm_out.weight", "out_proj.weight"), ("ssm_norm.weight", "norm.weight"), ("ssm_a", "A_log"),
     ("ssm_dt.bias", "dt_bias"), ("ssm_conv1d.weight", "conv1d.weight"))}
+# Gemma 4's per-layer embeddings and layer scalars (llama.cpp names them after Gemma 3n's)
+_GEMMA4 = {
+    "per_layer_token_embd.weight": "model.embed_tokens_per_layer.weight",
+    "per_layer_model_proj.weight": "model.per_layer_model_projection.weight",
+    "per_layer_proj_norm.weight": "model.per_layer_projection_norm.weight",
+    "blk.{i}.inp_gate.weight": "model.layers.{i}.per_layer_input_gate.weight",
+    "blk.{i}.proj.weight": "model.layers.{i}.per_layer_projection.weight",
+    "blk.{i}.post_norm.weight": "model.layers.{i}.post_per_layer_input_norm.weight",
+    "blk.{i}.layer_output_scale.weight": "model.layers.{i}.layer_scalar",
+}
 TENSOR_NAMES = {
     "llama": {**_NAMES, **_PRE_NORM, **_QKV_BIAS},
     "qwen2": {**_NAMES, **_PRE_NORM, **_QKV_BIAS},
     "qwen3": {**_NAMES, **_PRE_NORM, **_QK_NORMS},
     "gemma2": {**_NAMES, **_GEMMA_NORMS},
     "gemma3": {**_NAMES, **_GEMMA_NORMS, **_QK_NORMS},
+    "gemma4": {**_NAMES, **_GEMMA_NORMS, **_QK_NORMS, **_GEMMA4},
     "qwen35": {**_NAMES, "blk.{i}.post_attention_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
                **_QK_NORMS, **_LINEAR_ATTENTION},
 }
@@ -153,19 +166,20 @@ class GGUF:
         ``Gemma2Config`` or ``Gemma3TextConfig``)."""
         from transformers import AutoConfig
 
-        if "rope_freqs.weight" in self.tensor_names:
+        if "rope_freqs.weight" in self.tensor_names and self.arch != "gemma4":
             raise CheckpointError(f"{self.file}: uses per-frequency RoPE factors (rope_freqs: Llama 3.1-style "
                                   "scaling), which jodpo does not read from GGUF; load the transformers directory.")
         heads = int(self.arch_value("attention.head_count"))
         hidden = int(self.arch_value("embedding_length"))
         layers = int(self.arch_value("block_count"))
         head_dim = int(self.arch_value("attention.key_length", hidden // heads))
+        kv_heads, ff = self.arch_value("attention.head_count_kv", heads), self.arch_value("feed_forward_length")
         vocab = self.arch_value("vocab_size") or len(self.reader.fields["tokenizer.ggml.tokens"].data)
         ids = {k: self.value(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "padding")}
         cfg = dict(
             architectures=[ARCHITECTURES[self.arch]], vocab_size=int(vocab), hidden_size=hidden,
-            intermediate_size=int(self.arch_value("feed_forward_length")), num_hidden_layers=layers,
-            num_attention_heads=heads, num_key_value_heads=int(self.arch_value("attention.head_count_kv", heads)),
+            intermediate_size=int(min(ff) if isinstance(ff, list) else ff), num_hidden_layers=layers,
+            num_attention_heads=heads, num_key_value_heads=int(kv_heads[0] if isinstance(kv_heads, list) else kv_heads),
             head_dim=head_dim, max_position_embeddings=int(self.arch_value("context_length")),
             rms_norm_eps=float(self.arch_value("attention.layer_norm_rms_epsilon")),
             tie_word_embeddings="output.weight" not in self.tensor_names, bos_token_id=ids["bos"],
@@ -173,6 +187,8 @@ class GGUF:
         )
         if self.arch == "qwen35":
             return AutoConfig.for_model("qwen3_5_text", **cfg, **self._qwen35(layers, head_dim))
+        if self.arch == "gemma4":
+            return AutoConfig.for_model("gemma4_text", **(cfg | self._gemma4(layers, kv_heads, ff)))
         if not self.arch.startswith("gemma"):
             return AutoConfig.for_model(self.arch, **cfg, hidden_act="silu", rope_parameters=self._rope())
         # Gemma 2 and 3 as llama.cpp runs them (src/llama-model.cpp, which reads none of this from the file): every
@@ -213,6 +229,40 @@ class GGUF:
                                  for i in range(layers)],
                     rope_parameters={**self._rope(), "partial_rotary_factor": rotary / head_dim})
 
+    def _gemma4(self, layers: int, kv_heads, ff) -> dict:
+        """Gemma 4's own fields as llama.cpp's converter writes them (Gemma4Model.set_gguf_parameters): each layer
+        sliding or not (sliding_window_pattern), the global layers' head size (key_length) beside the sliding ones'
+        (key_length_swa), the kv heads and MLP widths per layer (double-wide on the KV-sharing layers), the global
+        layers' proportional RoPE as a rope_freqs tensor of 1 (rotated) and 1e30 (unrotated) frequency factors; values
+        that are the keys where a global layer has no attn_v."""
+        if self.arch_value("expert_count"):
+            raise CheckpointError(f"{self.file}: Gemma 4's mixture-of-experts checkpoints (26B-A4B) are not supported; "
+                                  "the dense ones are (E2B, E4B, 31B)")
+        sliding = [bool(s) for s in self.arch_value("attention.sliding_window_pattern")]
+        kv_heads = kv_heads if isinstance(kv_heads, list) else [kv_heads] * layers
+        ff = ff if isinstance(ff, list) else [ff] * layers
+        shared = int(self.arch_value("attention.shared_kv_layers", 0))
+        full = [i for i in range(layers) if not sliding[i]]
+        swa_dim = int(self.arch_value("attention.key_length_swa"))
+        full_dim = int(self.arch_value("attention.key_length"))
+        tensors = {t.name: t for t in self.reader.tensors}
+        rotated = int(np.sum(np.asarray(tensors["rope_freqs.weight"].data, np.float32) == 1.0))
+        table = tensors.get("per_layer_token_embd.weight")
+        first_sliding = next(i for i in range(layers) if sliding[i])
+        return dict(
+            hidden_activation="gelu_pytorch_tanh", head_dim=swa_dim, global_head_dim=full_dim,
+            num_key_value_heads=int(kv_heads[first_sliding]), num_global_key_value_heads=int(kv_heads[full[0]]),
+            layer_types=["sliding_attention" if s else "full_attention" for s in sliding],
+            sliding_window=int(self.arch_value("attention.sliding_window")), num_kv_shared_layers=shared,
+            use_double_wide_mlp=len(set(ff)) > 1, attention_k_eq_v=f"blk.{full[0]}.attn_v.weight" not in tensors,
+            hidden_size_per_layer_input=int(self.arch_value("embedding_length_per_layer_input", 0)),
+            vocab_size_per_layer_input=int(table.shape[-1]) if table is not None else 262144,
+            final_logit_softcapping=self.arch_value("final_logit_softcapping"),
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": float(
+                                 self.arch_value("rope.freq_base_swa", 10000.0))},
+                             "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 2 * rotated /
+                                                full_dim, "rope_theta": float(self.arch_value("rope.freq_base"))}})
+
     def _rope(self, default_base: float = 10000.0) -> dict:
         rope = {"rope_type": "default", "rope_theta": float(self.arch_value("rope.freq_base", default_base))}
         scaling = self.arch_value("rope.scaling.type", "none")
@@ -242,6 +292,8 @@ class GGUF:
         names = tensor_names(self.arch, int(self.arch_value("block_count")))
         shift = np.float32(_NORM_SHIFT.get(self.arch, 0.0))
         for t in self.reader.tensors:
+            if t.name == "rope_freqs.weight" and self.arch == "gemma4":  # the proportional RoPE (hf_config's)
+                continue
             if t.name not in names:
                 raise CheckpointError(f"{self.file}: unexpected tensor {t.name!r} for a GGUF {self.arch} model.")
             try:

@@ -103,6 +103,13 @@ def rope_inv_freq(rope: dict, head_dim: int, max_position_embeddings: int) -> tu
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     dim = int(head_dim * rope.get("partial_rotary_factor", 1.0))
     base = float(rope["rope_theta"])
+    if rope_type == "proportional":
+        # Gemma 4's global layers: the first partial_rotary_factor of each rotate-half half rotates, at exponents over
+        # the whole head; the other frequencies are 0 (cos 1, sin 0: those dims pass as they are); all over factor
+        angles = int(rope.get("partial_rotary_factor", 1.0) * head_dim // 2)
+        rotated = 1.0 / (base ** (np.arange(0, 2 * angles, 2, dtype=np.int64).astype(np.float32) / head_dim))
+        inv = np.concatenate([rotated.astype(np.float32), np.zeros(head_dim // 2 - angles, np.float32)])
+        return (inv / np.float32(rope.get("factor", 1.0))).astype(np.float32), head_dim
     inv_freq = (1.0 / (base ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))).astype(np.float32)
     if rope_type == "default":
         return inv_freq, dim
@@ -118,5 +125,47 @@ def rope_inv_freq(rope: dict, head_dim: int, max_position_embeddings: int) -> tu
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < hi_wavelen) & ~(wavelen > lo_wavelen)
         return np.where(medium, smoothed, scaled).astype(np.float32), dim
+    if rope_type == "yarn":
+        return _yarn(rope, base, dim, max_position_embeddings), dim
     raise UnsupportedModelError(
-        f"RoPE scaling type {rope_type!r} is not supported (supported: default, linear, llama3)")
+        f"RoPE scaling type {rope_type!r} is not supported (supported: default, linear, llama3, yarn)")
+
+
+def _yarn(rope: dict, base: float, dim: int, max_position_embeddings: int) -> np.ndarray:
+    """YaRN's inverse frequencies, as transformers' ``_compute_yarn_parameters``: the low frequencies interpolated
+    (divided by ``factor``), the high ones kept, a linear ramp between ``beta_slow`` and ``beta_fast`` rotations over
+    the original context."""
+    old = rope["original_max_position_embeddings"]
+    factor = rope.get("factor") or max_position_embeddings / old
+    fast, slow = rope.get("beta_fast") or 32, rope.get("beta_slow") or 1
+
+    def correction_dim(rotations):
+        return (dim * math.log(old / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(fast), correction_dim(slow)
+    if rope.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    pos_freqs = (base ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim)).astype(np.float32)
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1).astype(np.float32)
+    keep = 1 - ramp
+    return (1.0 / (factor * pos_freqs) * (1 - keep) + 1.0 / pos_freqs * keep).astype(np.float32)
+
+
+def rope_attention_factor(rope: dict) -> float:
+    """The factor on RoPE's cos and sin: YaRN's ``attention_factor`` (given, or 0.1 ln(factor) + 1, or DeepSeek's
+    mscale ratio); 1 for the other types."""
+    if rope.get("rope_type", rope.get("type", "default")) != "yarn":
+        return 1.0
+    if rope.get("attention_factor") is not None:
+        return float(rope["attention_factor"])
+    factor = rope["factor"]
+
+    def mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if rope.get("mscale") and rope.get("mscale_all_dim"):
+        return float(mscale(factor, rope["mscale"]) / mscale(factor, rope["mscale_all_dim"]))
+    return float(mscale(factor))

@@ -6,7 +6,11 @@ What differs between families is a field of ``Model`` read here, never the famil
   norm, norm_offset      LayerNorm (NeoX); RMSNorm as Llama computes it; x * (1 + w) in float32 (Gemma)
   activation, gated_mlp  GELU (NeoX), SwiGLU (Llama, Qwen), GeGLU with tanh-approximated GELU (Gemma)
   qkv_bias, qk_norm      biases on q, k, v (Qwen2); an RMSNorm over each head's queries and keys (Qwen3, Gemma 3)
-  rotary_dim, inv_freq   partial rotary (NeoX); the sliding-window layers' own RoPE base (local_inv_freq, Gemma 3)
+  rotary_dim, inv_freq   partial rotary (NeoX); the sliding-window layers' own RoPE base (local_inv_freq, Gemma 3,
+                         OLMo 3); YaRN's scale of cos and sin (rope_scale); layers without RoPE (nope_layers, SmolLM3)
+  qk_norm_whole          the q/k norms over the whole projection, every head at once (OLMo 2 and 3)
+  norm_scale_f32         the norm's scale multiplied in float32, before the cast back (OLMo 2, Gemma 4)
+  v_norm, k_eq_v         a scale-free norm over each head's values; values that are the projected keys (Gemma 4)
   query_scale            the scores' scale (Gemma's query_pre_attn_scalar)
   attn_softcap           cap * tanh(scores / cap) before the mask (Gemma 2)
 """
@@ -34,6 +38,15 @@ ACTIVATIONS = tuple(_ACTIVATIONS)
 FULL_WINDOW = np.iinfo(np.int32).max  # a full-attention layer's window
 
 
+class Site(NamedTuple):
+    """A layer's scalars that change no shapes, scan inputs of the layer stack (``decoder.sites``): its attention
+    window in slots (``FULL_WINDOW``: none) and whether it rotates its queries and keys (SmolLM3's NoPE layers do not).
+    Ints, or traced int32 scalars inside a scan."""
+
+    window: Any
+    rope: Any
+
+
 class Context(NamedTuple):
     """What the decoder computes once per forward for every layer's mixer (``jodpo.models.attention_mixer``), by mode:
 
@@ -44,13 +57,16 @@ class Context(NamedTuple):
     prefixed      (prefix [B, P], suffix keys [N, P+C])  ([P, P], [C, P + C])          (prefix's, suffix's)
     cached        (new tokens [B, L], slots [B, S])      ([L, L], [L, S])              (new tokens',)
     ============  =====================================  ===========================  ==============================
-    ``start``: the cache slot of the first new token; ``empty``: the cache holds nothing yet (a prefill)."""
+    ``start``: the cache slot of the first new token; ``empty``: the cache holds nothing yet (a prefill);
+    ``positions``: each group's rotary positions, from which a mixer of another head size makes its own RoPE tables
+    (``jodpo.models.global_attention``)."""
 
     mask: tuple
     dist: tuple
     rope: tuple
     start: Any = None
     empty: bool = False
+    positions: tuple = ()
 
 
 def recomputed(f):
@@ -61,17 +77,21 @@ def recomputed(f):
     return jax.checkpoint(f, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
 
 
-def norm(model: Model, p: Params, x: jax.Array) -> jax.Array:
-    """The model's norm over the last axis of ``x`` (hidden states ``[..., D]``, or a head's ``[..., Dh]``)."""
-    return recomputed(functools.partial(_normalise, model))(p, x)
+def norm(model: Model, p: Params, x: jax.Array, over: int = 1) -> jax.Array:
+    """The model's norm over the last ``over`` axes of ``x`` (hidden states ``[..., D]``, a head's ``[..., Dh]``, or a
+    whole projection's ``[..., H, Dh]``); ``p`` None: an RMSNorm without a scale (Gemma 4's value norm)."""
+    return recomputed(functools.partial(_normalise, model, over=over))(p, x)
 
 
-def _normalise(model: Model, p: Params, x_BLD: jax.Array) -> jax.Array:
-    x = x_BLD.astype(jnp.float32)
+def _normalise(model: Model, p: Params | None, x_BLD: jax.Array, over: int = 1) -> jax.Array:
+    x, axes = x_BLD.astype(jnp.float32), tuple(range(-over, 0))
     if model.norm == "rmsnorm":
-        y = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + model.norm_eps)
-        if model.norm_offset:
-            # As Gemma's RMSNorm: x * (1 + w) in float32 (w as the compute dtype holds it), then the cast.
+        y = x * jax.lax.rsqrt(jnp.mean(x * x, axes, keepdims=True) + model.norm_eps)
+        if p is None:
+            return y.astype(x_BLD.dtype)
+        if model.norm_offset or model.norm_scale_f32:
+            # As Gemma's (and OLMo 2's) RMSNorm: x * (offset + w) in float32 (w as the compute dtype holds it), then
+            # the cast.
             w = p["scale"].astype(x_BLD.dtype).astype(jnp.float32)
             return (y * (model.norm_offset + w)).astype(x_BLD.dtype)
         # As transformers' LlamaRMSNorm: normalise in float32, cast back, then scale.
@@ -102,29 +122,55 @@ def rope(model: Model, x_BLHD: jax.Array, cos_BLR: jax.Array, sin_BLR: jax.Array
     return jnp.concatenate([x_rot * cos + rotated * sin, x_pass], -1)
 
 
-def _tables(inv_freq, positions_BL):
+def _tables(inv_freq, positions_BL, scale: float = 1.0):
     freqs = positions_BL.astype(jnp.float32)[..., None] * jnp.asarray(np.asarray(inv_freq, np.float32))
     emb = jnp.concatenate([freqs, freqs], -1)
+    if scale != 1.0:  # YaRN's attention factor, on cos and sin in float32 as transformers applies it
+        return jnp.cos(emb) * np.float32(scale), jnp.sin(emb) * np.float32(scale)
     return jnp.cos(emb), jnp.sin(emb)
 
 
 def rope_tables(model: Model, positions_BL: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``(cos, sin)`` of the positions, ``[B, L, R]``; with ``local_inv_freq`` the global layers' and the local
     layers' stacked, ``[2, B, L, R]`` (``layer_rope`` picks a layer's)."""
+    main = _tables(model.inv_freq, positions_BL, model.rope_scale)
     if not model.local_inv_freq:
-        return _tables(model.inv_freq, positions_BL)
-    (cos, sin), (cos_local, sin_local) = _tables(model.inv_freq, positions_BL), _tables(model.local_inv_freq,
-                                                                                       positions_BL)
-    return jnp.stack([cos, cos_local]), jnp.stack([sin, sin_local])
+        return main
+    local = _tables(model.local_inv_freq, positions_BL)
+    return jnp.stack([main[0], local[0]]), jnp.stack([main[1], local[1]])
 
 
-def layer_rope(model: Model, tables, window) -> tuple[jax.Array, jax.Array]:
-    """One layer's ``(cos, sin)`` out of ``rope_tables``: the local ones on a sliding-window layer (``window``, an int
-    or a traced scalar, below ``FULL_WINDOW``) of a model that has them."""
-    if not model.local_inv_freq:
-        return tables
-    local = jnp.asarray(window) < FULL_WINDOW
-    return tuple(jnp.where(local, t[1], t[0]) for t in tables)
+def layer_rope(model: Model, tables, site: Site) -> tuple[jax.Array, jax.Array]:
+    """One layer's ``(cos, sin)`` out of ``rope_tables``: the local ones on a sliding-window layer (``site.window``
+    below ``FULL_WINDOW``) of a model that has them; on a layer without RoPE (``site.rope`` 0) cos 1 and sin 0, which
+    rotate nothing (x * 1 + rotate_half(x) * 0 is x exactly)."""
+    if model.local_inv_freq:
+        local = jnp.asarray(site.window) < FULL_WINDOW
+        tables = tuple(jnp.where(local, t[1], t[0]) for t in tables)
+    if model.nope_layers:
+        on = jnp.asarray(site.rope) > 0
+        tables = (jnp.where(on, tables[0], 1.0), jnp.where(on, tables[1], 0.0))
+    return tables
+
+
+def per_layer_inputs(model: Model, params: Params, tokens_BL: jax.Array, x_BLD: jax.Array) -> jax.Array:
+    """Gemma 4's per-layer inputs of the tokens, layer-major ``[N, B, L, Dp]`` (as the layer scan reads them): each
+    token's row of the per-layer table (times sqrt(Dp) rounded to the compute dtype, as its scaled embedding) plus the
+    RMSNorm of the scaled embeddings ``x`` projected to every layer's Dp values (times D^-1/2), times 2^-1/2."""
+    N, Dp, dt = model.num_layers, model.per_layer_embeddings.dim, x_BLD.dtype
+    table = jnp.take(params["embed_per_layer"], tokens_BL, axis=0).astype(dt)  # [B, L, N, Dp]
+    table = table * jnp.asarray(np.float32(Dp ** 0.5)).astype(dt)
+    proj = einsum(model, "bld,dnk->blnk", x_BLD, params["per_layer_proj"].astype(dt)) * model.hidden_size ** -0.5
+    return ((norm(model, params["per_layer_norm"], proj) + table) * 2 ** -0.5).transpose(2, 0, 1, 3)
+
+
+def per_layer_block(model: Model, p: Params, x_BLD: jax.Array, inputs_BLK: jax.Array) -> jax.Array:
+    """``x`` plus the RMSNorm of its gated projection times the layer's per-layer inputs, projected back (Gemma 4's
+    ``per_layer_input_gate``, ``per_layer_projection``, ``post_per_layer_input_norm``; after the MLP's residual)."""
+    dt = x_BLD.dtype
+    h = _ACTIVATIONS[model.activation](einsum(model, "bld,dk->blk", x_BLD, p["ple"]["ple_gate"].astype(dt)))
+    h = einsum(model, "blk,kd->bld", h * inputs_BLK.astype(dt), p["ple"]["ple_proj"].astype(dt))
+    return x_BLD + norm(model, p["ple_norm"], h)
 
 
 def mlp(model: Model, p: Params, x_BLD: jax.Array) -> jax.Array:
@@ -149,17 +195,40 @@ def mlp(model: Model, p: Params, x_BLD: jax.Array) -> jax.Array:
     return out
 
 
-def qkv(model: Model, p: Params, x_BLD, cos, sin):
-    """Rotated queries [B, L, H, Dh] and keys, values [B, L, K, Dh] of the new tokens."""
+def queries(model: Model, p: Params, x_BLD, cos, sin):
+    """Rotated queries [B, L, H, Dh] of the new tokens."""
     dt = x_BLD.dtype
     q = einsum(model, "bld,dhk->blhk", x_BLD, p["q"].astype(dt))
-    k = einsum(model, "bld,dhk->blhk", x_BLD, p["k"].astype(dt))
-    v = einsum(model, "bld,dhk->blhk", x_BLD, p["v"].astype(dt))
     if model.qkv_bias:
-        q, k, v = q + p["q_bias"].astype(dt), k + p["k_bias"].astype(dt), v + p["v_bias"].astype(dt)
+        q = q + p["q_bias"].astype(dt)
+    if model.qk_norm:  # over each head, or (OLMo 2) over the whole projection, every head at once
+        q = norm(model, p["q_norm"], q, 2 if model.qk_norm_whole else 1)
+    return rope(model, q, cos, sin)
+
+
+def keys_values(model: Model, p: Params, x_BLD, cos, sin):
+    """Rotated keys and values [B, L, K, Dh] of the new tokens (with ``k_eq_v``: the values are the keys as
+    projected, before their norm and RoPE; with ``v_norm``: normed without a scale)."""
+    dt = x_BLD.dtype
+    k = einsum(model, "bld,dhk->blhk", x_BLD, p["k"].astype(dt))
+    if model.qkv_bias:
+        k = k + p["k_bias"].astype(dt)
+    if model.k_eq_v:
+        v = k
+    else:
+        v = einsum(model, "bld,dhk->blhk", x_BLD, p["v"].astype(dt))
+        if model.qkv_bias:
+            v = v + p["v_bias"].astype(dt)
     if model.qk_norm:
-        q, k = norm(model, p["q_norm"], q), norm(model, p["k_norm"], k)
-    return rope(model, q, cos, sin), rope(model, k, cos, sin), v
+        k = norm(model, p["k_norm"], k, 2 if model.qk_norm_whole else 1)
+    if model.v_norm:
+        v = norm(model, None, v)
+    return rope(model, k, cos, sin), v
+
+
+def qkv(model: Model, p: Params, x_BLD, cos, sin):
+    """Rotated queries [B, L, H, Dh] and keys, values [B, L, K, Dh] of the new tokens."""
+    return (queries(model, p, x_BLD, cos, sin), *keys_values(model, p, x_BLD, cos, sin))
 
 
 def attention(model: Model, q_BLHD, k_BKSD, v_BKSD, attend_BLS) -> jax.Array:

@@ -346,7 +346,7 @@ def _gguf_model(file: Path, task: str, dtype):
         model = families.model_from_hf_config(cfg, task, dtype=jnp.dtype(dtype).name, eos_token_ids=g.eos_token_ids())
     except UnsupportedModelError as e:
         raise CheckpointError(f"{file}: {e}") from e
-    return model, g.tensors(cfg.num_attention_heads, cfg.num_key_value_heads)
+    return model, g.tensors(model.num_heads, model.num_kv_heads)  # (Gemma 4's config has per-layer-type kv heads)
 
 
 def describe_model(path_or_hub_id: str, task: str = "causal_lm", dtype=jnp.float32, *,

@@ -17,7 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jodpo.models import families
-from jodpo.models.decoder import KIND_OF_KEY, SUBTREES, Model, Params, merge_adapters
+from jodpo.models.decoder import SUBTREES, Model, Params, merge_adapters
+from jodpo.models.layout import group_subtree, subtree_layers
 from jodpo.models.params import param_specs
 from jodpo.models.export import write_atomically
 from jodpo.models.families import family_of
@@ -27,7 +28,18 @@ from jodpo.models.families import family_of
 # ``prefix`` and ``lora_paths`` (jodpo.models.families).
 # How many leading axes of each weight (after the layer axis) are its inputs.
 _N_IN = {"q": 1, "k": 1, "v": 1, "o": 2, "o_gate": 1, "up": 1, "gate": 1, "down": 1, "in_q": 1, "in_k": 1, "in_v": 1,
-         "in_z": 1, "in_b": 1, "in_a": 1, "out": 2}
+         "in_z": 1, "in_b": 1, "in_a": 1, "out": 2, "ple_gate": 1, "ple_proj": 1}
+
+
+def group_key(module: str, subtree: str, weight: str) -> str:
+    """The key of a module's adapters in one subtree of ``params["layers"]``: the module's name where its weights are at
+    home (``decoder.SUBTREES``), ``"module@subtree"`` elsewhere (Gemma 4's ``q_proj`` in its global, KV-sharing and
+    wide-MLP layers, whose weights have other shapes or layers)."""
+    return module if SUBTREES[weight] == subtree else f"{module}@{subtree}"
+
+
+def module_of(key: str) -> str:
+    return key.partition("@")[0]
 
 
 def resolve_targets(model: Model, targets) -> tuple[str, ...]:
@@ -53,17 +65,19 @@ def adapter_specs(model: Model, targets: tuple[str, ...]) -> dict:
     axis is never split), like ``param_specs``."""
     r = model.lora_rank
     layers = param_specs(model)["layers"]
-    weights = {name: layers[sub][name] for name, sub in SUBTREES.items() if name in layers.get(sub, {})}
     out = {}
     for group in targets:
         names = family_of(model).lora_modules[group]
-        shape, axes = weights[names[0]]
-        k = 1 + _N_IN[names[0]]
-        b = {}
-        for n in names:
-            s, ax = weights[n]
-            b[n] = ((s[0], r) + s[k:], (ax[0], None) + ax[k:])
-        out[group] = {"a": (shape[:k] + (r,), axes[:k] + (None,)), "b": b}
+        for sub, weights in layers.items():  # every subtree that holds the module's weights: an adapter each
+            if not isinstance(weights, dict) or not all(n in weights for n in names):
+                continue
+            shape, axes = weights[names[0]]
+            k = 1 + _N_IN[names[0]]
+            b = {}
+            for n in names:
+                s, ax = weights[n]
+                b[n] = ((s[0], r) + s[k:], (ax[0], None) + ax[k:])
+            out[group_key(group, sub, names[0])] = {"a": (shape[:k] + (r,), axes[:k] + (None,)), "b": b}
     return out
 
 
@@ -104,15 +118,15 @@ def peft_tensors(model: Model, adapters: Params) -> dict[str, np.ndarray]:
     out = {}
     family = family_of(model)
     rules = {r.jodpo: r for r in families.weight_rules(model)}
-    for group, ad in adapters.items():
+    for key, ad in adapters.items():
         a = np.asarray(ad["a"], np.float32)
         bs = {n: np.asarray(b, np.float32) for n, b in ad["b"].items()}
-        r = a.shape[-1]
-        kind = KIND_OF_KEY.get(SUBTREES[next(iter(bs))])
+        r, group = a.shape[-1], module_of(key)
         fused = next((rule for leaves, rule in rules.items() if len(bs) > 1 and
                       {leaf[-1] for leaf in leaves} == set(bs) and rule.hf[0].endswith(f"{group}.weight")), None)
-        for at, i in enumerate(model.layers_of(kind) if kind else range(model.num_layers)):
-            name = f"base_model.model.{family.prefix}layers.{i}.{family.lora_paths[group]}.{group}"
+        for at, i in enumerate(subtree_layers(model, group_subtree(key, next(iter(bs))))):
+            where = ".".join(x for x in (f"layers.{i}", family.lora_paths[group], group) if x)  # "": in the layer
+            name = f"base_model.model.{family.prefix}{where}"
             out[name + ".lora_A.weight"] = np.ascontiguousarray(a[at].reshape(-1, r).T)
             if fused is not None:
                 (rows,) = fused.to_hf(*(bs[leaf[-1]][at] for leaf in fused.jodpo))
@@ -127,7 +141,8 @@ def peft_config(model: Model, targets: tuple[str, ...], dropout: float, base_mod
     """PEFT's ``adapter_config.json`` for these adapters."""
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
             "r": model.lora_rank, "lora_alpha": model.lora_alpha, "lora_dropout": dropout,
-            "target_modules": list(targets), "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
+            "target_modules": list(dict.fromkeys(module_of(t) for t in targets)), "bias": "none",
+            "fan_in_fan_out": False, "inference_mode": True,
             "init_lora_weights": True, "use_rslora": False, "use_dora": False, "modules_to_save": None}
 
 

@@ -13,10 +13,37 @@ import jax.numpy as jnp
 
 Params = dict[str, Any]
 Cache = dict[str, Any]
-# The mixer kinds a layer can have (``Model.layer_kinds``): softmax attention over a KV cache, or Gated DeltaNet
-# (linear attention with a recurrent state). Each owns its parameters, forwards and cache state
-# (``jodpo.models.attention_mixer``, ``jodpo.models.deltanet``).
-KINDS = ("attention", "deltanet")
+# The mixer kinds a layer can have (``Model.layer_kinds``): softmax attention over a KV cache; Gated DeltaNet (linear
+# attention with a recurrent state); softmax attention of another shape (Gemma 4's global layers: ``Model.
+# global_attention``); and the kinds that reuse the keys and values of another kind's last layer (KV sharing: Gemma 4's
+# last layers) instead of projecting their own. Each owns its parameters, forwards and cache state
+# (``jodpo.models.attention_mixer``, ``deltanet``, ``global_attention``, ``shared_kv``).
+KINDS = ("attention", "deltanet", "global_attention", "shared_attention", "shared_global_attention")
+# KV sharing: a kind whose layers read the keys and values of the last layer of another kind before them
+READS = {"shared_attention": "attention", "shared_global_attention": "global_attention"}
+
+
+@dataclasses.dataclass(frozen=True)
+class GlobalAttention:
+    """The shape and RoPE of a model's global attention layers where they differ from the sliding ones (Gemma 4:
+    ``global_head_dim``, ``num_global_key_value_heads``, the "proportional" RoPE of ``rope_parameters
+    ["full_attention"]``); every other attention setting is the ``Model``'s."""
+
+    num_kv_heads: int
+    head_dim: int
+    rotary_dim: int
+    inv_freq: tuple[float, ...]  # zeros past the rotated angles (proportional RoPE): those dims rotate nothing
+    k_eq_v: bool = False  # no v projection: the values are the keys before their norm and RoPE (attention_k_eq_v)
+
+
+@dataclasses.dataclass(frozen=True)
+class PerLayerEmbeddings:
+    """Gemma 4's per-layer embeddings (E2B, E4B: ``hidden_size_per_layer_input``): a table of ``dim`` values per layer
+    for each of ``vocab_size`` tokens, and a projection of the embeddings to the same, combined into each layer's
+    input, which a gated projection adds to the layer's output."""
+
+    dim: int
+    vocab_size: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +66,7 @@ class DeltaNet:
 class Model:
     """Static architecture of a decoder (and its head). Hashable; holds no arrays."""
 
-    family: str  # "gpt_neox" | "llama" | "qwen2" | "qwen3" | "gemma2" | "gemma3" (Mistral, SmolLM load as "llama")
+    family: str  # a module of jodpo.models.families: "gpt_neox", "llama" (Mistral, SmolLM 1-2 too), "olmo2" (OLMo 3 too), ...
     task: str  # "causal_lm" (LM head) | "reward" (score head, num_labels=1)
     vocab_size: int
     hidden_size: int
@@ -64,10 +91,16 @@ class Model:
     # layers 1M and scaled); () = every layer uses inv_freq
     local_inv_freq: tuple[float, ...] = ()
     qk_norm: bool = False  # RMSNorm over each head's queries and keys after the projection, before RoPE (Qwen3, Gemma 3)
+    qk_norm_whole: bool = False  # ... over the whole q and k projections instead, every head at once (OLMo 2 and 3)
+    # YaRN's attention factor: cos and sin of inv_freq's tables times this (OLMo 3's global layers); 1 = none
+    rope_scale: float = 1.0
+    nope_layers: tuple[int, ...] = ()  # the layers that rotate nothing (SmolLM3's NoPE layers, every 4th)
     # RMSNorm as x * (norm_offset + w), the product in float32 before the cast back (Gemma: 1.0); 0.0 is Llama's
     # (normalise in float32, cast, then scale by w)
     norm_offset: float = 0.0
+    norm_scale_f32: bool = False  # x * w in float32 before the cast back, as Gemma's with an offset 0 (OLMo 2, Gemma 4)
     post_norms: bool = False  # Gemma's four norms a layer: the attention's and the MLP's outputs are normed too
+    pre_norms: bool = True  # the mixer's and the MLP's inputs normed; OLMo 2 norms only their outputs (post_norms)
     embed_scale: float = 1.0  # embeddings times this, rounded to the compute dtype (Gemma: sqrt(hidden_size))
     query_scale: float | None = None  # attention scores' scale (Gemma: query_pre_attn_scalar**-0.5); None: head_dim**-0.5
     attn_softcap: float = 0.0  # attention scores soft-capped as cap * tanh(s / cap) (Gemma 2); 0 = off
@@ -94,6 +127,15 @@ class Model:
     # Gated attention (Qwen3.5, Qwen3-Next): q_proj also yields a gate per head; the attention's output is multiplied
     # by sigmoid(gate) before the output projection
     attn_output_gate: bool = False
+    # Gemma 4: a scale-free RMSNorm over each head's values; values equal to the keys before their norm and RoPE (set
+    # on the global layers' view, GlobalAttention.k_eq_v); the global layers' shape; per-layer embeddings; each
+    # layer's output times a learned scalar (layer_scalar); the KV-sharing layers' MLPs twice as wide
+    v_norm: bool = False
+    k_eq_v: bool = False
+    global_attention: GlobalAttention | None = None
+    per_layer_embeddings: PerLayerEmbeddings | None = None
+    layer_scalar: bool = False
+    wide_mlp: bool = False
     # The source config.json (for export); not part of the identity of the compiled function.
     hf_config: str = dataclasses.field(default="{}", compare=False, repr=False)
 
@@ -109,6 +151,14 @@ class Model:
                              f"{self.layer_kinds}")
         if "deltanet" in self.layer_kinds and self.deltanet is None:
             raise ValueError("a model with deltanet layers needs their shape (Model.deltanet)")
+        if "global_attention" in self.layer_kinds and self.global_attention is None:
+            raise ValueError("a model with global_attention layers needs their shape (Model.global_attention)")
+        for reader, source in READS.items():  # a reader reads the last layer of its source kind: all must come first
+            if self.layers_of(reader) and not (self.layers_of(source) and
+                                               self.layers_of(source)[-1] < self.layers_of(reader)[0]):
+                raise ValueError(f"{reader} layers {self.layers_of(reader)} reuse the keys and values of the last "
+                                 f"{source} layer before them; there is none (the {source} layers are "
+                                 f"{self.layers_of(source)})")
 
     def replace(self, **changes) -> "Model":
         return dataclasses.replace(self, **changes)
@@ -118,9 +168,14 @@ class Model:
         """Each layer's mixer kind."""
         return self.layer_kinds or ("attention",) * self.num_layers
 
-    def layers_of(self, kind: str) -> tuple[int, ...]:
-        """The indices of the layers of one mixer kind, in order (a kind's parameters are stacked over these)."""
-        return tuple(i for i, k in enumerate(self.kinds) if k == kind)
+    def layers_of(self, *kinds: str) -> tuple[int, ...]:
+        """The indices of the layers of these mixer kinds, in order (a kind's parameters are stacked over these)."""
+        return tuple(i for i, k in enumerate(self.kinds) if k in kinds)
+
+    @property
+    def wide_kinds(self) -> tuple[str, ...]:
+        """The kinds whose layers' MLPs are twice as wide (Gemma 4's KV-sharing layers, ``use_double_wide_mlp``)."""
+        return tuple(k for k in READS if self.wide_mlp and k in self.kinds)
 
     @property
     def attention_scale(self) -> float:

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from jodpo.models.decoder import KEYS, KIND_OF_KEY, MIXERS, Model, Params, layer_params, merge_adapters
+from jodpo.models.layout import subtree_layers
 
 
 # --------------------------------------------------------------------------------------------------
@@ -17,8 +18,13 @@ from jodpo.models.decoder import KEYS, KIND_OF_KEY, MIXERS, Model, Params, layer
 
 def param_specs(model: Model) -> dict:
     """Nested dict of ``(shape, logical_axes)`` mirroring ``params``; the one source of shapes. What every layer has
-    is stacked over all N layers; each mixer kind's parameters (``decoder.KEYS``) over the layers of that kind."""
+    is stacked over all N layers; each mixer kind's parameters (``decoder.KEYS``) over the layers of that kind; a wide
+    MLP's over its layers (``layout.owners``)."""
     D, N, F, V = model.hidden_size, model.num_layers, model.mlp_dim, model.vocab_size
+
+    def over(key, shape_axes):  # a subtree's leaves stacked over its own layers (layout.subtree_layers)
+        n = len(subtree_layers(model, key))
+        return jax.tree.map(lambda s: ((n, *s[0][1:]), s[1]), shape_axes, is_leaf=_is_spec)
 
     def norm():
         p = {"scale": ((N, D), ("layers", "embed"))}
@@ -35,12 +41,25 @@ def param_specs(model: Model) -> dict:
         if model.gated_mlp:
             mlp["gate_bias"] = ((N, F), ("layers", "mlp"))
     final = {k: (shape[1:], axes[1:]) for k, (shape, axes) in norm().items()}
-    layers = {"ln1": norm(), "ln2": norm()}
+    layers = {"ln1": norm(), "ln2": norm()} if model.pre_norms else {}
     layers |= {KEYS[k]: m.specs(model, len(model.layers_of(k))) for k, m in MIXERS.items() if model.layers_of(k)}
-    layers["mlp"] = mlp
-    if model.post_norms:  # Gemma: the attention's and the MLP's outputs normed before their residuals
+    layers["mlp"] = over("mlp", mlp)
+    if model.wide_kinds:  # Gemma 4's KV-sharing layers: twice the MLP width
+        layers["mlp_wide"] = over("mlp_wide", jax.tree.map(
+            lambda s: (tuple(2 * F if ax == "mlp" else d for d, ax in zip(*s)), s[1]), mlp, is_leaf=_is_spec))
+    if model.post_norms:  # Gemma, OLMo 2: the attention's and the MLP's outputs normed before their residuals
         layers |= {"post_attn": norm(), "post_mlp": norm()}
     specs = {"embed": ((V, D), ("vocab", "embed")), "layers": layers, "final_norm": final}
+    if model.layer_scalar:
+        layers["scalar"] = ((N, 1), ("layers", None))
+    if model.per_layer_embeddings is not None:  # Gemma 4: the packed table, split over the vocabulary and Dp
+        Vp, Dp = model.per_layer_embeddings.vocab_size, model.per_layer_embeddings.dim
+        layers["ple"] = {"ple_gate": ((N, D, Dp), ("layers", "embed", None)),
+                         "ple_proj": ((N, Dp, D), ("layers", None, "embed"))}
+        layers["ple_norm"] = {"scale": ((N, D), ("layers", "embed"))}
+        specs |= {"embed_per_layer": ((Vp, N, Dp), ("vocab", None, "embed")),
+                  "per_layer_proj": ((D, N, Dp), ("embed", None, None)),
+                  "per_layer_norm": {"scale": ((Dp,), (None,))}}
     if model.task == "causal_lm" and not model.tie_embeddings:
         specs["lm_head"] = ((V, D), ("vocab", "embed"))  # HF's layout; also the faster one for decode dots
     if model.task == "reward":
@@ -75,6 +94,8 @@ def init_params(model: Model, rng: jax.Array, dtype=jnp.float32, std: float = 0.
         own = getattr(MIXERS[kind], "init", lambda *a: None)(path[-1].key, key, shape, dtype) if kind else None
         if own is not None:  # a mixer's own rule (DeltaNet's decay parameters and gated norm)
             out.append(own)
+        elif path[-1].key == "scalar":  # Gemma 4's layer scalar: ones, as transformers initialises it
+            out.append(jnp.ones(shape, dtype))
         elif "bias" in name:
             out.append(jnp.zeros(shape, dtype))
         elif "scale" in name:
@@ -84,7 +105,13 @@ def init_params(model: Model, rng: jax.Array, dtype=jnp.float32, std: float = 0.
     return jax.tree.unflatten(treedef, out)
 
 
-_NORMS = ("ln1", "ln2", "final_norm", "post_attn", "post_mlp", "q_norm", "k_norm")
+def buffers(model: Model) -> tuple[str, ...]:
+    """The leaves that transformers keeps as buffers, loaded and saved but never trained (Gemma 4's ``layer_scalar``):
+    the forward stops their gradient and the optimizer leaves them as they are (``optim.make_optimizer``'s frozen)."""
+    return ("scalar",) if model.layer_scalar else ()
+
+
+_NORMS = ("ln1", "ln2", "final_norm", "post_attn", "post_mlp", "q_norm", "k_norm", "ple_norm", "per_layer_norm")
 
 
 def compute_params(model: Model, params: Params) -> Params:

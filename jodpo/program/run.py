@@ -24,6 +24,7 @@ from jodpo.models import lora
 from jodpo.models.loading import ready_tokenizer
 from jodpo.models.params import frozen_params, param_shapes
 from jodpo.optim import restarted
+from jodpo.models.params import buffers
 from jodpo.program.rewards import RewardSet
 from jodpo.program.sources import (Given, describe_policy, eval_sets, load_judge, load_rewards, load_split, named,
                                    prompt_bos, read_policy, say_attention)
@@ -134,7 +135,7 @@ class Run:
     def restart_optimizer(self, state):
         """``state`` restored without its optimizer state (a ``save_only_model`` checkpoint), with a new one laid
         out as the steps expect it (``optim.restarted``: AdamW's moments from zero, the schedule where the run is)."""
-        fresh = jax.jit(functools.partial(restarted, self.step_cfg.optimizer),
+        fresh = jax.jit(functools.partial(restarted, self.step_cfg.optimizer, frozen=buffers(self.step_cfg.model)),
                         out_shardings=jax.tree.map(lambda x: x.sharding, self.layout.opt_state))
         return state.replace(opt_state=fresh(state.params, state.step))
 

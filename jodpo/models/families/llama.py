@@ -29,17 +29,22 @@ def rules(model: Model) -> list[Rule]:
                 head_bias(attn + ("v_bias",), L + "self_attn.v_proj.bias", K, Dh)]
     if model.out_bias:
         out.append(same(attn + ("o_bias",), L + "self_attn.o_proj.bias"))
-    if model.qk_norm:
+    if model.qk_norm_whole:  # a weight per channel of the projection (OLMo 2): HF [H * Dh] <-> jodpo [H, Dh]
+        out += [head_bias(attn + ("q_norm", "scale"), L + "self_attn.q_norm.weight", H, Dh),
+                head_bias(attn + ("k_norm", "scale"), L + "self_attn.k_norm.weight", K, Dh)]
+    elif model.qk_norm:
         out += [same(attn + ("q_norm", "scale"), L + "self_attn.q_norm.weight"),
                 same(attn + ("k_norm", "scale"), L + "self_attn.k_norm.weight")]
     for ours, theirs in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
         out.append(linear(mlp + (ours,), L + f"mlp.{theirs}.weight"))
         if model.mlp_bias:
             out.append(same(mlp + (ours + "_bias",), L + f"mlp.{theirs}.bias"))
-    out += norm_rules(model, ("layers", "ln1"), L + "input_layernorm")
-    if model.post_norms:  # Gemma: post_attention_layernorm norms the attention's output; the MLP's input has its own
-        out += norm_rules(model, ("layers", "post_attn"), L + "post_attention_layernorm")
-        out += norm_rules(model, ("layers", "ln2"), L + "pre_feedforward_layernorm")
+    if model.pre_norms:
+        out += norm_rules(model, ("layers", "ln1"), L + "input_layernorm")
+    if model.post_norms:  # Gemma, OLMo 2: post_attention_layernorm norms the attention's output; the MLP's input has its
+        out += norm_rules(model, ("layers", "post_attn"), L + "post_attention_layernorm")  # own norm (Gemma's only)
+        if model.pre_norms:
+            out += norm_rules(model, ("layers", "ln2"), L + "pre_feedforward_layernorm")
         out += norm_rules(model, ("layers", "post_mlp"), L + "post_feedforward_layernorm")
     else:
         out += norm_rules(model, ("layers", "ln2"), L + "post_attention_layernorm")

@@ -1,0 +1,138 @@
+"""Gemma 4 (text; dense: E2B, E4B, 31B): exactly transformers' ``models/gemma4``, as ``Gemma4ForCausalLM`` and the
+language model of ``Gemma4ForConditionalGeneration`` (its vision and audio towers left out, one line says so).
+- RMSNorms as ``x * w`` (not Gemma 3's ``1 + w``), scaled in float32; four a layer; q and k norms per head and a
+  scale-free value norm; attention scores unscaled (scale 1); GeGLU; embeddings times sqrt(hidden); logits soft-capped;
+- sliding layers (``sliding_attention``: the ``Model``'s shape, ``head_dim``, and RoPE) and global layers
+  (``full_attention``: the mixer kind ``global_attention``, with ``global_head_dim``, ``num_global_key_value_heads``
+  and, with ``attention_k_eq_v``, values that are the keys before their norm and RoPE; "proportional" partial RoPE);
+  the last layer global whatever ``layer_types`` says (transformers forces it);
+- per-layer embeddings (E2B, E4B: ``hidden_size_per_layer_input``): a packed ``[vocab, layers x Dp]`` table and a
+  projection of the embeddings, combined into each layer's input, and after each MLP a gated projection of it, normed,
+  added (``Model.per_layer_embeddings``);
+- KV sharing: the last ``num_kv_shared_layers`` layers (kinds ``shared_attention``, ``shared_global_attention``) reuse
+  the keys and values of the last earlier layer of their type, and with ``use_double_wide_mlp`` have MLPs twice as wide;
+- each layer's output times its learned ``layer_scalar``.
+The MoE checkpoints (26B-A4B: ``enable_moe_block``) are refused in one line. transformers has no
+``Gemma4ForSequenceClassification``: a reward head is read and written as its generic sequence classifiers are
+(``score.weight`` over the text model), which transformers' own classes of other families are. PEFT's default LoRA
+targets (a regex over the language model's ``q_proj`` and ``v_proj``) are ``q_proj, v_proj``."""
+from __future__ import annotations
+
+import numpy as np
+
+from jodpo.errors import UnsupportedModelError
+from jodpo.models.families import llama
+from jodpo.models.hf_mapping import (Family, Rule, head_bias, in_heads, linear, norm_rules, out_heads, rope_inv_freq,
+                                     same)
+from jodpo.models.layout import KEYS
+from jodpo.models.model import READS, GlobalAttention, Model, PerLayerEmbeddings
+
+LAYER_KINDS = {"sliding_attention": "attention", "full_attention": "global_attention"}
+SHARED = {"attention": "shared_attention", "global_attention": "shared_global_attention"}
+
+
+def model_fields(cfg) -> dict:
+    if getattr(cfg, "enable_moe_block", False):
+        raise UnsupportedModelError("Gemma 4's mixture-of-experts checkpoints (26B-A4B: enable_moe_block) are not "
+                                    "supported; the dense ones are (E2B, E4B, 31B)")
+    if getattr(cfg, "use_bidirectional_attention", None) == "all":
+        raise UnsupportedModelError("gemma4 with use_bidirectional_attention='all' (an embedding model) is not a "
+                                    "causal LM; jodpo trains causal Gemma models")
+    types = list(cfg.layer_types)
+    unknown = sorted(set(types) - set(LAYER_KINDS))
+    if unknown:
+        raise UnsupportedModelError(f"layer_types {unknown} are not supported (supported: {sorted(LAYER_KINDS)})")
+    first_shared = cfg.num_hidden_layers - (cfg.num_kv_shared_layers or 0)
+    kinds = tuple(LAYER_KINDS[t] if i < first_shared else SHARED[LAYER_KINDS[t]] for i, t in enumerate(types))
+    per_type = {t: cfg.per_layer_config[t] for t in set(types)}  # transformers' per-layer-type shapes
+    sliding = per_type.get("sliding_attention", cfg)
+    head_dim = sliding.head_dim
+    inv_freq, rotary_dim = rope_inv_freq(dict(cfg.rope_parameters.get("sliding_attention") or {"rope_theta": 1e4}),
+                                         head_dim, cfg.max_position_embeddings)
+    # transformers' heterogeneous config refuses cfg.head_dim and cfg.num_key_value_heads (they differ by layer type)
+    fields = dict(
+        norm="rmsnorm", norm_eps=cfg.rms_norm_eps, gated_mlp=True, mlp_bias=False, parallel_residual=False,
+        num_kv_heads=sliding.num_key_value_heads, head_dim=head_dim, norm_scale_f32=True, post_norms=True, qk_norm=True,
+        v_norm=True, query_scale=1.0, activation=cfg.hidden_activation, embed_scale=float(cfg.hidden_size ** 0.5),
+        final_softcap=float(cfg.final_logit_softcapping or 0.0), inv_freq=tuple(float(f) for f in inv_freq),
+        rotary_dim=rotary_dim, layer_kinds=kinds, layer_scalar=True,
+        wide_mlp=bool(cfg.use_double_wide_mlp and cfg.num_kv_shared_layers),
+        qkv_bias=bool(cfg.attention_bias), out_bias=bool(cfg.attention_bias))
+    if "full_attention" in per_type:
+        full = per_type["full_attention"]
+        g_inv, g_rot = rope_inv_freq(dict(cfg.rope_parameters["full_attention"]), full.head_dim,
+                                     cfg.max_position_embeddings)
+        fields["global_attention"] = GlobalAttention(
+            num_kv_heads=full.num_key_value_heads, head_dim=full.head_dim, rotary_dim=g_rot,
+            inv_freq=tuple(float(f) for f in g_inv), k_eq_v=bool(cfg.attention_k_eq_v))
+    if cfg.hidden_size_per_layer_input:
+        fields["per_layer_embeddings"] = PerLayerEmbeddings(dim=cfg.hidden_size_per_layer_input,
+                                                            vocab_size=cfg.vocab_size_per_layer_input)
+    return fields
+
+
+def _attention_rules(model: Model, kind: str) -> list[Rule]:
+    """A mixer kind's q/k/v/o projections and norms, over that kind's layers (a KV-sharing kind's: q and o only)."""
+    m = model if "global" not in kind else model.replace(
+        num_kv_heads=model.global_attention.num_kv_heads, head_dim=model.global_attention.head_dim,
+        k_eq_v=model.global_attention.k_eq_v)
+    H, K, Dh, L, attn = m.num_heads, m.num_kv_heads, m.head_dim, "model.layers.{i}.self_attn.", ("layers", KEYS[kind])
+    own = kind not in READS
+    out = [in_heads(attn + ("q",), L + "q_proj.weight", H, Dh), out_heads(attn + ("o",), L + "o_proj.weight", H, Dh),
+           same(attn + ("q_norm", "scale"), L + "q_norm.weight")]
+    if model.qkv_bias:
+        out.append(head_bias(attn + ("q_bias",), L + "q_proj.bias", H, Dh))
+    if model.out_bias:
+        out.append(same(attn + ("o_bias",), L + "o_proj.bias"))
+    for name in (("k",) + (() if m.k_eq_v else ("v",))) if own else ():
+        out.append(in_heads(attn + (name,), L + f"{name}_proj.weight", K, Dh))
+        if model.qkv_bias:
+            out.append(head_bias(attn + (f"{name}_bias",), L + f"{name}_proj.bias", K, Dh))
+    if own:
+        out.append(same(attn + ("k_norm", "scale"), L + "k_norm.weight"))
+    return [r.of_layers(model.layers_of(kind)) for r in out]
+
+
+def rules(model: Model) -> list[Rule]:
+    L, layers = "model.layers.{i}.", ("layers",)
+    out = [same(("embed",), "model.embed_tokens.weight", per_layer=False)]
+    out += norm_rules(model, ("final_norm",), "model.norm", per_layer=False)
+    if model.task == "causal_lm" and not model.tie_embeddings:
+        out.append(same(("lm_head",), "lm_head.weight", per_layer=False))
+    for ours, theirs in (("ln1", "input_layernorm"), ("post_attn", "post_attention_layernorm"),
+                         ("ln2", "pre_feedforward_layernorm"), ("post_mlp", "post_feedforward_layernorm")):
+        out += norm_rules(model, layers + (ours,), L + theirs)
+    out.append(same(layers + ("scalar",), L + "layer_scalar"))
+    wide = model.layers_of(*model.wide_kinds)
+    narrow = tuple(i for i in range(model.num_layers) if i not in wide)
+    for key, which in (("mlp", narrow), ("mlp_wide", wide)):
+        out += [linear(layers + (key, ours), L + f"mlp.{theirs}.weight").of_layers(which) for ours, theirs in
+                (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")) if which]
+    for kind in dict.fromkeys(model.kinds):
+        out += _attention_rules(model, kind)
+    pe = model.per_layer_embeddings
+    if pe is not None:
+        N, D, Dp = model.num_layers, model.hidden_size, pe.dim
+        out += [Rule(("model.embed_tokens_per_layer.weight",), (("embed_per_layer",),),
+                     lambda w: (w.reshape(w.shape[0], N, Dp),), lambda w: (w.reshape(w.shape[0], -1),), False),
+                Rule(("model.per_layer_model_projection.weight",), (("per_layer_proj",),),
+                     lambda w: (w.T.reshape(D, N, Dp),), lambda w: (w.reshape(D, -1).T,), False),
+                same(("per_layer_norm", "scale"), "model.per_layer_projection_norm.weight", per_layer=False),
+                linear(layers + ("ple", "ple_gate"), L + "per_layer_input_gate.weight"),
+                linear(layers + ("ple", "ple_proj"), L + "per_layer_projection.weight"),
+                same(layers + ("ple_norm", "scale"), L + "post_per_layer_input_norm.weight")]
+    return out
+
+
+LORA_MODULES = llama.LORA_MODULES | {"per_layer_input_gate": ("ple_gate",), "per_layer_projection": ("ple_proj",)}
+LORA_PATHS = llama.LORA_PATHS | {"per_layer_input_gate": "", "per_layer_projection": ""}
+
+FAMILY = Family(
+    name="gemma4", module="gemma4", classes={"gemma4_text": "Gemma4", "gemma4": "Gemma4"}, model_fields=model_fields,
+    rules=rules, lora_modules=LORA_MODULES, lora_defaults=("q_proj", "v_proj"), prefix="model.",
+    lora_paths=LORA_PATHS, more_classes={"Gemma4ForConditionalGeneration": "causal_lm"},
+    renames=(("model.language_model.", "model."),),
+    skipped={prefix: what for what, prefixes in (("vision tower", ("model.vision_tower.", "model.embed_vision.")),
+                                                 ("audio tower", ("model.audio_tower.", "model.embed_audio.")))
+             for prefix in prefixes},
+)

@@ -1,0 +1,181 @@
+"""How ``params["layers"]`` is laid out over the layers, for the decoder, parameters, LoRA and sharding.
+
+Each subtree of ``params["layers"]`` is stacked on a leading axis over a set of layers: what every layer has (norms,
+the MLP) over all of them; a mixer kind's parameters (``KEYS``: ``"attn"``, ``"deltanet"``, ...) over the layers of
+that kind; where some layers' MLPs are twice as wide (Gemma 4's KV-sharing layers), theirs (``"mlp_wide"``) over those
+layers and ``"mlp"`` over the others. LoRA adapters (``"lora"``) follow the weights they adapt. The layers run as
+``lax.scan``s over ``layer_runs``: a run repeats a period of kinds, so one compiled body serves any depth.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jodpo.models import attention_mixer, deltanet, global_attention
+from jodpo.models.model import Model, Params, einsum
+from jodpo.models.shared_kv import Reader
+
+# mixer kind -> its module, and where its parameters sit in params["layers"]
+MIXERS = {"attention": attention_mixer, "deltanet": deltanet, "global_attention": global_attention,
+          "shared_attention": Reader("shared_attention", attention_mixer),
+          "shared_global_attention": Reader("shared_global_attention", global_attention)}
+KEYS = {"attention": "attn", "deltanet": "deltanet", "global_attention": "global_attn",
+        "shared_attention": "shared_attn", "shared_global_attention": "shared_global_attn"}
+KIND_OF_KEY = {v: k for k, v in KEYS.items()}
+# a weight LoRA can adapt -> the subtree of params["layers"] it sits in first (its home: a LoRA group of that module
+# there is named by the module alone; elsewhere "module@subtree", lora.group_key)
+SUBTREES: dict[str, str] = {}
+for _k, _m in MIXERS.items():
+    for _w in _m.WEIGHTS:
+        SUBTREES.setdefault(_w, KEYS[_k])
+SUBTREES |= {w: "mlp" for w in ("up", "gate", "down")} | {"ple_gate": "ple", "ple_proj": "ple"}
+
+
+def group_subtree(key: str, weight: str) -> str:
+    """The subtree a LoRA group's weight sits in: ``"q_proj@global_attn"``'s in ``global_attn``, ``"q_proj"``'s in
+    the weight's home (``SUBTREES``)."""
+    return key.partition("@")[2] or SUBTREES[weight]
+
+
+def owners(model: Model, key: str) -> tuple[str, ...] | None:
+    """The kinds whose layers a subtree of ``params["layers"]`` is stacked over (None: every layer)."""
+    if key in KIND_OF_KEY:
+        return (KIND_OF_KEY[key],)
+    if key in ("mlp", "mlp_wide") and model.wide_kinds:
+        return model.wide_kinds if key == "mlp_wide" else tuple(k for k in dict.fromkeys(model.kinds)
+                                                                if k not in model.wide_kinds)
+    return None
+
+
+def subtree_layers(model: Model, key: str) -> tuple[int, ...]:
+    """The layers a subtree of ``params["layers"]`` is stacked over, in order."""
+    kinds = owners(model, key)
+    return tuple(range(model.num_layers)) if kinds is None else model.layers_of(*kinds)
+
+
+def merge_adapters(model: Model, p: Params) -> Params:
+    """Layer parameters (stacked ``[N, ...]`` or one layer's) with their LoRA adapters folded in:
+    ``W + lora_alpha / lora_rank * a.b`` in float32, the adapters gone. ``p["lora"]`` maps a group (a HF module name,
+    ``lora.group_key``) to ``{"a": [..., in..., r], "b": {weight: [..., r, out...]}}``; several weights sharing one
+    ``a`` are a fused HF module (GPT-NeoX's ``query_key_value``, Qwen3.5's ``in_proj_qkv``, a gated ``q_proj``)."""
+    if "lora" not in p:
+        return p
+    p = dict(p)
+    scale = model.lora_alpha / model.lora_rank
+    for key, group in p.pop("lora").items():
+        a = group["a"]
+        for name, b in group["b"].items():
+            sub = group_subtree(key, name)
+            p[sub] = dict(p[sub])
+            w = p[sub][name]
+            lead = a.ndim + b.ndim - 2 - w.ndim  # the stacked layer axis, if any
+            n_in = a.ndim - 1 - lead
+            letters = "abcdefgh"
+            L, i, o = letters[:lead], letters[lead:lead + n_in], letters[lead + n_in:lead + n_in + b.ndim - 1 - lead]
+            delta = einsum(model, f"{L}{i}r,{L}r{o}->{L}{i}{o}", a.astype(jnp.float32), b.astype(jnp.float32))
+            p[sub][name] = w.astype(jnp.float32) + scale * delta
+    return p
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """Layers ``start .. start + reps * len(period)``: ``period`` (their kinds) repeated ``reps`` times."""
+
+    start: int
+    period: tuple[str, ...]
+    reps: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.reps * len(self.period)
+
+
+@functools.lru_cache(maxsize=None)
+def layer_runs(kinds: tuple[str, ...]) -> tuple[Run, ...]:
+    """The layers as few scans as possible, each with a short body: from the first layer on, the period (shortest
+    first) that covers the most layers by repeating, then the same for the layers after it. A uniform model is one
+    run of one layer; Qwen3.5's 24 layers one run of (deltanet x 3, attention) x 6."""
+    runs, start = [], 0
+    while start < len(kinds):
+        rest, best = kinds[start:], None
+        for p in range(1, len(rest) + 1):
+            reps = 1
+            while rest[reps * p:(reps + 1) * p] == rest[:p] and (reps + 1) * p <= len(rest):
+                reps += 1
+            if (reps > 1 or p == len(rest)) and (best is None or reps * p > best.reps * len(best.period)):
+                best = Run(start, rest[:p], reps)
+        runs.append(best)
+        start = best.end
+    return tuple(runs)
+
+
+def _leaf_owners(model: Model, layers: Params) -> dict:
+    """For each subtree of ``params["layers"]``: the kinds whose layers it is stacked over (None: every layer). A LoRA
+    group follows the weights it adapts."""
+    out = {}
+    for key, sub in layers.items():
+        if key == "lora":
+            out[key] = {g: owners(model, group_subtree(g, next(iter(ad["b"])))) for g, ad in sub.items()}
+        else:
+            out[key] = owners(model, key)
+    return out
+
+
+def map_layers(model: Model, layers: Params, fn) -> Params:
+    """``fn(leaf, kinds)`` on every leaf of ``params["layers"]``, ``kinds`` those of the layers it is stacked over
+    (None: all)."""
+    which = _leaf_owners(model, layers)
+    out = {}
+    for key, sub in layers.items():
+        if key == "lora":
+            out[key] = {g: jax.tree.map(lambda x, k=which[key][g]: fn(x, k), ad) for g, ad in sub.items()}
+        else:
+            out[key] = jax.tree.map(lambda x, k=which[key]: fn(x, k), sub)
+    return out
+
+
+def for_kinds(model: Model, layers: Params, kinds) -> Params:
+    """The subtrees of ``params["layers"]`` that layers of these kinds read: what every layer has, their mixers', their
+    MLP, and the LoRA groups of any of them."""
+    which = _leaf_owners(model, layers)
+    mine = lambda o: o is None or bool(set(o) & set(kinds))  # noqa: E731
+    out = {k: v for k, v in layers.items() if k != "lora" and mine(which[k])}
+    lora = {g: ad for g, ad in layers.get("lora", {}).items() if mine(which["lora"][g])}
+    return out | ({"lora": lora} if lora else {})
+
+
+def layer_params(model: Model, layers: Params, i: int) -> Params:
+    """Layer ``i``'s own parameters out of stacked ``params["layers"]``: each subtree it reads at ``i``'s place among
+    the layers that subtree is stacked over."""
+    kind = model.kinds[i]
+    return map_layers(model, for_kinds(model, layers, (kind,)),
+                      lambda x, kinds: x[i if kinds is None else model.layers_of(*kinds).index(i)])
+
+
+def _per_period(period: tuple[str, ...], kinds) -> int:
+    """How many of a period's layers a subtree stacked over ``kinds`` (None: every layer) has."""
+    return len(period) if kinds is None else sum(k in kinds for k in period)
+
+
+def run_params(model: Model, layers: Params, run: Run) -> Params:
+    """The parameters a run's scan reads, each leaf ``[reps, its layers in a period, ...]``, or, where a period has one
+    of its layers, ``[reps, ...]``: the stack as it is (a uniform model's whole stack, no copy, no unit axis), so its
+    compiled program is a plain scan over the stack."""
+    def take(leaf, kinds):
+        start = run.start if kinds is None else len([i for i in model.layers_of(*kinds) if i < run.start])
+        count = _per_period(run.period, kinds)
+        leaf = leaf[start:start + run.reps * count]
+        return leaf if count == 1 else leaf.reshape(run.reps, count, *leaf.shape[1:])
+
+    return map_layers(model, for_kinds(model, layers, run.period), take)
+
+
+def period_params(model: Model, p_run: Params, period: tuple[str, ...], q: int) -> Params:
+    """Layer ``q`` of a period's parameters out of ``run_params``' slice for one repetition."""
+    kind = period[q]
+    return map_layers(model, for_kinds(model, p_run, (kind,)),
+                      lambda leaf, kinds: leaf if _per_period(period, kinds) == 1 else
+                      leaf[q if kinds is None else sum(k in kinds for k in period[:q])])

@@ -1,0 +1,129 @@
+"""Gemma 4 beyond the family-parametrized tests (whose fixture has every feature at once: tests/hf_fixtures.py): other
+settings of its config against transformers (the 31B's layout: keys as values on global layers, no per-layer
+embeddings, no KV sharing; KV sharing with values of their own and narrow MLPs), the language model of a
+Gemma4ForConditionalGeneration, the refused MoE checkpoints, and the KV-sharing layers' cache: none of their own."""
+import json
+
+import jax
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import jodpo
+from jodpo.models import decoder
+from jodpo.models.loading import describe_model
+from tests import hf_fixtures
+
+LAYERS = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention", "full_attention"]
+VARIANTS = {  # beside the fixture's: the 31B's layout, and KV sharing with v projections and narrow MLPs
+    "31b": dict(attention_k_eq_v=True, num_global_key_value_heads=1, hidden_size_per_layer_input=0,
+                num_kv_shared_layers=0, attention_bias=True, final_logit_softcapping=None),
+    "shared_kv": dict(attention_k_eq_v=False, num_kv_shared_layers=3, use_double_wide_mlp=False,
+                      hidden_size_per_layer_input=4),
+}
+
+
+def _positions(mask):
+    return np.maximum(np.cumsum(mask, -1) - 1, 0)
+
+
+def _tiny(tmp_path, checkpoints, **changes):
+    from transformers import Gemma4TextConfig
+
+    tok = jodpo.load_tokenizer(str(checkpoints["gemma4"]["causal_lm"]))
+    base = json.loads((checkpoints["gemma4"]["causal_lm"] / "config.json").read_text())
+    keep = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+            "sliding_window", "pad_token_id", "eos_token_id", "bos_token_id", "max_position_embeddings")
+    cfg = Gemma4TextConfig(**{k: base[k] for k in keep}, global_head_dim=32, num_hidden_layers=5, layer_types=LAYERS,
+                           vocab_size_per_layer_input=base["vocab_size"], **changes)
+    torch.manual_seed(3)
+    hf = hf_fixtures.randomize(AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)).eval()
+    hf.save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    return hf, tmp_path / "m"
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_other_settings_match_transformers_logits_and_generate(checkpoints, tmp_path, variant):
+    hf, path = _tiny(tmp_path, checkpoints, **VARIANTS[variant])
+    model, params = jodpo.load_model(str(path))
+    assert ("shared_attention" in model.kinds) == (variant == "shared_kv")
+    ids, mask = hf_fixtures.padded_batch(np.random.default_rng(0), [12, 5, 9, 1], model.pad_token_id, "left")
+    ours = np.asarray(jax.jit(jodpo.logits, static_argnums=0)(model, params, ids, mask))
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask),
+                 position_ids=torch.tensor(_positions(mask), dtype=torch.long)).logits.numpy()
+    real = mask.astype(bool)
+    np.testing.assert_allclose(ours[real], ref[real], rtol=1e-4, atol=1e-4 * np.abs(ref[real]).max())
+    T = 8
+    with torch.no_grad():
+        want = hf.generate(input_ids=torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask),
+                           do_sample=False, max_new_tokens=T, eos_token_id=[], pad_token_id=model.pad_token_id)
+    cfg = jodpo.SamplingConfig(max_new_tokens=T, temperature=0.0, eos_token_ids=(), pad_token_id=model.pad_token_id)
+    got = jax.jit(jodpo.sample, static_argnums=(0, 5))(model, params, ids, mask, jax.random.key(0), cfg)
+    np.testing.assert_array_equal(np.asarray(got.tokens), want[:, ids.shape[1]:].numpy())
+
+
+def test_kv_sharing_layers_keep_no_cache_of_their_own(checkpoints):
+    """The fixture's last two layers reuse the keys and values of layers 1 and 2: the cache holds states for the three
+    others only, and a decode step writes those (the readers read them where they are)."""
+    model, params = jodpo.load_model(str(checkpoints["gemma4"]["causal_lm"]))
+    assert model.kinds[3:] == ("shared_attention", "shared_global_attention")
+    stacked = decoder.init_cache(model, 2, 16)
+    assert set(stacked["state"]) == {"attention", "global_attention"}
+    assert stacked["state"]["attention"]["k"].shape[0] == 2 and stacked["state"]["global_attention"]["k"].shape[0] == 1
+    per_layer = decoder.init_cache(model, 2, 16, per_layer=True)
+    assert [s is None for s in per_layer["state"]] == [False, False, False, True, True]
+    ids, mask = hf_fixtures.padded_batch(np.random.default_rng(1), [5, 3], model.pad_token_id, "left")
+    _, cache = decoder.hidden_states(model, params, ids, mask, stacked)
+    assert jax.tree.structure(cache["state"]) == jax.tree.structure(stacked["state"])
+    assert float(np.abs(np.asarray(cache["state"]["global_attention"]["v"])).max()) > 0  # keys as values, written
+
+
+def test_a_conditional_generation_checkpoint_loads_its_language_model(checkpoints, tmp_path):
+    """A Gemma4ForConditionalGeneration (the released checkpoints' class; here with one-layer vision and audio towers)
+    loads as its text model, one line saying the towers are left out: logits on text equal the multimodal model's, and
+    its export is a Gemma4ForCausalLM that transformers reads back to the same logits."""
+    from transformers import Gemma4AudioConfig, Gemma4Config, Gemma4ForConditionalGeneration, Gemma4VisionConfig
+
+    text = AutoModelForCausalLM.from_pretrained(checkpoints["gemma4"]["causal_lm"]).config
+    vision = Gemma4VisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                num_key_value_heads=2, head_dim=8, patch_size=4, position_embedding_size=64)
+    audio = Gemma4AudioConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                              subsampling_conv_channels=[4, 4], output_proj_dims=16)
+    V = text.vocab_size
+    cfg = Gemma4Config(text_config=text.to_dict(), vision_config=vision.to_dict(), audio_config=audio.to_dict(),
+                       image_token_id=V - 1, video_token_id=V - 2, audio_token_id=V - 3, boi_token_id=V - 4,
+                       eoi_token_id=V - 5, boa_token_id=V - 6, eoa_token_index=V - 7)
+    torch.manual_seed(0)
+    hf = hf_fixtures.randomize(Gemma4ForConditionalGeneration(cfg)).eval()
+    hf.save_pretrained(tmp_path / "mm")
+    with pytest.warns(UserWarning, match=r"its language model loads as a text gemma4 model; its .* are left out") as w:
+        model, params = jodpo.load_model(str(tmp_path / "mm"))
+    said = next(str(x.message) for x in w if "left out" in str(x.message))
+    assert "its vision tower (" in said and "its audio tower (" in said
+    ids, mask = hf_fixtures.padded_batch(np.random.default_rng(6), [9, 4], model.pad_token_id, "left", high=200)
+    ours = np.asarray(jodpo.logits(model, params, ids, mask))
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask),
+                 position_ids=torch.tensor(_positions(mask), dtype=torch.long)).logits.numpy()
+    real = mask.astype(bool)
+    np.testing.assert_allclose(ours[real], ref[real], rtol=1e-4, atol=1e-4 * np.abs(ref[real]).max())
+    out = jodpo.save_hf(model, params, tmp_path / "text")
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["Gemma4ForCausalLM"]
+    with torch.no_grad():
+        back = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)(
+            input_ids=torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask),
+            position_ids=torch.tensor(_positions(mask), dtype=torch.long)).logits.numpy()
+    np.testing.assert_allclose(back[real], ref[real], rtol=1e-4, atol=1e-4 * np.abs(ref[real]).max())
+
+
+def test_the_moe_checkpoints_are_refused_in_one_line(checkpoints, tmp_path):
+    config = json.loads((checkpoints["gemma4"]["causal_lm"] / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config | {"enable_moe_block": True, "num_experts": 4,
+                                                                "top_k_experts": 2, "moe_intermediate_size": 8}))
+    with pytest.raises(jodpo.CheckpointError, match=r"^.*: Gemma 4's mixture-of-experts checkpoints \(26B-A4B: "
+                                                    r"enable_moe_block\) are not supported; the dense ones are \(E2B, "
+                                                    r"E4B, 31B\)$"):
+        describe_model(str(tmp_path))
