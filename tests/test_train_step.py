@@ -45,7 +45,8 @@ def test_optimizer_equals_torch_adamw():
     params = {"w": jnp.asarray(w0)}
     state = ts.TrainState(step=jnp.int32(0), params=params, opt_state=ts.make_optimizer(cfg).init(params),
                           rng=jax.random.key(0))
-    step_cfg = types.SimpleNamespace(optimizer=cfg)  # what apply_gradients reads of a StepConfig
+    # what apply_gradients reads of a StepConfig: the optimizer, and whether the model has buffers it never trains
+    step_cfg = types.SimpleNamespace(optimizer=cfg, model=types.SimpleNamespace(layer_scalar=False))
     for g in grads:
         p.grad = torch.tensor(g)
         torch.nn.utils.clip_grad_norm_(p, 0.5)
