@@ -62,18 +62,17 @@ IN_PROCESS = {
 DRY_IN_PROCESS = ("update (xla attention, remat full)", "sampler, scan unroll 2", "sampler and step, Qwen3.5-2B shape",
                   "sampler and step, Gemma 4 E2B shape")
 # the dry run's real configs shrunk to tiny models: Qwen3.5 (same kinds, head grouping and partial RoPE), Gemma 4 E2B
-# (sliding and global layers of two shapes, per-layer embeddings, the last two layers sharing keys and values with
-# double-wide MLPs)
+# (sliding and global layers of two shapes, per-layer embeddings, the last layer sharing the global layer's keys and
+# values with a double-wide MLP: its fewest layers, each one more compiled in every program of the dry run)
 DRY_SHRINK = {
     "qwen3.5-2b": dict(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                        num_key_value_heads=1, head_dim=16, linear_num_key_heads=1, linear_num_value_heads=2,
                        linear_key_head_dim=8, linear_value_head_dim=8,
                        layer_types=["linear_attention", "full_attention"]),
     "gemma-4-e2b": dict(vocab_size=512, vocab_size_per_layer_input=512, hidden_size=32, intermediate_size=64,
-                        num_hidden_layers=5, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                        global_head_dim=32, hidden_size_per_layer_input=8, num_kv_shared_layers=2,
-                        layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention",
-                                     "full_attention"]),
+                        num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                        global_head_dim=32, hidden_size_per_layer_input=8, num_kv_shared_layers=1,
+                        layer_types=["sliding_attention", "full_attention", "full_attention"]),
 }
 # XLA's command buffers (CUDA graphs) for the decode loop and its branches too, not only runs of kernels
 COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"

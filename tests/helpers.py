@@ -1,5 +1,6 @@
 """Helpers shared by the test files (fixtures are in conftest.py; HF checkpoints in hf_fixtures.py; subprocesses in
 subproc.py; references that run TRL, transformers or peft in references.py)."""
+import contextlib
 import math
 import shutil
 from pathlib import Path
@@ -92,3 +93,26 @@ def benchmark(name: str):
         return importlib.import_module(name)
     finally:
         sys.path.remove(folder)
+
+
+@contextlib.contextmanager
+def gguf_parsed_once(file: Path):
+    """``file``'s metadata parsed once while this lasts: transformers builds a new ``gguf.GGUFReader`` at each load of
+    a GGUF file (the model's config and tensors, the tokenizer), and the reader parses the whole vocabulary in Python
+    (262,144 tokens for Gemma 3: about 15 s each time on a CPU core). Every reader of ``file`` is then the one jodpo's
+    loader opened (read-only: a memory map of the file); other files are read as before."""
+    import gguf
+
+    from jodpo.models.gguf import open_file
+
+    reader, real = open_file(file).reader, gguf.GGUFReader
+
+    def shared(path, *args, **kwargs):
+        same = not args and not kwargs and Path(path).resolve() == Path(file).resolve()
+        return reader if same else real(path, *args, **kwargs)
+
+    gguf.GGUFReader = shared
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = real

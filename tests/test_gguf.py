@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 import jodpo
 from jodpo import assets
 from jodpo.models import gguf as G
-from tests import hf_fixtures
+from tests import helpers, hf_fixtures
 
 
 def _permute(w, heads):  # llama.cpp convert_hf_to_gguf.py LlamaModel.permute
@@ -384,9 +384,15 @@ def gemma3_270m():
 
 
 @pytest.fixture(scope="module")
-def theirs_gemma3(gemma3_270m):
+def parsed_once(gemma3_270m):
+    with helpers.gguf_parsed_once(gemma3_270m):
+        yield
+
+
+@pytest.fixture(scope="module")
+def theirs_gemma3(gemma3_270m, parsed_once):
     """transformers' own GGUF loading of the file (float32), once for the tests that compare with it: it dequantizes
-    in numpy, a minute of the suite's time each load."""
+    in numpy, half a minute of the suite's time each load."""
     return AutoModelForCausalLM.from_pretrained(gemma3_270m.parent, gguf_file=gemma3_270m.name,
                                                 dtype=torch.float32).eval()
 

@@ -13,7 +13,7 @@ import jodpo
 from jodpo import assets
 from jodpo import judges as J
 from jodpo.models import lora
-from tests import references
+from tests import helpers, references
 
 CHATS = [
     [{"role": "user", "content": "Summarize this passage in one sentence:\n\nThe Congress has passed the budget."}],
@@ -31,12 +31,14 @@ def smol(tmp_path_factory):
         pytest.skip(f"SmolLM2-135M not available from the package index: {e}")
     from transformers import AutoModelForCausalLM
 
-    model, params = jodpo.load_model(str(gguf_file))
-    tok = jodpo.load_tokenizer(str(gguf_file))
-    hf = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32).eval()
-    hf_dir = tmp_path_factory.mktemp("smollm2")  # a plain transformers directory (jodpo's export) for TRL and peft
-    jodpo.save_hf(model, params, hf_dir, tokenizer=tok)
-    return model, params, tok, hf, hf_dir
+    with helpers.gguf_parsed_once(gguf_file):  # the module's loads of the file share one parse of its metadata
+        model, params = jodpo.load_model(str(gguf_file))
+        tok = jodpo.load_tokenizer(str(gguf_file))
+        hf = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name,
+                                                  dtype=torch.float32).eval()
+        hf_dir = tmp_path_factory.mktemp("smollm2")  # a plain transformers directory (jodpo's export) for TRL and peft
+        jodpo.save_hf(model, params, hf_dir, tokenizer=tok)
+        yield model, params, tok, hf, hf_dir
 
 
 def _chat_batch(tok, chats):
