@@ -139,9 +139,12 @@ def test_a_resumed_run_reads_no_policy_weights_of_its_own_dtype(checkpoints, tmp
 @pytest.mark.parametrize("name", [n for n in CONFIGS if n != "tiny.py"])
 def test_every_config_runs_two_steps_on_local_stand_ins(name, checkpoints, tmp_path):
     cfg = C.load_config_file(name)
-    policy = cfg.model_name_or_path.lower()  # a tiny stand-in of the recipe's family
-    family = next((f for key, f in (("qwen3.5", "qwen3_5"), ("qwen3", "qwen3"), ("gemma-3", "gemma3"),
-                                    ("gemma-4", "gemma4"), ("qwen", "qwen2")) if key in policy), "neox")
+
+    def stand_in(hub_name: str) -> str:  # the tiny fixture of a hub checkpoint's family
+        return next((f for key, f in (("qwen3.5", "qwen3_5"), ("qwen3", "qwen3"), ("gemma-3", "gemma3"),
+                                      ("gemma-4", "gemma4"), ("qwen", "qwen2")) if key in hub_name.lower()), "neox")
+
+    family = stand_in(cfg.model_name_or_path)
     chat = "ultrafeedback" in cfg.dataset_name
     # open-instruct's recipe reads a preference dataset's prompts (online, since the run has a reward model)
     # a reward reading the instruction columns (smollm2_ifeval.py) gets prompts carrying them
@@ -151,9 +154,10 @@ def test_every_config_runs_two_steps_on_local_stand_ins(name, checkpoints, tmp_p
     source = {"dataset_mixer": {data: 1.0}, "dataset_eval_mixer": {data: 1.0}, "dataset_test_split": "test"} \
         if cfg.dataset_mixer else {"dataset_name": data, "eval_dataset": None, "dataset_test_split": "test"}
     P = 320 if instructions else 96  # the instructions' text is ~300 tokens of the tiny character-level tokenizer
-    # a judge recipe is judged by a tiny causal LM, any other one scored by a tiny reward model
+    # a judge recipe is judged by a tiny causal LM, any other one scored by a tiny reward model of its reward model's
+    # family (Skywork's Qwen3 reward models for the Qwen3.5 and Gemma recipes)
     scorer = {"judge": str(checkpoints["llama"]["causal_lm"])} if cfg.judge else {
-        "reward_model_path": str(checkpoints[family]["reward"])}
+        "reward_model_path": str(checkpoints[stand_in(cfg.reward_model_path or cfg.model_name_or_path)]["reward"])}
     cfg = cfg.replace(model_name_or_path=str(checkpoints[family]["causal_lm"]), **scorer, **source,
                       output_dir=str(tmp_path / "out"), total_episodes=None, max_steps=2, per_device_train_batch_size=2,
                       max_new_tokens=6, max_length=P + 24, max_prompt_length=P, eval_steps=2, max_eval_prompts=4,
