@@ -15,8 +15,9 @@ from typing import Callable
 
 import jax
 
-from jodpo.losses import ONLINE_LOSSES, Coefficients
+from jodpo.losses import ONLINE_LOSSES, Coefficients, LossOptions, needs_reference
 from jodpo.models.decoder import Model, Params
+from jodpo.pairing import resolve_pairing
 from jodpo.sampling import Samples, SamplingConfig, sample, sample_pair
 
 
@@ -70,3 +71,51 @@ def get_method(name: str) -> Method:
         return METHODS[name]
     except KeyError:
         raise ValueError(f"unknown method {name!r}; choose one of {sorted(METHODS)}") from None
+
+
+# a method's own settings: the method that reads each, and its default (per epoch: a number or a list of them)
+OWN_SETTINGS = {"mixture_coef": ("nash_md", (0.5,)), "alpha": ("xpo", (1e-5,))}
+# the run's shape a fixed pair takes (``Method.fixed_pair``); ``pairing`` also takes what ``auto`` means for a pair
+FIXED_PAIR_SHAPE = {"num_generations": 2, "pairing": "auto", "async_mode": False, "sync_steps": 1, "num_epochs": 1,
+                    "num_mini_batches": 1, "sampler_devices": 0}
+
+
+def per_epoch(name: str, value) -> tuple[float, ...]:
+    """A setting indexed by epoch (a number or a non-empty list of them) as a tuple of floats."""
+    values = (value,) if isinstance(value, (int, float)) else tuple(value)
+    if not values:
+        raise ValueError(f"{name} must be a number or a non-empty list of them, got {value}")
+    return tuple(float(v) for v in values)
+
+
+def check_method(name: str, *, mixture_coef, alpha, loss_type: str, loss_options: LossOptions,
+                 **shape) -> Method:
+    """The method called ``name``, once its settings fit it: its own settings (``OWN_SETTINGS``) at their defaults
+    for every other method, ``mixture_coef`` in [0, 1], a fixed pair in ``FIXED_PAIR_SHAPE`` (``shape``: any of its
+    keys, as the caller has them), a reference to compare with, and Nash-MD's own loss. ValueError names what to
+    change (``jodpo.program.config`` and ``StepConfig`` both call this)."""
+    method = get_method(name)
+    for setting, value in (("mixture_coef", mixture_coef), ("alpha", alpha)):
+        owner, default = OWN_SETTINGS[setting]
+        if name != owner and per_epoch(setting, value) != default:
+            raise ValueError(f"{setting} is {owner}'s setting and method is {name!r}: set method={owner!r} or "
+                             f"leave {setting} at its default")
+    if any(not 0 <= m <= 1 for m in per_epoch("mixture_coef", mixture_coef)):
+        raise ValueError(f"mixture_coef weighs the reference in the mixture: each must be in [0, 1], got "
+                         f"{mixture_coef}")
+    if method.fixed_pair:
+        fits = lambda k, v: v == FIXED_PAIR_SHAPE[k] or (k == "pairing" and resolve_pairing(v, 2) == "random")  # noqa: E731
+        changed = [k for k, v in shape.items() if not fits(k, v)]
+        if changed:
+            raise ValueError(f"method={name!r} ({method.trainer}) samples one completion from the policy and one "
+                             "beside it per prompt and trains on that pair once, on-policy, on the training devices; "
+                             f"{', '.join(f'{k}={shape[k]!r}' for k in changed)} asks otherwise: leave "
+                             f"{', '.join(changed)} at the default")
+        if not needs_reference(loss_type):
+            raise ValueError(f"method={name!r} ({method.trainer}) compares the policy with its reference; "
+                             f"loss_type={loss_type!r} has none: use sigmoid or ipo (TRL's)")
+    if not method.uses_loss_type and (loss_type != "sigmoid" or loss_options != LossOptions()):
+        raise ValueError(f"method={name!r} ({method.trainer}) trains with its own loss (REINFORCE of the preference "
+                         "plus a KL term): leave loss_type and its options (label_smoothing, ipo_length_normalized, "
+                         "discopop_tau, simpo_gamma, rdpo_alpha, ld_alpha) at their defaults")
+    return method

@@ -10,7 +10,7 @@ import jax
 import optax
 
 from jodpo.losses import LossConfig, LossOptions, check_loss_options, needs_reference
-from jodpo.methods import Method, get_method
+from jodpo.methods import OWN_SETTINGS, Method, check_method, get_method, per_epoch
 from jodpo.models.decoder import Model, Params
 from jodpo.optim import OptimizerConfig
 from jodpo.pairing import resolve_pairing
@@ -47,8 +47,9 @@ class StepConfig:
     sync_steps: int = 1
     # which of TRL's online trainers a step is (``jodpo.methods.METHODS``): online_dpo | nash_md | xpo
     method: str = "online_dpo"
-    alpha: tuple[float, ...] = (1e-5,)  # XPO's exploration weight, alpha[min(int(epoch), len - 1)]
-    mixture_coef: tuple[float, ...] = (0.5,)  # Nash-MD's reference weight in the mixture, indexed as beta
+    alpha: tuple[float, ...] = OWN_SETTINGS["alpha"][1]  # XPO's exploration weight, alpha[min(int(epoch), len - 1)]
+    mixture_coef: tuple[float, ...] = OWN_SETTINGS["mixture_coef"][1]  # Nash-MD's weight of the reference in the
+    # mixture, indexed as beta
 
     @property
     def online_method(self) -> Method:
@@ -108,27 +109,11 @@ class StepConfig:
             raise ValueError(f"num_generations must be >= 2 and sync_steps >= 1, got {self.num_generations} and "
                              f"{self.sync_steps}")
         resolve_pairing(self.pairing, self.num_generations)
-        method = get_method(self.method)
         for name in ("alpha", "mixture_coef"):
-            value = getattr(self, name)
-            values = (value,) if isinstance(value, (int, float)) else tuple(value)
-            if not values:
-                raise ValueError(f"{name} must be a number or a non-empty list of them, got {value}")
-            object.__setattr__(self, name, tuple(float(v) for v in values))
-        if any(not 0 <= c <= 1 for c in self.mixture_coef):
-            raise ValueError(f"mixture_coef weighs the reference in the mixture: each must be in [0, 1], got "
-                             f"{self.mixture_coef}")
-        if method.fixed_pair and (self.num_generations != 2 or resolve_pairing(self.pairing, 2) != "random"
-                                  or self.lagging):
-            raise ValueError(f"method={self.method!r} ({method.trainer}) samples one completion from the policy and "
-                             "one beside it for each prompt and trains on that pair, on-policy: num_generations=2, "
-                             "pairing='auto', async_mode off and sync_steps=1")
-        if method.fixed_pair and self.reference_free:
-            raise ValueError(f"method={self.method!r} ({method.trainer}) compares the policy with its reference; "
-                             f"loss_type={self.loss_type!r} has none")
-        if not method.uses_loss_type and (self.loss_type != "sigmoid" or self.loss_options != LossOptions()):
-            raise ValueError(f"method={self.method!r} ({method.trainer}) trains with its own loss: leave loss_type "
-                             "and its options at their defaults")
+            object.__setattr__(self, name, per_epoch(name, getattr(self, name)))
+        check_method(self.method, mixture_coef=self.mixture_coef, alpha=self.alpha, loss_type=self.loss_type,
+                     loss_options=self.loss_options, num_generations=self.num_generations, pairing=self.pairing,
+                     async_mode=self.async_mode, sync_steps=self.sync_steps)
 
 
 @flax.struct.dataclass

@@ -83,6 +83,15 @@ def test_settings_of_another_method_and_shapes_the_pair_cannot_take_are_refused_
             (lambda: jodpo.XPOTrainer(args=jodpo.NashMDConfig("x")), "give a jodpo.XPOConfig")]:
         with pytest.raises(ConfigError, match=phrase):
             make()
+    # the functional API's StepConfig runs the same check (jodpo.methods.check_method), as ValueError
+    model, sampling = None, jodpo.SamplingConfig(max_new_tokens=2)  # the checks read no architecture
+    for kw, phrase in [(dict(method="xpo", pairing="best_worst"), "pairing='best_worst' asks otherwise"),
+                       (dict(method="online_dpo", alpha=(0.1,)), "alpha is xpo's setting"),
+                       (dict(method="xpo", loss_type="simpo"), "loss_type='simpo' has none")]:
+        with pytest.raises(ValueError, match=phrase):
+            ts.StepConfig(model=model, sampling=sampling, optimizer=ts.OptimizerConfig(), **kw)
+    assert ts.StepConfig(model=model, sampling=sampling, optimizer=ts.OptimizerConfig(), method="xpo",
+                         pairing="random", alpha=[0.1, 0.2]).alpha == (0.1, 0.2)
 
 
 def test_per_epoch_lists_are_indexed_by_the_whole_epoch_and_keep_the_last():

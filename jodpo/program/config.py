@@ -17,8 +17,8 @@ import warnings
 from pathlib import Path
 
 from jodpo.errors import ConfigError
-from jodpo.losses import LOSSES, REFERENCE_FREE, LossOptions, check_loss_options
-from jodpo.methods import METHODS
+from jodpo.losses import LOSSES, LossOptions, check_loss_options
+from jodpo.methods import FIXED_PAIR_SHAPE, check_method
 from jodpo.models.model import ATTENTIONS, PRECISIONS
 from jodpo.pairing import PAIRINGS
 from jodpo.program.tracking import trackers
@@ -276,43 +276,15 @@ def _check(c: TrainConfig) -> None:
                       "(as TRL warns).", stacklevel=3)
 
 
-def _values(v) -> tuple[float, ...]:
-    return v if isinstance(v, tuple) else (v,)
-
-
 def _check_method(c: TrainConfig) -> None:
-    """``method`` and the settings of TRL's online family (``jodpo.methods``)."""
-    if c.method not in METHODS:
-        raise ConfigError(f"unknown method {c.method!r}; choose one of {sorted(METHODS)}")
-    method = METHODS[c.method]
-    for name, owner in (("mixture_coef", "nash_md"), ("alpha", "xpo")):
-        if not _values(getattr(c, name)):
-            raise ConfigError(f"{name} must be a number or a non-empty list of them, got {getattr(c, name)}")
-        if c.method != owner and _values(getattr(c, name)) != _values(FIELDS[name].default):
-            raise ConfigError(f"{name} is {owner}'s setting and method is {c.method!r}: set method={owner!r} or "
-                              f"leave {name} at its default")
-    if any(not 0 <= m <= 1 for m in _values(c.mixture_coef)):
-        raise ConfigError(f"mixture_coef weighs the reference in the mixture: each must be in [0, 1], got "
-                          f"{c.mixture_coef}")
-    if not method.fixed_pair:
-        return
-    shaped = {"num_generations": 2, "pairing": "auto", "async_mode": False, "sync_steps": 1, "num_epochs": 1,
-              "num_mini_batches": 1, "sampler_devices": 0}
-    changed = [f"{k}={getattr(c, k)!r}" for k, v in shaped.items() if getattr(c, k) != v]
-    if changed:
-        raise ConfigError(f"method={c.method!r} ({method.trainer}) samples one completion from the policy and one "
-                          f"beside it per prompt and trains on that pair once, on-policy, on the training devices; "
-                          f"{', '.join(changed)} asks otherwise: leave {', '.join(k.split('=')[0] for k in changed)} "
-                          "at the default")
-    if c.loss_type in REFERENCE_FREE:
-        raise ConfigError(f"method={c.method!r} ({method.trainer}) compares the policy with its reference; "
-                          f"loss_type={c.loss_type!r} has none: use sigmoid or ipo (TRL's)")
+    """``method`` and the settings of TRL's online family (``jodpo.methods.check_method``)."""
     options = LossOptions(c.label_smoothing, c.discopop_tau, c.ipo_length_normalized, c.simpo_gamma, c.rdpo_alpha,
                           c.ld_alpha)
-    if not method.uses_loss_type and (c.loss_type != "sigmoid" or options != LossOptions()):
-        raise ConfigError(f"method={c.method!r} ({method.trainer}) trains with its own loss (REINFORCE of the "
-                          "preference plus a KL term): leave loss_type and its options (label_smoothing, "
-                          "ipo_length_normalized, discopop_tau, simpo_gamma, rdpo_alpha, ld_alpha) at their defaults")
+    try:
+        check_method(c.method, mixture_coef=c.mixture_coef, alpha=c.alpha, loss_type=c.loss_type,
+                     loss_options=options, **{k: getattr(c, k) for k in FIXED_PAIR_SHAPE})
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 # --------------------------------------------------------------------------------------------------
