@@ -96,17 +96,17 @@ def family_configs(pad_id: int, eos_id: int) -> dict:
                                                                  "factor": 4.0, "original_max_position_embeddings": 32,
                                                                  "attention_factor": 1.3}},
                              **{**common, "num_hidden_layers": 4}),
-        # everything its config allows at once: sliding layers (window 5, head_dim 16, two kv heads) and global ones
+        # everything its config allows at once: a sliding layer (window 5, head_dim 16, two kv heads) and a global one
         # (head_dim 32, one kv head, values = keys, proportional RoPE over a quarter), per-layer embeddings (8 a
-        # layer), the last two layers reusing the keys and values of layers 1 and 2 with double-wide MLPs, a soft-cap
-        # that bites
+        # layer), the last two layers reusing their keys and values with double-wide MLPs, a soft-cap that bites. Four
+        # layers, each of its own kind (one scan body of four: every Gemma 4 test compiles it); which earlier layer a
+        # reader reads when there are several of its type: tests/test_gemma4.py
         "gemma4": Gemma4TextConfig(num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
                                    attention_k_eq_v=True, sliding_window=5, num_kv_shared_layers=2,
-                                   layer_types=["sliding_attention", "full_attention", "sliding_attention",
-                                                "sliding_attention", "full_attention"],
+                                   layer_types=["sliding_attention", "full_attention"] * 2,
                                    hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB,
                                    use_double_wide_mlp=True, final_logit_softcapping=5.0,
-                                   **{**common, "num_hidden_layers": 5}),
+                                   **{**common, "num_hidden_layers": 4}),
     }
 
 

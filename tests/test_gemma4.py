@@ -1,6 +1,7 @@
 """Gemma 4 beyond the family-parametrized tests (whose fixture has every feature at once: tests/hf_fixtures.py): other
 settings of its config against transformers (the 31B's layout: keys as values on global layers, no per-layer
-embeddings, no KV sharing; KV sharing with values of their own and narrow MLPs), the language model of a
+embeddings, no KV sharing; KV sharing with values of their own and narrow MLPs, two readers of one layer, the last of
+two sliding layers read), which layer each KV-sharing layer of E2B and E4B reads, the language model of a
 Gemma4ForConditionalGeneration, the refused MoE checkpoints, and the KV-sharing layers' cache: none of their own."""
 import json
 
@@ -11,16 +12,18 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import jodpo
-from jodpo.models import decoder
+from jodpo.models import decoder, families
 from jodpo.models.loading import describe_model
-from tests import hf_fixtures
+from tests import helpers, hf_fixtures
 
-LAYERS = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention", "full_attention"]
-VARIANTS = {  # beside the fixture's: the 31B's layout, and KV sharing with v projections and narrow MLPs
-    "31b": dict(attention_k_eq_v=True, num_global_key_value_heads=1, hidden_size_per_layer_input=0,
-                num_kv_shared_layers=0, attention_bias=True, final_logit_softcapping=None),
-    "shared_kv": dict(attention_k_eq_v=False, num_kv_shared_layers=3, use_double_wide_mlp=False,
-                      hidden_size_per_layer_input=4),
+S, F = "sliding_attention", "full_attention"
+VARIANTS = {  # beside the fixture's: the 31B's layout, and KV sharing with v projections and narrow MLPs, where layers
+    # 3 and 4 read the last of the two sliding layers before them (2, not 0) and layer 5 the global layer 1
+    "31b": dict(layer_types=[S, F, S, S, F], attention_k_eq_v=True, num_global_key_value_heads=1,
+                hidden_size_per_layer_input=0, num_kv_shared_layers=0, attention_bias=True,
+                final_logit_softcapping=None),
+    "shared_kv": dict(layer_types=[S, F, S, S, S, F], attention_k_eq_v=False, num_kv_shared_layers=3,
+                      use_double_wide_mlp=False, hidden_size_per_layer_input=4),
 }
 
 
@@ -35,7 +38,7 @@ def _tiny(tmp_path, checkpoints, **changes):
     base = json.loads((checkpoints["gemma4"]["causal_lm"] / "config.json").read_text())
     keep = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
             "sliding_window", "pad_token_id", "eos_token_id", "bos_token_id", "max_position_embeddings")
-    cfg = Gemma4TextConfig(**{k: base[k] for k in keep}, global_head_dim=32, num_hidden_layers=5, layer_types=LAYERS,
+    cfg = Gemma4TextConfig(**{k: base[k] for k in keep}, global_head_dim=32, num_hidden_layers=len(changes["layer_types"]),
                            vocab_size_per_layer_input=base["vocab_size"], **changes)
     torch.manual_seed(3)
     hf = hf_fixtures.randomize(AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)).eval()
@@ -65,16 +68,33 @@ def test_other_settings_match_transformers_logits_and_generate(checkpoints, tmp_
     np.testing.assert_array_equal(np.asarray(got.tokens), want[:, ids.shape[1]:].numpy())
 
 
+@pytest.mark.parametrize("name", ["gemma-4-e2b", "gemma-4-e4b"])
+def test_kv_sharing_layers_read_the_layer_transformers_stores(name):
+    """E2B's and E4B's configs (benchmarks/configs): jodpo's readers (the last num_kv_shared_layers) read the last
+    layer of their type before them, which is the layer transformers' kv_sharing_modes has store its keys and values."""
+    from transformers import Gemma4TextConfig
+
+    cfg = Gemma4TextConfig(**json.loads((helpers.ROOT / "benchmarks" / "configs" / f"{name}.json").read_text()))
+    model = families.model_from_hf_config(cfg, "causal_lm", dtype="float32", eos_token_ids=[1])
+    modes = cfg.kv_sharing_modes
+    stores = {cfg.layer_types[i]: i for i, m in enumerate(modes) if m == "store"}
+    readers = [i for i, k in enumerate(model.kinds) if k in decoder.READS]
+    assert readers == [i for i, m in enumerate(modes) if m == "reuse"] and len(readers) == cfg.num_kv_shared_layers
+    assert {stores[cfg.layer_types[i]] for i in readers} == set(stores.values())  # both types read, 4 sliding to 1
+    for i in readers:
+        assert model.layers_of(decoder.READS[model.kinds[i]])[-1] == stores[cfg.layer_types[i]], i
+
+
 def test_kv_sharing_layers_keep_no_cache_of_their_own(checkpoints):
-    """The fixture's last two layers reuse the keys and values of layers 1 and 2: the cache holds states for the three
-    others only, and a decode step writes those (the readers read them where they are)."""
+    """The fixture's last two layers reuse the keys and values of layers 0 and 1: the cache holds states for those two
+    only, and a decode step writes them (the readers read them where they are)."""
     model, params = jodpo.load_model(str(checkpoints["gemma4"]["causal_lm"]))
-    assert model.kinds[3:] == ("shared_attention", "shared_global_attention")
+    assert model.kinds[2:] == ("shared_attention", "shared_global_attention")
     stacked = decoder.init_cache(model, 2, 16)
     assert set(stacked["state"]) == {"attention", "global_attention"}
-    assert stacked["state"]["attention"]["k"].shape[0] == 2 and stacked["state"]["global_attention"]["k"].shape[0] == 1
+    assert stacked["state"]["attention"]["k"].shape[0] == 1 and stacked["state"]["global_attention"]["k"].shape[0] == 1
     per_layer = decoder.init_cache(model, 2, 16, per_layer=True)
-    assert [s is None for s in per_layer["state"]] == [False, False, False, True, True]
+    assert [s is None for s in per_layer["state"]] == [False, False, True, True]
     ids, mask = hf_fixtures.padded_batch(np.random.default_rng(1), [5, 3], model.pad_token_id, "left")
     _, cache = decoder.hidden_states(model, params, ids, mask, stacked)
     assert jax.tree.structure(cache["state"]) == jax.tree.structure(stacked["state"])
