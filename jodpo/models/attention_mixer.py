@@ -50,22 +50,23 @@ def specs(model: Model, n: int, reads: bool = False) -> dict:
         "q": ((n, D, H, Dh), ("layers", "embed", "heads", "head_dim")),
         "o": ((n, H, Dh, D), ("layers", "heads", "head_dim", "embed")),
     }
-    kv = [] if reads else ["k"] + ([] if model.k_eq_v else ["v"])
+    o = model.attn_options
+    kv = [] if reads else ["k"] + ([] if o.k_eq_v else ["v"])
     for name in kv:
         out[name] = ((n, D, K, Dh), ("layers", "embed", "kv_heads", "head_dim"))
-    if model.attn_output_gate:
+    if o.output_gate:
         out["o_gate"] = ((n, D, H, Dh), ("layers", "embed", "heads", "head_dim"))
-    if model.qk_norm_whole:  # a scale per channel of the whole projection (OLMo 2)
+    if o.qk_norm == "whole":  # a scale per channel of the whole projection (OLMo 2)
         out["q_norm"] = {"scale": ((n, H, Dh), ("layers", "heads", "head_dim"))}
         if not reads:
             out["k_norm"] = {"scale": ((n, K, Dh), ("layers", "kv_heads", "head_dim"))}
-    elif model.qk_norm:  # one scale per head dim, shared by the heads (never split)
+    elif o.qk_norm == "head":  # one scale per head dim, shared by the heads (never split)
         out["q_norm"] = {"scale": ((n, Dh), ("layers", "head_dim"))}
         if not reads:
             out["k_norm"] = {"scale": ((n, Dh), ("layers", "head_dim"))}
     if model.qkv_bias:
         out["q_bias"] = ((n, H, Dh), ("layers", "heads", "head_dim"))
-        if model.attn_output_gate:
+        if o.output_gate:
             out["o_gate_bias"] = ((n, H, Dh), ("layers", "heads", "head_dim"))
         for name in kv:
             out[f"{name}_bias"] = ((n, K, Dh), ("layers", "kv_heads", "head_dim"))
@@ -84,7 +85,7 @@ def _queries(model: Model, p: Params, x, rope):
     """Rotated queries of the new tokens, and the output gate's pre-activation (None without one)."""
     q = queries(model, p, x, *rope)
     gate = None
-    if model.attn_output_gate:
+    if model.attn_options.output_gate:
         gate = einsum(model, "bld,dhk->blhk", x, p["o_gate"].astype(x.dtype))
         if model.qkv_bias:
             gate = gate + p["o_gate_bias"].astype(x.dtype)

@@ -6,6 +6,8 @@ kind's (``jodpo.models.attention_mixer``), run on the ``Model`` as these layers 
 their own (``context``, from the positions the decoder passes every mixer)."""
 from __future__ import annotations
 
+import dataclasses
+
 from jodpo.models import attention_mixer
 from jodpo.models.layers import Context, rope_tables
 from jodpo.models.model import Model
@@ -16,7 +18,8 @@ WEIGHTS = attention_mixer.WEIGHTS
 def view(model: Model) -> Model:
     g = model.global_attention
     return model.replace(num_kv_heads=g.num_kv_heads, head_dim=g.head_dim, rotary_dim=g.rotary_dim,
-                         inv_freq=g.inv_freq, k_eq_v=g.k_eq_v, local_inv_freq=(), rope_scale=1.0, nope_layers=())
+                         inv_freq=g.inv_freq, attn_options=dataclasses.replace(model.attn_options, k_eq_v=g.k_eq_v),
+                         local_inv_freq=(), rope_scale=1.0, nope_layers=())
 
 
 def context(model: Model, ctx: Context) -> Context:

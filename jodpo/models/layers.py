@@ -5,12 +5,13 @@ the KV cache.
 What differs between families is a field of ``Model`` read here, never the family's name:
   norm, norm_offset      LayerNorm (NeoX); RMSNorm as Llama computes it; x * (1 + w) in float32 (Gemma)
   activation, gated_mlp  GELU (NeoX), SwiGLU (Llama, Qwen), GeGLU with tanh-approximated GELU (Gemma)
-  qkv_bias, qk_norm      biases on q, k, v (Qwen2); an RMSNorm over each head's queries and keys (Qwen3, Gemma 3)
+  qkv_bias               biases on q, k, v (Qwen2)
+  attn_options           q/k norms over each head (Qwen3, Gemma 3) or the whole projection (OLMo 2 and 3); a
+                         scale-free norm over each head's values, values that are the projected keys (Gemma 4); an
+                         output gate (Qwen3.5)
   rotary_dim, inv_freq   partial rotary (NeoX); the sliding-window layers' own RoPE base (local_inv_freq, Gemma 3,
                          OLMo 3); YaRN's scale of cos and sin (rope_scale); layers without RoPE (nope_layers, SmolLM3)
-  qk_norm_whole          the q/k norms over the whole projection, every head at once (OLMo 2 and 3)
   norm_scale_f32         the norm's scale multiplied in float32, before the cast back (OLMo 2, Gemma 4)
-  v_norm, k_eq_v         a scale-free norm over each head's values; values that are the projected keys (Gemma 4)
   query_scale            the scores' scale (Gemma's query_pre_attn_scalar)
   attn_softcap           cap * tanh(scores / cap) before the mask (Gemma 2)
 """
@@ -201,29 +202,35 @@ def queries(model: Model, p: Params, x_BLD, cos, sin):
     q = einsum(model, "bld,dhk->blhk", x_BLD, p["q"].astype(dt))
     if model.qkv_bias:
         q = q + p["q_bias"].astype(dt)
-    if model.qk_norm:  # over each head, or (OLMo 2) over the whole projection, every head at once
-        q = norm(model, p["q_norm"], q, 2 if model.qk_norm_whole else 1)
+    if model.attn_options.qk_norm:
+        q = _qk_norm(model, p["q_norm"], q)
     return rope(model, q, cos, sin)
 
 
 def keys_values(model: Model, p: Params, x_BLD, cos, sin):
-    """Rotated keys and values [B, L, K, Dh] of the new tokens (with ``k_eq_v``: the values are the keys as
-    projected, before their norm and RoPE; with ``v_norm``: normed without a scale)."""
+    """Rotated keys and values [B, L, K, Dh] of the new tokens (``attn_options.k_eq_v``: the values are the keys as
+    projected, before their norm and RoPE; ``v_norm``: normed without a scale)."""
     dt = x_BLD.dtype
     k = einsum(model, "bld,dhk->blhk", x_BLD, p["k"].astype(dt))
     if model.qkv_bias:
         k = k + p["k_bias"].astype(dt)
-    if model.k_eq_v:
+    o = model.attn_options
+    if o.k_eq_v:
         v = k
     else:
         v = einsum(model, "bld,dhk->blhk", x_BLD, p["v"].astype(dt))
         if model.qkv_bias:
             v = v + p["v_bias"].astype(dt)
-    if model.qk_norm:
-        k = norm(model, p["k_norm"], k, 2 if model.qk_norm_whole else 1)
-    if model.v_norm:
+    if o.qk_norm:
+        k = _qk_norm(model, p["k_norm"], k)
+    if o.v_norm:
         v = norm(model, None, v)
     return rope(model, k, cos, sin), v
+
+
+def _qk_norm(model: Model, p: Params, x_BLHD):
+    """The q or k norm: over each head's ``[Dh]``, or (``"whole"``) over the whole projection's ``[H, Dh]``."""
+    return norm(model, p, x_BLHD, 2 if model.attn_options.qk_norm == "whole" else 1)
 
 
 def qkv(model: Model, p: Params, x_BLD, cos, sin):

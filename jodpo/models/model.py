@@ -24,6 +24,29 @@ READS = {"shared_attention": "attention", "shared_global_attention": "global_att
 
 
 @dataclasses.dataclass(frozen=True)
+class AttentionOptions:
+    """How a softmax-attention layer forms its queries, keys and values and gates its output, beyond the projections
+    every family has (``Model.attn_options``; the global layers' view sets their own ``k_eq_v``)."""
+
+    # an RMSNorm over the queries and keys after the projection, before RoPE: "" none; "head" over each head, one
+    # scale per head dim shared by the heads (Qwen3, Gemma 3 and 4); "whole" over the whole q and k projections,
+    # every head at once, a scale per channel (OLMo 2 and 3)
+    qk_norm: str = ""
+    v_norm: bool = False  # a scale-free RMSNorm over each head's values (Gemma 4)
+    k_eq_v: bool = False  # no v projection: the values are the keys before their norm and RoPE (attention_k_eq_v)
+    # q_proj also yields a gate per head: the attention's output times sigmoid(gate) before the output projection
+    # (Qwen3.5's gated attention, Qwen3-Next)
+    output_gate: bool = False
+
+    def __post_init__(self):
+        if self.qk_norm not in QK_NORMS:
+            raise ValueError(f"qk_norm must be one of {QK_NORMS}, got {self.qk_norm!r}")
+
+
+QK_NORMS = ("", "head", "whole")
+
+
+@dataclasses.dataclass(frozen=True)
 class GlobalAttention:
     """The shape and RoPE of a model's global attention layers where they differ from the sliding ones (Gemma 4:
     ``global_head_dim``, ``num_global_key_value_heads``, the "proportional" RoPE of ``rope_parameters
@@ -90,8 +113,7 @@ class Model:
     # RoPE inverse frequencies of the sliding-window layers where they differ (Gemma 3's local base 10k, its global
     # layers 1M and scaled); () = every layer uses inv_freq
     local_inv_freq: tuple[float, ...] = ()
-    qk_norm: bool = False  # RMSNorm over each head's queries and keys after the projection, before RoPE (Qwen3, Gemma 3)
-    qk_norm_whole: bool = False  # ... over the whole q and k projections instead, every head at once (OLMo 2 and 3)
+    attn_options: AttentionOptions = AttentionOptions()  # q/k norms, value norm, keys as values, output gate
     # YaRN's attention factor: cos and sin of inv_freq's tables times this (OLMo 3's global layers); 1 = none
     rope_scale: float = 1.0
     nope_layers: tuple[int, ...] = ()  # the layers that rotate nothing (SmolLM3's NoPE layers, every 4th)
@@ -124,14 +146,8 @@ class Model:
     # Hybrid decoders: each layer's mixer kind (KINDS), () = every layer softmax attention; the DeltaNet layers' shape
     layer_kinds: tuple[str, ...] = ()
     deltanet: DeltaNet | None = None
-    # Gated attention (Qwen3.5, Qwen3-Next): q_proj also yields a gate per head; the attention's output is multiplied
-    # by sigmoid(gate) before the output projection
-    attn_output_gate: bool = False
-    # Gemma 4: a scale-free RMSNorm over each head's values; values equal to the keys before their norm and RoPE (set
-    # on the global layers' view, GlobalAttention.k_eq_v); the global layers' shape; per-layer embeddings; each
-    # layer's output times a learned scalar (layer_scalar); the KV-sharing layers' MLPs twice as wide
-    v_norm: bool = False
-    k_eq_v: bool = False
+    # Gemma 4: the global layers' shape; per-layer embeddings; each layer's output times a learned scalar
+    # (layer_scalar); the KV-sharing layers' MLPs twice as wide
     global_attention: GlobalAttention | None = None
     per_layer_embeddings: PerLayerEmbeddings | None = None
     layer_scalar: bool = False

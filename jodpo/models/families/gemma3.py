@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from jodpo.models.families import gemma2, llama
 from jodpo.models.hf_mapping import Family, rope_inv_freq
+from jodpo.models.model import AttentionOptions
 
 
 def model_fields(cfg) -> dict:
@@ -14,8 +15,8 @@ def model_fields(cfg) -> dict:
     inv_freq, rotary_dim = rope_inv_freq(dict(rope["full_attention"]), cfg.head_dim, cfg.max_position_embeddings)
     local, _ = rope_inv_freq(dict(rope["sliding_attention"]), cfg.head_dim, cfg.max_position_embeddings)
     return gemma2.model_fields(cfg) | dict(
-        qk_norm=True, rotary_dim=rotary_dim, inv_freq=tuple(float(f) for f in inv_freq),
-        local_inv_freq=tuple(float(f) for f in local))
+        attn_options=AttentionOptions(qk_norm="head"), rotary_dim=rotary_dim,
+        inv_freq=tuple(float(f) for f in inv_freq), local_inv_freq=tuple(float(f) for f in local))
 
 
 FAMILY = Family(

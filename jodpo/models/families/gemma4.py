@@ -21,11 +21,12 @@ from __future__ import annotations
 import numpy as np
 
 from jodpo.errors import UnsupportedModelError
+from jodpo.models import global_attention
 from jodpo.models.families import llama
 from jodpo.models.hf_mapping import (Family, Rule, head_bias, in_heads, linear, norm_rules, out_heads, rope_inv_freq,
                                      same)
 from jodpo.models.layout import KEYS
-from jodpo.models.model import READS, GlobalAttention, Model, PerLayerEmbeddings
+from jodpo.models.model import READS, AttentionOptions, GlobalAttention, Model, PerLayerEmbeddings
 
 LAYER_KINDS = {"sliding_attention": "attention", "full_attention": "global_attention"}
 SHARED = {"attention": "shared_attention", "global_attention": "shared_global_attention"}
@@ -52,8 +53,9 @@ def model_fields(cfg) -> dict:
     # transformers' heterogeneous config refuses cfg.head_dim and cfg.num_key_value_heads (they differ by layer type)
     fields = dict(
         norm="rmsnorm", norm_eps=cfg.rms_norm_eps, gated_mlp=True, mlp_bias=False, parallel_residual=False,
-        num_kv_heads=sliding.num_key_value_heads, head_dim=head_dim, norm_scale_f32=True, post_norms=True, qk_norm=True,
-        v_norm=True, query_scale=1.0, activation=cfg.hidden_activation, embed_scale=float(cfg.hidden_size ** 0.5),
+        num_kv_heads=sliding.num_key_value_heads, head_dim=head_dim, norm_scale_f32=True, post_norms=True,
+        attn_options=AttentionOptions(qk_norm="head", v_norm=True), query_scale=1.0, activation=cfg.hidden_activation,
+        embed_scale=float(cfg.hidden_size ** 0.5),
         final_softcap=float(cfg.final_logit_softcapping or 0.0), inv_freq=tuple(float(f) for f in inv_freq),
         rotary_dim=rotary_dim, layer_kinds=kinds, layer_scalar=True,
         wide_mlp=bool(cfg.use_double_wide_mlp and cfg.num_kv_shared_layers),
@@ -73,9 +75,7 @@ def model_fields(cfg) -> dict:
 
 def _attention_rules(model: Model, kind: str) -> list[Rule]:
     """A mixer kind's q/k/v/o projections and norms, over that kind's layers (a KV-sharing kind's: q and o only)."""
-    m = model if "global" not in kind else model.replace(
-        num_kv_heads=model.global_attention.num_kv_heads, head_dim=model.global_attention.head_dim,
-        k_eq_v=model.global_attention.k_eq_v)
+    m = global_attention.view(model) if "global" in kind else model
     H, K, Dh, L, attn = m.num_heads, m.num_kv_heads, m.head_dim, "model.layers.{i}.self_attn.", ("layers", KEYS[kind])
     own = kind not in READS
     out = [in_heads(attn + ("q",), L + "q_proj.weight", H, Dh), out_heads(attn + ("o",), L + "o_proj.weight", H, Dh),
@@ -84,7 +84,7 @@ def _attention_rules(model: Model, kind: str) -> list[Rule]:
         out.append(head_bias(attn + ("q_bias",), L + "q_proj.bias", H, Dh))
     if model.out_bias:
         out.append(same(attn + ("o_bias",), L + "o_proj.bias"))
-    for name in (("k",) + (() if m.k_eq_v else ("v",))) if own else ():
+    for name in (("k",) + (() if m.attn_options.k_eq_v else ("v",))) if own else ():
         out.append(in_heads(attn + (name,), L + f"{name}_proj.weight", K, Dh))
         if model.qkv_bias:
             out.append(head_bias(attn + (f"{name}_bias",), L + f"{name}_proj.bias", K, Dh))

@@ -29,10 +29,10 @@ def rules(model: Model) -> list[Rule]:
                 head_bias(attn + ("v_bias",), L + "self_attn.v_proj.bias", K, Dh)]
     if model.out_bias:
         out.append(same(attn + ("o_bias",), L + "self_attn.o_proj.bias"))
-    if model.qk_norm_whole:  # a weight per channel of the projection (OLMo 2): HF [H * Dh] <-> jodpo [H, Dh]
+    if model.attn_options.qk_norm == "whole":  # a weight per channel (OLMo 2): HF [H * Dh] <-> jodpo [H, Dh]
         out += [head_bias(attn + ("q_norm", "scale"), L + "self_attn.q_norm.weight", H, Dh),
                 head_bias(attn + ("k_norm", "scale"), L + "self_attn.k_norm.weight", K, Dh)]
-    elif model.qk_norm:
+    elif model.attn_options.qk_norm == "head":
         out += [same(attn + ("q_norm", "scale"), L + "self_attn.q_norm.weight"),
                 same(attn + ("k_norm", "scale"), L + "self_attn.k_norm.weight")]
     for ours, theirs in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):

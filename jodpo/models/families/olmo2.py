@@ -10,11 +10,12 @@ from __future__ import annotations
 from jodpo.errors import UnsupportedModelError
 from jodpo.models.families import llama
 from jodpo.models.hf_mapping import Family, rope_attention_factor, rope_inv_freq
+from jodpo.models.model import AttentionOptions
 
 
 def model_fields(cfg) -> dict:
-    fields = llama.model_fields(cfg) | dict(qk_norm=True, qk_norm_whole=True, norm_scale_f32=True, pre_norms=False,
-                                            post_norms=True)
+    fields = llama.model_fields(cfg) | dict(attn_options=AttentionOptions(qk_norm="whole"), norm_scale_f32=True,
+                                            pre_norms=False, post_norms=True)
     rope = cfg.rope_parameters
     if "full_attention" in rope:  # OLMo 3: RoPE per layer type
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from jodpo.models.families import llama
 from jodpo.models.hf_mapping import Family
+from jodpo.models.model import AttentionOptions
 
 
 def model_fields(cfg) -> dict:
-    return llama.model_fields(cfg) | dict(qk_norm=True)
+    return llama.model_fields(cfg) | dict(attn_options=AttentionOptions(qk_norm="head"))
 
 
 FAMILY = Family(

@@ -20,7 +20,7 @@ import numpy as np
 from jodpo.errors import UnsupportedModelError
 from jodpo.models.families import llama
 from jodpo.models.hf_mapping import Family, Rule, in_heads, linear, out_heads, same
-from jodpo.models.model import DeltaNet, Model
+from jodpo.models.model import AttentionOptions, DeltaNet, Model
 
 LAYER_TYPES = {"linear_attention": "deltanet", "full_attention": "attention"}
 
@@ -32,7 +32,8 @@ def model_fields(cfg) -> dict:
     deltanet = DeltaNet(num_k_heads=cfg.linear_num_key_heads, num_v_heads=cfg.linear_num_value_heads,
                         k_head_dim=cfg.linear_key_head_dim, v_head_dim=cfg.linear_value_head_dim,
                         conv_kernel=cfg.linear_conv_kernel_dim)
-    return llama.model_fields(cfg) | dict(qk_norm=True, norm_offset=1.0, attn_output_gate=True, deltanet=deltanet,
+    return llama.model_fields(cfg) | dict(attn_options=AttentionOptions(qk_norm="head", output_gate=True),
+                                          norm_offset=1.0, deltanet=deltanet,
                                           layer_kinds=tuple(LAYER_TYPES[t] for t in cfg.layer_types))
 
 
