@@ -1,5 +1,7 @@
 """Reference computations in the libraries jodpo is compared with (TRL, transformers, peft), shared by the test
 files that compare against them."""
+from pathlib import Path
+
 import jax
 import numpy as np
 import optax
@@ -193,3 +195,27 @@ PROMPTS = ["the quick brown fox", "hello world, hello", "TL;DR: a short", "onlin
 def length_reward(prompts, completions, completion_ids, **kw):
     # A callable reward with a None (ignored by the weighted nansum) in the mix.
     return [None if i == 1 else float(len(c)) / 10 for i, c in enumerate(completions)]
+
+
+def check_language_model_of_multimodal(hf, model, params, out: Path, architecture: str, tol: float) -> None:
+    """jodpo's language model of the ``*ForConditionalGeneration`` ``hf`` (``model``, ``params``): its logits on text
+    (left-padded) equal the multimodal model's, and its export to ``out`` is an ``architecture`` that transformers
+    reads back to the same logits (``tol`` of the largest logit)."""
+    import json
+
+    from tests import hf_fixtures
+
+    ids, mask = hf_fixtures.padded_batch(np.random.default_rng(6), [9, 4], model.pad_token_id, "left", high=200)
+    inputs = dict(input_ids=torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask),
+                  position_ids=torch.tensor(np.maximum(np.cumsum(mask, -1) - 1, 0), dtype=torch.long))
+    ours = np.asarray(jodpo.logits(model, params, ids, mask))
+    with torch.no_grad():
+        ref = hf(**inputs).logits.numpy()
+    real = mask.astype(bool)
+    np.testing.assert_allclose(ours[real], ref[real], rtol=tol, atol=tol * np.abs(ref[real]).max())
+    saved = jodpo.save_hf(model, params, out)
+    assert json.loads((saved / "config.json").read_text())["architectures"] == [architecture]
+    with torch.no_grad():
+        back = AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32, attn_implementation="eager").eval()(
+            **inputs).logits.numpy()
+    np.testing.assert_allclose(back[real], ref[real], rtol=tol, atol=tol * np.abs(ref[real]).max())

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 import jodpo
 from jodpo.models import decoder, families
 from jodpo.models.loading import describe_model
-from tests import helpers, hf_fixtures
+from tests import helpers, hf_fixtures, references
 
 S, F = "sliding_attention", "full_attention"
 VARIANTS = {  # beside the fixture's: the 31B's layout, and KV sharing with v projections and narrow MLPs, where layers
@@ -123,20 +123,7 @@ def test_a_conditional_generation_checkpoint_loads_its_language_model(checkpoint
         model, params = jodpo.load_model(str(tmp_path / "mm"))
     said = next(str(x.message) for x in w if "left out" in str(x.message))
     assert "its vision tower (" in said and "its audio tower (" in said
-    ids, mask = hf_fixtures.padded_batch(np.random.default_rng(6), [9, 4], model.pad_token_id, "left", high=200)
-    ours = np.asarray(jodpo.logits(model, params, ids, mask))
-    with torch.no_grad():
-        ref = hf(input_ids=torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask),
-                 position_ids=torch.tensor(_positions(mask), dtype=torch.long)).logits.numpy()
-    real = mask.astype(bool)
-    np.testing.assert_allclose(ours[real], ref[real], rtol=1e-4, atol=1e-4 * np.abs(ref[real]).max())
-    out = jodpo.save_hf(model, params, tmp_path / "text")
-    assert json.loads((out / "config.json").read_text())["architectures"] == ["Gemma4ForCausalLM"]
-    with torch.no_grad():
-        back = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)(
-            input_ids=torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask),
-            position_ids=torch.tensor(_positions(mask), dtype=torch.long)).logits.numpy()
-    np.testing.assert_allclose(back[real], ref[real], rtol=1e-4, atol=1e-4 * np.abs(ref[real]).max())
+    references.check_language_model_of_multimodal(hf, model, params, tmp_path / "text", "Gemma4ForCausalLM", 1e-4)
 
 
 def test_the_moe_checkpoints_are_refused_in_one_line(checkpoints, tmp_path):

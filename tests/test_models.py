@@ -1,5 +1,4 @@
 """jodpo's decoders against transformers (fp32, eager attention) for every family variant."""
-import json
 
 import chex
 import jax
@@ -12,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 import jodpo
 from jodpo.models import decoder, heads, layers
 from jodpo.models import params as mparams
-from tests import hf_fixtures
+from tests import hf_fixtures, references
 
 LENGTHS = [12, 5, 9, 1]
 
@@ -254,20 +253,7 @@ def test_gemma3_multimodal_checkpoint_loads_its_language_model(checkpoints, tmp_
                                          r"\(\d+ tensors\) is left out"):
         model, params = jodpo.load_model(str(tmp_path / "mm"))
     assert model.family == "gemma3" and model.local_inv_freq and model.tie_embeddings
-    ids, mask = hf_fixtures.padded_batch(np.random.default_rng(6), [9, 4], model.pad_token_id, "left", high=200)
-    ours = np.asarray(jodpo.logits(model, params, ids, mask))
-    with torch.no_grad():
-        ref = hf(input_ids=torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask),
-                 position_ids=torch.tensor(_positions(mask), dtype=torch.long)).logits.numpy()
-    real = mask.astype(bool)
-    np.testing.assert_allclose(ours[real], ref[real], rtol=1e-5, atol=1e-5 * np.abs(ref[real]).max())
-    out = jodpo.save_hf(model, params, tmp_path / "text")
-    assert json.loads((out / "config.json").read_text())["architectures"] == ["Gemma3ForCausalLM"]
-    with torch.no_grad():
-        back = _hf(AutoModelForCausalLM, out)(
-            input_ids=torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask),
-            position_ids=torch.tensor(_positions(mask), dtype=torch.long)).logits.numpy()
-    np.testing.assert_allclose(back[real], ref[real], rtol=1e-5, atol=1e-5 * np.abs(ref[real]).max())
+    references.check_language_model_of_multimodal(hf, model, params, tmp_path / "text", "Gemma3ForCausalLM", 1e-5)
 
 
 @pytest.mark.parametrize("side", ["left", "right"])
