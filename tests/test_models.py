@@ -60,7 +60,7 @@ def test_reward_reads_last_non_pad_token_like_transformers():
     model = decoder.Model(family="llama", task="reward", vocab_size=8, hidden_size=4, num_layers=1, num_heads=1,
                        num_kv_heads=1, head_dim=4, mlp_dim=4, norm="rmsnorm", norm_eps=1e-6, activation="silu",
                        gated_mlp=True, mlp_bias=False, qkv_bias=False, out_bias=False, parallel_residual=False,
-                       rotary_dim=4, inv_freq=(1.0, 0.01), tie_embeddings=False, pad_token_id=0)
+                       rope=decoder.Rope(4, (1.0, 0.01)), tie_embeddings=False, pad_token_id=0)
     ids = jnp.array([[0, 0, 5, 6], [5, 6, 0, 0], [5, 6, 7, 0]])
     mask = jnp.array([[0, 0, 1, 1], [1, 1, 1, 1], [1, 1, 1, 1]])
     assert heads.last_token_index(model, ids, mask).tolist() == [3, 1, 2]
@@ -106,7 +106,7 @@ def test_forward_attention_equals_jodpos_own(dtype, tol):
     model = decoder.Model(family="llama", task="causal_lm", vocab_size=8, hidden_size=16, num_layers=1, num_heads=4,
                        num_kv_heads=2, head_dim=8, mlp_dim=8, norm="rmsnorm", norm_eps=1e-6, activation="silu",
                        gated_mlp=True, mlp_bias=False, qkv_bias=False, out_bias=False, parallel_residual=False,
-                       rotary_dim=8, inv_freq=(1.0,) * 4, tie_embeddings=False, dtype=dtype)
+                       rope=decoder.Rope(8, (1.0,) * 4), tie_embeddings=False, dtype=dtype)
     rng = np.random.default_rng(4)
     B, L, S = 3, 5, 7
     q = jnp.asarray(rng.normal(size=(B, L, 4, 8)), dtype)
@@ -252,7 +252,7 @@ def test_gemma3_multimodal_checkpoint_loads_its_language_model(checkpoints, tmp_
     with pytest.warns(UserWarning, match=r"its language model loads as a text gemma3 model; its vision tower "
                                          r"\(\d+ tensors\) is left out"):
         model, params = jodpo.load_model(str(tmp_path / "mm"))
-    assert model.family == "gemma3" and model.local_inv_freq and model.tie_embeddings
+    assert model.family == "gemma3" and model.rope.local_inv_freq and model.tie_embeddings
     references.check_language_model_of_multimodal(hf, model, params, tmp_path / "text", "Gemma3ForCausalLM", 1e-5)
 
 
@@ -266,7 +266,7 @@ def test_gemma3_multimodal_reward_head_scores_as_transformers(checkpoints, tmp_p
     hf = _gemma3_multimodal(Gemma3ForSequenceClassification, checkpoints, tmp_path / "rm")
     with pytest.warns(UserWarning, match=r"its vision tower \(\d+ tensors\) is left out"):
         model, params = jodpo.load_model(str(tmp_path / "rm"), task="reward")
-    assert (model.family, model.task) == ("gemma3", "reward") and model.local_inv_freq
+    assert (model.family, model.task) == ("gemma3", "reward") and model.rope.local_inv_freq
     ids, mask = hf_fixtures.padded_batch(np.random.default_rng(9), LENGTHS, model.pad_token_id, side, high=200)
     ours = np.asarray(jax.jit(jodpo.reward_scores, static_argnums=0)(model, params, ids, mask))
     with torch.no_grad():

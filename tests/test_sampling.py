@@ -148,7 +148,7 @@ def test_empirical_frequencies_match_filtered_distribution(filters):
     model = decoder.Model(family="llama", task="causal_lm", vocab_size=12, hidden_size=8, num_layers=1, num_heads=2,
                        num_kv_heads=1, head_dim=4, mlp_dim=8, norm="rmsnorm", norm_eps=1e-6, activation="silu",
                        gated_mlp=True, mlp_bias=False, qkv_bias=False, out_bias=False, parallel_residual=False,
-                       rotary_dim=4, inv_freq=(1.0, 0.01), tie_embeddings=False)
+                       rope=decoder.Rope(4, (1.0, 0.01)), tie_embeddings=False)
     params = mparams.init_params(model, jax.random.key(0), std=1.0)
     N = 40000
     ids, mask = np.full((N, 2), 3, np.int32), np.ones((N, 2), np.int32)

@@ -44,7 +44,8 @@ from jodpo.models.layers import (FULL_WINDOW, Context, Site, embed, mlp, norm, p
                                  rope_tables)
 from jodpo.models.layout import (KEYS, KIND_OF_KEY, MIXERS, SUBTREES, Run, layer_params, layer_runs,  # noqa: F401
                                  merge_adapters, period_params, run_params)
-from jodpo.models.model import ATTENTIONS, PRECISIONS, READS, Cache, Model, Params, einsum  # noqa: F401 - re-exported
+from jodpo.models.model import (ATTENTIONS, PRECISIONS, READS, Cache, Model, Params, Rope,  # noqa: F401 - re-exported
+                                einsum)
 
 
 def _positions(mask_BL: jax.Array, n_before_B: jax.Array) -> jax.Array:
@@ -54,10 +55,10 @@ def _positions(mask_BL: jax.Array, n_before_B: jax.Array) -> jax.Array:
 
 def sites(model: Model) -> Site:
     """Each layer's ``Site`` as int32 arrays ``[N]``: its attention window in slots (full attention, and the other
-    kinds: the largest int) and whether it rotates (1) or not (0, ``Model.nope_layers``)."""
+    kinds: the largest int) and whether it rotates (1) or not (0, ``Rope.nope_layers``)."""
     windows = np.asarray(model.sliding_windows or (0,) * model.num_layers, np.int32)
     rope = np.ones(model.num_layers, np.int32)
-    rope[list(model.nope_layers)] = 0
+    rope[list(model.rope.nope_layers)] = 0
     return Site(np.where(windows > 0, windows, FULL_WINDOW).astype(np.int32), rope)
 
 

@@ -17,9 +17,8 @@ WEIGHTS = attention_mixer.WEIGHTS
 
 def view(model: Model) -> Model:
     g = model.global_attention
-    return model.replace(num_kv_heads=g.num_kv_heads, head_dim=g.head_dim, rotary_dim=g.rotary_dim,
-                         inv_freq=g.inv_freq, attn_options=dataclasses.replace(model.attn_options, k_eq_v=g.k_eq_v),
-                         local_inv_freq=(), rope_scale=1.0, nope_layers=())
+    return model.replace(num_kv_heads=g.num_kv_heads, head_dim=g.head_dim, rope=g.rope,
+                         attn_options=dataclasses.replace(model.attn_options, k_eq_v=g.k_eq_v))
 
 
 def context(model: Model, ctx: Context) -> Context:

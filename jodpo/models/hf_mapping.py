@@ -15,7 +15,7 @@ from typing import Any, Callable
 import numpy as np
 
 from jodpo.errors import UnsupportedModelError
-from jodpo.models.model import Model
+from jodpo.models.model import Model, Rope
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,6 +152,21 @@ def _yarn(rope: dict, base: float, dim: int, max_position_embeddings: int) -> np
     ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1).astype(np.float32)
     keep = 1 - ramp
     return (1.0 / (factor * pos_freqs) * (1 - keep) + 1.0 / pos_freqs * keep).astype(np.float32)
+
+
+def rope_of(rope: dict, head_dim: int, max_position_embeddings: int, local: dict | None = None,
+            nope_layers: tuple[int, ...] = ()) -> Rope:
+    """The ``Rope`` of transformers' ``rope_parameters`` (``rope``), with the sliding-window layers' own (``local``)
+    where they differ, and the layers that rotate nothing."""
+    inv_freq, rotary_dim = rope_inv_freq(rope, head_dim, max_position_embeddings)
+    local_inv_freq = ()
+    if local is not None and local != rope:
+        if rope_attention_factor(local) != 1.0:
+            raise UnsupportedModelError("YaRN on the sliding-window layers is not supported (its attention factor "
+                                        "is the global layers' only)")
+        local_inv_freq = tuple(float(f) for f in rope_inv_freq(local, head_dim, max_position_embeddings)[0])
+    return Rope(rotary_dim, tuple(float(f) for f in inv_freq), local_inv_freq, rope_attention_factor(rope),
+                tuple(nope_layers))
 
 
 def rope_attention_factor(rope: dict) -> float:

@@ -9,8 +9,8 @@ What differs between families is a field of ``Model`` read here, never the famil
   attn_options           q/k norms over each head (Qwen3, Gemma 3) or the whole projection (OLMo 2 and 3); a
                          scale-free norm over each head's values, values that are the projected keys (Gemma 4); an
                          output gate (Qwen3.5)
-  rotary_dim, inv_freq   partial rotary (NeoX); the sliding-window layers' own RoPE base (local_inv_freq, Gemma 3,
-                         OLMo 3); YaRN's scale of cos and sin (rope_scale); layers without RoPE (nope_layers, SmolLM3)
+  rope                   partial rotary (NeoX); the sliding-window layers' own RoPE base (local_inv_freq, Gemma 3,
+                         OLMo 3); YaRN's scale of cos and sin; layers without RoPE (nope_layers, SmolLM3)
   norm_scale_f32         the norm's scale multiplied in float32, before the cast back (OLMo 2, Gemma 4)
   query_scale            the scores' scale (Gemma's query_pre_attn_scalar)
   attn_softcap           cap * tanh(scores / cap) before the mask (Gemma 2)
@@ -114,8 +114,8 @@ def embed(model: Model, params: Params, tokens: jax.Array) -> jax.Array:
 
 
 def rope(model: Model, x_BLHD: jax.Array, cos_BLR: jax.Array, sin_BLR: jax.Array) -> jax.Array:
-    """Rotary embedding on the first ``rotary_dim`` dims, rotate-half convention (HF, NeoX and Llama)."""
-    r = model.rotary_dim
+    """Rotary embedding on the first ``rope.rotary_dim`` dims, rotate-half convention (HF, NeoX and Llama)."""
+    r = model.rope.rotary_dim
     x_rot, x_pass = x_BLHD[..., :r], x_BLHD[..., r:]
     x1, x2 = x_rot[..., : r // 2], x_rot[..., r // 2:]
     rotated = jnp.concatenate([-x2, x1], -1)
@@ -132,12 +132,13 @@ def _tables(inv_freq, positions_BL, scale: float = 1.0):
 
 
 def rope_tables(model: Model, positions_BL: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``(cos, sin)`` of the positions, ``[B, L, R]``; with ``local_inv_freq`` the global layers' and the local
+    """``(cos, sin)`` of the positions, ``[B, L, R]``; with ``rope.local_inv_freq`` the global layers' and the local
     layers' stacked, ``[2, B, L, R]`` (``layer_rope`` picks a layer's)."""
-    main = _tables(model.inv_freq, positions_BL, model.rope_scale)
-    if not model.local_inv_freq:
+    r = model.rope
+    main = _tables(r.inv_freq, positions_BL, r.scale)
+    if not r.local_inv_freq:
         return main
-    local = _tables(model.local_inv_freq, positions_BL)
+    local = _tables(r.local_inv_freq, positions_BL)
     return jnp.stack([main[0], local[0]]), jnp.stack([main[1], local[1]])
 
 
@@ -145,10 +146,10 @@ def layer_rope(model: Model, tables, site: Site) -> tuple[jax.Array, jax.Array]:
     """One layer's ``(cos, sin)`` out of ``rope_tables``: the local ones on a sliding-window layer (``site.window``
     below ``FULL_WINDOW``) of a model that has them; on a layer without RoPE (``site.rope`` 0) cos 1 and sin 0, which
     rotate nothing (x * 1 + rotate_half(x) * 0 is x exactly)."""
-    if model.local_inv_freq:
+    if model.rope.local_inv_freq:
         local = jnp.asarray(site.window) < FULL_WINDOW
         tables = tuple(jnp.where(local, t[1], t[0]) for t in tables)
-    if model.nope_layers:
+    if model.rope.nope_layers:
         on = jnp.asarray(site.rope) > 0
         tables = (jnp.where(on, tables[0], 1.0), jnp.where(on, tables[1], 0.0))
     return tables

@@ -47,6 +47,21 @@ QK_NORMS = ("", "head", "whole")
 
 
 @dataclasses.dataclass(frozen=True)
+class Rope:
+    """Rotary position embeddings (rotate-half, as transformers) of a model's attention layers (``Model.rope``; Gemma
+    4's global layers have their own, ``GlobalAttention.rope``)."""
+
+    rotary_dim: int  # the leading head dims that rotate (partial rotary: Pythia's quarter)
+    # inverse frequencies, scaling (linear, llama3, YaRN) applied; zeros rotate nothing (Gemma 4's proportional RoPE)
+    inv_freq: tuple[float, ...]
+    # the sliding-window layers' own where they differ (Gemma 3's local base 10k beside its scaled global RoPE, OLMo
+    # 3's plain base beside YaRN); () = every layer uses inv_freq
+    local_inv_freq: tuple[float, ...] = ()
+    scale: float = 1.0  # YaRN's attention factor: cos and sin of inv_freq's tables times this (OLMo 3); 1 = none
+    nope_layers: tuple[int, ...] = ()  # the layers that rotate nothing (SmolLM3's NoPE layers, every 4th)
+
+
+@dataclasses.dataclass(frozen=True)
 class GlobalAttention:
     """The shape and RoPE of a model's global attention layers where they differ from the sliding ones (Gemma 4:
     ``global_head_dim``, ``num_global_key_value_heads``, the "proportional" RoPE of ``rope_parameters
@@ -54,8 +69,7 @@ class GlobalAttention:
 
     num_kv_heads: int
     head_dim: int
-    rotary_dim: int
-    inv_freq: tuple[float, ...]  # zeros past the rotated angles (proportional RoPE): those dims rotate nothing
+    rope: Rope
     k_eq_v: bool = False  # no v projection: the values are the keys before their norm and RoPE (attention_k_eq_v)
 
 
@@ -106,17 +120,10 @@ class Model:
     qkv_bias: bool
     out_bias: bool
     parallel_residual: bool
-    rotary_dim: int  # leading head dims that are rotated (partial rotary for Pythia)
-    inv_freq: tuple[float, ...]  # RoPE inverse frequencies, scaling (linear, llama3) already applied
+    rope: Rope
     tie_embeddings: bool
     sliding_windows: tuple[int, ...] = ()  # per layer, 0 = full attention; () = all full
-    # RoPE inverse frequencies of the sliding-window layers where they differ (Gemma 3's local base 10k, its global
-    # layers 1M and scaled); () = every layer uses inv_freq
-    local_inv_freq: tuple[float, ...] = ()
     attn_options: AttentionOptions = AttentionOptions()  # q/k norms, value norm, keys as values, output gate
-    # YaRN's attention factor: cos and sin of inv_freq's tables times this (OLMo 3's global layers); 1 = none
-    rope_scale: float = 1.0
-    nope_layers: tuple[int, ...] = ()  # the layers that rotate nothing (SmolLM3's NoPE layers, every 4th)
     # RMSNorm as x * (norm_offset + w), the product in float32 before the cast back (Gemma: 1.0); 0.0 is Llama's
     # (normalise in float32, cast, then scale by w)
     norm_offset: float = 0.0

@@ -11,7 +11,7 @@ import json
 
 from jodpo.errors import UnsupportedModelError
 from jodpo.models.families import gemma2, gemma3, gemma4, gpt_neox, llama, olmo2, qwen2, qwen3, qwen3_5, smollm3
-from jodpo.models.hf_mapping import Family, Rule, rope_attention_factor, rope_inv_freq
+from jodpo.models.hf_mapping import Family, Rule, rope_of
 from jodpo.models.layers import ACTIVATIONS
 from jodpo.models.model import Model
 
@@ -59,11 +59,8 @@ def model_from_hf_config(cfg, task: str, dtype: str = "float32", eos_token_ids=(
         raise UnsupportedModelError(f"hidden_act {activation!r} is not supported (supported: {ACTIVATIONS})")
     num_heads = cfg.num_attention_heads
     head_dim = fields.pop("head_dim", None) or getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
-    if "inv_freq" not in fields:
-        rope = dict(cfg.rope_parameters)
-        inv_freq, fields["rotary_dim"] = rope_inv_freq(rope, head_dim, cfg.max_position_embeddings)
-        fields["inv_freq"] = tuple(float(f) for f in inv_freq)
-        fields["rope_scale"] = rope_attention_factor(rope)
+    if "rope" not in fields:
+        fields["rope"] = rope_of(dict(cfg.rope_parameters), head_dim, cfg.max_position_embeddings)
     windows: tuple[int, ...] = ()
     if getattr(cfg, "sliding_window", None):
         layer_types = getattr(cfg, "layer_types", None) or ["sliding_attention"] * cfg.num_hidden_layers

@@ -6,17 +6,16 @@ tower left out, one line says so) and exports as ``Gemma3ForCausalLM``."""
 from __future__ import annotations
 
 from jodpo.models.families import gemma2, llama
-from jodpo.models.hf_mapping import Family, rope_inv_freq
+from jodpo.models.hf_mapping import Family, rope_of
 from jodpo.models.model import AttentionOptions
 
 
 def model_fields(cfg) -> dict:
     rope = cfg.rope_parameters
-    inv_freq, rotary_dim = rope_inv_freq(dict(rope["full_attention"]), cfg.head_dim, cfg.max_position_embeddings)
-    local, _ = rope_inv_freq(dict(rope["sliding_attention"]), cfg.head_dim, cfg.max_position_embeddings)
     return gemma2.model_fields(cfg) | dict(
-        attn_options=AttentionOptions(qk_norm="head"), rotary_dim=rotary_dim,
-        inv_freq=tuple(float(f) for f in inv_freq), local_inv_freq=tuple(float(f) for f in local))
+        attn_options=AttentionOptions(qk_norm="head"),
+        rope=rope_of(dict(rope["full_attention"]), cfg.head_dim, cfg.max_position_embeddings,
+                     local=dict(rope["sliding_attention"])))
 
 
 FAMILY = Family(

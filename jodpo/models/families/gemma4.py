@@ -23,7 +23,7 @@ import numpy as np
 from jodpo.errors import UnsupportedModelError
 from jodpo.models import global_attention
 from jodpo.models.families import llama
-from jodpo.models.hf_mapping import (Family, Rule, head_bias, in_heads, linear, norm_rules, out_heads, rope_inv_freq,
+from jodpo.models.hf_mapping import (Family, Rule, head_bias, in_heads, linear, norm_rules, out_heads, rope_of,
                                      same)
 from jodpo.models.layout import KEYS
 from jodpo.models.model import READS, AttentionOptions, GlobalAttention, Model, PerLayerEmbeddings
@@ -48,25 +48,23 @@ def model_fields(cfg) -> dict:
     per_type = {t: cfg.per_layer_config[t] for t in set(types)}  # transformers' per-layer-type shapes
     sliding = per_type.get("sliding_attention", cfg)
     head_dim = sliding.head_dim
-    inv_freq, rotary_dim = rope_inv_freq(dict(cfg.rope_parameters.get("sliding_attention") or {"rope_theta": 1e4}),
-                                         head_dim, cfg.max_position_embeddings)
     # transformers' heterogeneous config refuses cfg.head_dim and cfg.num_key_value_heads (they differ by layer type)
     fields = dict(
         norm="rmsnorm", norm_eps=cfg.rms_norm_eps, gated_mlp=True, mlp_bias=False, parallel_residual=False,
         num_kv_heads=sliding.num_key_value_heads, head_dim=head_dim, norm_scale_f32=True, post_norms=True,
         attn_options=AttentionOptions(qk_norm="head", v_norm=True), query_scale=1.0, activation=cfg.hidden_activation,
         embed_scale=float(cfg.hidden_size ** 0.5),
-        final_softcap=float(cfg.final_logit_softcapping or 0.0), inv_freq=tuple(float(f) for f in inv_freq),
-        rotary_dim=rotary_dim, layer_kinds=kinds, layer_scalar=True,
+        final_softcap=float(cfg.final_logit_softcapping or 0.0), layer_kinds=kinds, layer_scalar=True,
+        rope=rope_of(dict(cfg.rope_parameters.get("sliding_attention") or {"rope_theta": 1e4}), head_dim,
+                     cfg.max_position_embeddings),
         wide_mlp=bool(cfg.use_double_wide_mlp and cfg.num_kv_shared_layers),
         qkv_bias=bool(cfg.attention_bias), out_bias=bool(cfg.attention_bias))
     if "full_attention" in per_type:
         full = per_type["full_attention"]
-        g_inv, g_rot = rope_inv_freq(dict(cfg.rope_parameters["full_attention"]), full.head_dim,
-                                     cfg.max_position_embeddings)
         fields["global_attention"] = GlobalAttention(
-            num_kv_heads=full.num_key_value_heads, head_dim=full.head_dim, rotary_dim=g_rot,
-            inv_freq=tuple(float(f) for f in g_inv), k_eq_v=bool(cfg.attention_k_eq_v))
+            num_kv_heads=full.num_key_value_heads, head_dim=full.head_dim,
+            rope=rope_of(dict(cfg.rope_parameters["full_attention"]), full.head_dim, cfg.max_position_embeddings),
+            k_eq_v=bool(cfg.attention_k_eq_v))
     if cfg.hidden_size_per_layer_input:
         fields["per_layer_embeddings"] = PerLayerEmbeddings(dim=cfg.hidden_size_per_layer_input,
                                                             vocab_size=cfg.vocab_size_per_layer_input)

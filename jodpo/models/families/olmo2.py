@@ -7,9 +7,8 @@ attention factor on cos and sin) is the global layers' only, the sliding layers 
 PEFT has no default target modules for either: LoRA needs ``lora_target_modules``, as PEFT does."""
 from __future__ import annotations
 
-from jodpo.errors import UnsupportedModelError
 from jodpo.models.families import llama
-from jodpo.models.hf_mapping import Family, rope_attention_factor, rope_inv_freq
+from jodpo.models.hf_mapping import Family, rope_of
 from jodpo.models.model import AttentionOptions
 
 
@@ -19,16 +18,8 @@ def model_fields(cfg) -> dict:
     rope = cfg.rope_parameters
     if "full_attention" in rope:  # OLMo 3: RoPE per layer type
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        full, sliding = dict(rope["full_attention"]), dict(rope["sliding_attention"])
-        inv_freq, rotary_dim = rope_inv_freq(full, head_dim, cfg.max_position_embeddings)
-        fields |= dict(inv_freq=tuple(float(f) for f in inv_freq), rotary_dim=rotary_dim,
-                       rope_scale=rope_attention_factor(full))
-        if "sliding_attention" in cfg.layer_types and (sliding != full):
-            local, _ = rope_inv_freq(sliding, head_dim, cfg.max_position_embeddings)
-            if rope_attention_factor(sliding) != 1.0:
-                raise UnsupportedModelError("YaRN on OLMo 3's sliding-window layers is not supported (its "
-                                            "attention factor is the global layers' only)")
-            fields["local_inv_freq"] = tuple(float(f) for f in local)
+        local = dict(rope["sliding_attention"]) if "sliding_attention" in cfg.layer_types else None
+        fields["rope"] = rope_of(dict(rope["full_attention"]), head_dim, cfg.max_position_embeddings, local=local)
     return fields
 
 

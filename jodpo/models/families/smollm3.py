@@ -5,12 +5,14 @@ embeddings (3B). PEFT has no default target modules for it: LoRA needs ``lora_ta
 from __future__ import annotations
 
 from jodpo.models.families import llama
-from jodpo.models.hf_mapping import Family
+from jodpo.models.hf_mapping import Family, rope_of
 
 
 def model_fields(cfg) -> dict:
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    nope = tuple(i for i, rope in enumerate(cfg.no_rope_layers[:cfg.num_hidden_layers]) if not rope)
     return llama.model_fields(cfg) | dict(
-        nope_layers=tuple(i for i, rope in enumerate(cfg.no_rope_layers[:cfg.num_hidden_layers]) if not rope))
+        rope=rope_of(dict(cfg.rope_parameters), head_dim, cfg.max_position_embeddings, nope_layers=nope))
 
 
 FAMILY = Family(
