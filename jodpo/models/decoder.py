@@ -15,7 +15,7 @@ Where families differ inside a mixer or the MLP, a field of ``Model`` says so (`
   Llama     RMSNorm, sequential residual, full rotary, SwiGLU, grouped-query attention;
   Qwen2     Llama with q/k/v biases;
   Qwen3     Llama with an RMSNorm on each head's queries and keys;
-  Gemma 2   (1 + w) RMSNorms in float32, four a layer (post_norms), scaled embeddings, GeGLU, query_pre_attn_scalar,
+  Gemma 2   (1 + w) RMSNorms in float32, four a layer (Norms.sites), scaled embeddings, GeGLU, query_pre_attn_scalar,
             local (sliding-window) and global layers, soft-capped attention scores and logits;
   Gemma 3   Gemma 2 with q/k norms instead of soft-capping, and the local layers' own RoPE base;
   Qwen3.5   (1 + w) RMSNorms; Gated DeltaNet layers and gated attention (an output gate, partial RoPE), 3 : 1;
@@ -44,8 +44,8 @@ from jodpo.models.layers import (FULL_WINDOW, Context, Site, embed, mlp, norm, p
                                  rope_tables)
 from jodpo.models.layout import (KEYS, KIND_OF_KEY, MIXERS, SUBTREES, Run, layer_params, layer_runs,  # noqa: F401
                                  merge_adapters, period_params, run_params)
-from jodpo.models.model import (ATTENTIONS, PRECISIONS, READS, Cache, Model, Params, Rope,  # noqa: F401 - re-exported
-                                einsum)
+from jodpo.models.model import (ATTENTIONS, PRECISIONS, READS, Cache, Model, Norms,  # noqa: F401 - re-exported
+                                Params, Rope, einsum)
 
 
 def _positions(mask_BL: jax.Array, n_before_B: jax.Array) -> jax.Array:
@@ -77,19 +77,19 @@ def _layer(model: Model, kind: str, p: Params, xs: tuple, site: Site, mix, state
     its layer scalar. LoRA adapters are folded into the layer's weights here, one layer at a time (inside the scan and
     its rematerialisation: no merged copy of the model)."""
     p = merge_adapters(model, p)
-    pre = (lambda name, x: norm(model, p[name], x)) if model.pre_norms else (lambda name, x: x)  # noqa: E731
+    pre = (lambda name, x: norm(model, p[name], x)) if model.norms.pre else (lambda name, x: x)  # noqa: E731
     ffn = p["mlp_wide"] if "mlp_wide" in p else p["mlp"]  # a KV-sharing layer's double-wide MLP (Gemma 4)
     outs, state = mix(kind, p, tuple(pre("ln1", x) for x in xs), site, state, j)
     new = []
     for g, (x, a) in enumerate(zip(xs, outs)):
-        if model.post_norms:  # Gemma, OLMo 2: the mixer's output is normed before the residual
+        if model.norms.post:  # Gemma, OLMo 2: the mixer's output is normed before the residual
             a = norm(model, p["post_attn"], a)
         if model.parallel_residual:
             x = x + a + mlp(model, ffn, pre("ln2", x))
         else:
             x = x + a
             out = mlp(model, ffn, pre("ln2", x))
-            x = x + (norm(model, p["post_mlp"], out) if model.post_norms else out)
+            x = x + (norm(model, p["post_mlp"], out) if model.norms.post else out)
         if model.per_layer_embeddings is not None:
             x = per_layer_block(model, p, x, extra[g])
         if model.layer_scalar:  # a buffer in transformers: never trained (params.buffers)

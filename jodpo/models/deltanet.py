@@ -82,7 +82,7 @@ def _gated_norm(model: Model, w_D, o_BLHD, z_BLHD):
     SiLU(z) in float32, rounded again."""
     dt = o_BLHD.dtype
     x = o_BLHD.astype(jnp.float32)
-    y = (x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + model.norm_eps)).astype(dt)
+    y = (x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + model.norms.eps)).astype(dt)
     y = (w_D.astype(dt) * y).astype(jnp.float32) * jax.nn.silu(z_BLHD.astype(jnp.float32))
     return y.astype(dt)
 

@@ -93,7 +93,7 @@ def same(path, name, per_layer=True):
 
 def norm_rules(model: Model, path, name, per_layer=True) -> list[Rule]:
     rules = [same(path + ("scale",), name + ".weight", per_layer)]
-    if model.norm == "layernorm":
+    if model.norms.kind == "layernorm":
         rules.append(same(path + ("bias",), name + ".bias", per_layer))
     return rules
 

@@ -3,7 +3,8 @@ projections and the attention itself. ``jodpo.models.decoder`` puts them togethe
 the KV cache.
 
 What differs between families is a field of ``Model`` read here, never the family's name:
-  norm, norm_offset      LayerNorm (NeoX); RMSNorm as Llama computes it; x * (1 + w) in float32 (Gemma)
+  norms                  LayerNorm (NeoX); RMSNorm as Llama computes it; x * (1 + w) in float32 (Gemma); the
+                         scale multiplied in float32 before the cast back (OLMo 2, Gemma 4); where a layer has them
   activation, gated_mlp  GELU (NeoX), SwiGLU (Llama, Qwen), GeGLU with tanh-approximated GELU (Gemma)
   qkv_bias               biases on q, k, v (Qwen2)
   attn_options           q/k norms over each head (Qwen3, Gemma 3) or the whole projection (OLMo 2 and 3); a
@@ -11,7 +12,6 @@ What differs between families is a field of ``Model`` read here, never the famil
                          output gate (Qwen3.5)
   rope                   partial rotary (NeoX); the sliding-window layers' own RoPE base (local_inv_freq, Gemma 3,
                          OLMo 3); YaRN's scale of cos and sin; layers without RoPE (nope_layers, SmolLM3)
-  norm_scale_f32         the norm's scale multiplied in float32, before the cast back (OLMo 2, Gemma 4)
   query_scale            the scores' scale (Gemma's query_pre_attn_scalar)
   attn_softcap           cap * tanh(scores / cap) before the mask (Gemma 2)
 """
@@ -85,21 +85,21 @@ def norm(model: Model, p: Params, x: jax.Array, over: int = 1) -> jax.Array:
 
 
 def _normalise(model: Model, p: Params | None, x_BLD: jax.Array, over: int = 1) -> jax.Array:
-    x, axes = x_BLD.astype(jnp.float32), tuple(range(-over, 0))
-    if model.norm == "rmsnorm":
-        y = x * jax.lax.rsqrt(jnp.mean(x * x, axes, keepdims=True) + model.norm_eps)
+    x, axes, n = x_BLD.astype(jnp.float32), tuple(range(-over, 0)), model.norms
+    if n.kind == "rmsnorm":
+        y = x * jax.lax.rsqrt(jnp.mean(x * x, axes, keepdims=True) + n.eps)
         if p is None:
             return y.astype(x_BLD.dtype)
-        if model.norm_offset or model.norm_scale_f32:
+        if n.offset or n.scale_f32:
             # As Gemma's (and OLMo 2's) RMSNorm: x * (offset + w) in float32 (w as the compute dtype holds it), then
             # the cast.
             w = p["scale"].astype(x_BLD.dtype).astype(jnp.float32)
-            return (y * (model.norm_offset + w)).astype(x_BLD.dtype)
+            return (y * (n.offset + w)).astype(x_BLD.dtype)
         # As transformers' LlamaRMSNorm: normalise in float32, cast back, then scale.
         return p["scale"].astype(x_BLD.dtype) * y.astype(x_BLD.dtype)
     mean = jnp.mean(x, -1, keepdims=True)
     var = jnp.mean(jnp.square(x - mean), -1, keepdims=True)
-    y = (x - mean) * jax.lax.rsqrt(var + model.norm_eps) * p["scale"].astype(jnp.float32) + p["bias"].astype(jnp.float32)
+    y = (x - mean) * jax.lax.rsqrt(var + n.eps) * p["scale"].astype(jnp.float32) + p["bias"].astype(jnp.float32)
     return y.astype(x_BLD.dtype)
 
 

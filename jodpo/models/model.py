@@ -24,6 +24,39 @@ READS = {"shared_attention": "attention", "shared_global_attention": "global_att
 
 
 @dataclasses.dataclass(frozen=True)
+class Norms:
+    """A model's norms: which, how they scale, and where a layer has them (``Model.norms``)."""
+
+    kind: str  # "layernorm" (a scale and a bias: NeoX) | "rmsnorm"
+    eps: float
+    # RMSNorm as x * (offset + w), the product in float32 before the cast back (Gemma, Qwen3.5: 1.0); 0.0 is Llama's
+    # (normalise in float32, cast, then scale by w)
+    offset: float = 0.0
+    scale_f32: bool = False  # x * w in float32 before the cast back, as Gemma's with an offset 0 (OLMo 2, Gemma 4)
+    # where a layer's norms sit: "pre", on the mixer's and the MLP's inputs (most families); "sandwich", on their
+    # outputs too (Gemma's four a layer); "post", on their outputs only (OLMo 2 and 3)
+    sites: str = "pre"
+
+    def __post_init__(self):
+        if self.kind not in ("layernorm", "rmsnorm") or self.sites not in NORM_SITES:
+            raise ValueError(f"Norms: kind must be layernorm or rmsnorm and sites one of {NORM_SITES}, got "
+                             f"{self.kind!r}, {self.sites!r}")
+
+    @property
+    def pre(self) -> bool:
+        """The mixer's and the MLP's inputs are normed."""
+        return self.sites != "post"
+
+    @property
+    def post(self) -> bool:
+        """The mixer's and the MLP's outputs are normed, before their residuals."""
+        return self.sites != "pre"
+
+
+NORM_SITES = ("pre", "sandwich", "post")
+
+
+@dataclasses.dataclass(frozen=True)
 class AttentionOptions:
     """How a softmax-attention layer forms its queries, keys and values and gates its output, beyond the projections
     every family has (``Model.attn_options``; the global layers' view sets their own ``k_eq_v``)."""
@@ -112,8 +145,7 @@ class Model:
     num_kv_heads: int
     head_dim: int
     mlp_dim: int
-    norm: str  # "layernorm" | "rmsnorm"
-    norm_eps: float
+    norms: Norms
     activation: str  # transformers' hidden_act name
     gated_mlp: bool  # SwiGLU-style gate * up
     mlp_bias: bool
@@ -124,12 +156,6 @@ class Model:
     tie_embeddings: bool
     sliding_windows: tuple[int, ...] = ()  # per layer, 0 = full attention; () = all full
     attn_options: AttentionOptions = AttentionOptions()  # q/k norms, value norm, keys as values, output gate
-    # RMSNorm as x * (norm_offset + w), the product in float32 before the cast back (Gemma: 1.0); 0.0 is Llama's
-    # (normalise in float32, cast, then scale by w)
-    norm_offset: float = 0.0
-    norm_scale_f32: bool = False  # x * w in float32 before the cast back, as Gemma's with an offset 0 (OLMo 2, Gemma 4)
-    post_norms: bool = False  # Gemma's four norms a layer: the attention's and the MLP's outputs are normed too
-    pre_norms: bool = True  # the mixer's and the MLP's inputs normed; OLMo 2 norms only their outputs (post_norms)
     embed_scale: float = 1.0  # embeddings times this, rounded to the compute dtype (Gemma: sqrt(hidden_size))
     query_scale: float | None = None  # attention scores' scale (Gemma: query_pre_attn_scalar**-0.5); None: head_dim**-0.5
     attn_softcap: float = 0.0  # attention scores soft-capped as cap * tanh(s / cap) (Gemma 2); 0 = off

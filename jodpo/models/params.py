@@ -28,7 +28,7 @@ def param_specs(model: Model) -> dict:
 
     def norm():
         p = {"scale": ((N, D), ("layers", "embed"))}
-        if model.norm == "layernorm":
+        if model.norms.kind == "layernorm":
             p["bias"] = ((N, D), ("layers", "embed"))
         return p
 
@@ -41,13 +41,13 @@ def param_specs(model: Model) -> dict:
         if model.gated_mlp:
             mlp["gate_bias"] = ((N, F), ("layers", "mlp"))
     final = {k: (shape[1:], axes[1:]) for k, (shape, axes) in norm().items()}
-    layers = {"ln1": norm(), "ln2": norm()} if model.pre_norms else {}
+    layers = {"ln1": norm(), "ln2": norm()} if model.norms.pre else {}
     layers |= {KEYS[k]: m.specs(model, len(model.layers_of(k))) for k, m in MIXERS.items() if model.layers_of(k)}
     layers["mlp"] = over("mlp", mlp)
     if model.wide_kinds:  # Gemma 4's KV-sharing layers: twice the MLP width
         layers["mlp_wide"] = over("mlp_wide", jax.tree.map(
             lambda s: (tuple(2 * F if ax == "mlp" else d for d, ax in zip(*s)), s[1]), mlp, is_leaf=_is_spec))
-    if model.post_norms:  # Gemma, OLMo 2: the attention's and the MLP's outputs normed before their residuals
+    if model.norms.post:  # Gemma, OLMo 2: the attention's and the MLP's outputs normed before their residuals
         layers |= {"post_attn": norm(), "post_mlp": norm()}
     specs = {"embed": ((V, D), ("vocab", "embed")), "layers": layers, "final_norm": final}
     if model.layer_scalar:
@@ -99,7 +99,7 @@ def init_params(model: Model, rng: jax.Array, dtype=jnp.float32, std: float = 0.
         elif "bias" in name:
             out.append(jnp.zeros(shape, dtype))
         elif "scale" in name:
-            out.append(jnp.full(shape, 1.0 - model.norm_offset, dtype))
+            out.append(jnp.full(shape, 1.0 - model.norms.offset, dtype))
         else:
             out.append((std * jax.random.normal(key, shape, jnp.float32)).astype(dtype))
     return jax.tree.unflatten(treedef, out)

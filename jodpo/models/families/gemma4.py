@@ -26,7 +26,7 @@ from jodpo.models.families import llama
 from jodpo.models.hf_mapping import (Family, Rule, head_bias, in_heads, linear, norm_rules, out_heads, rope_of,
                                      same)
 from jodpo.models.layout import KEYS
-from jodpo.models.model import READS, AttentionOptions, GlobalAttention, Model, PerLayerEmbeddings
+from jodpo.models.model import READS, AttentionOptions, GlobalAttention, Model, Norms, PerLayerEmbeddings
 
 LAYER_KINDS = {"sliding_attention": "attention", "full_attention": "global_attention"}
 SHARED = {"attention": "shared_attention", "global_attention": "shared_global_attention"}
@@ -50,8 +50,8 @@ def model_fields(cfg) -> dict:
     head_dim = sliding.head_dim
     # transformers' heterogeneous config refuses cfg.head_dim and cfg.num_key_value_heads (they differ by layer type)
     fields = dict(
-        norm="rmsnorm", norm_eps=cfg.rms_norm_eps, gated_mlp=True, mlp_bias=False, parallel_residual=False,
-        num_kv_heads=sliding.num_key_value_heads, head_dim=head_dim, norm_scale_f32=True, post_norms=True,
+        norms=Norms("rmsnorm", cfg.rms_norm_eps, scale_f32=True, sites="sandwich"), gated_mlp=True, mlp_bias=False,
+        parallel_residual=False, num_kv_heads=sliding.num_key_value_heads, head_dim=head_dim,
         attn_options=AttentionOptions(qk_norm="head", v_norm=True), query_scale=1.0, activation=cfg.hidden_activation,
         embed_scale=float(cfg.hidden_size ** 0.5),
         final_softcap=float(cfg.final_logit_softcapping or 0.0), layer_kinds=kinds, layer_scalar=True,

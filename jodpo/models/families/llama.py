@@ -5,14 +5,14 @@ Gemma 2 and 3): q/k norms and Gemma's four norms a layer are there too, read fro
 from __future__ import annotations
 
 from jodpo.models.hf_mapping import Family, Rule, head_bias, in_heads, linear, norm_rules, out_heads, same
-from jodpo.models.model import Model
+from jodpo.models.model import Model, Norms
 
 
 def model_fields(cfg) -> dict:
     bias = bool(getattr(cfg, "attention_bias", False))
-    return dict(num_kv_heads=cfg.num_key_value_heads or cfg.num_attention_heads, norm="rmsnorm",
-                norm_eps=cfg.rms_norm_eps, gated_mlp=True, mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
-                qkv_bias=bias, out_bias=bias, parallel_residual=False)
+    return dict(num_kv_heads=cfg.num_key_value_heads or cfg.num_attention_heads,
+                norms=Norms("rmsnorm", cfg.rms_norm_eps), gated_mlp=True,
+                mlp_bias=bool(getattr(cfg, "mlp_bias", False)), qkv_bias=bias, out_bias=bias, parallel_residual=False)
 
 
 def rules(model: Model) -> list[Rule]:
@@ -39,11 +39,11 @@ def rules(model: Model) -> list[Rule]:
         out.append(linear(mlp + (ours,), L + f"mlp.{theirs}.weight"))
         if model.mlp_bias:
             out.append(same(mlp + (ours + "_bias",), L + f"mlp.{theirs}.bias"))
-    if model.pre_norms:
+    if model.norms.pre:
         out += norm_rules(model, ("layers", "ln1"), L + "input_layernorm")
-    if model.post_norms:  # Gemma, OLMo 2: post_attention_layernorm norms the attention's output; the MLP's input has its
-        out += norm_rules(model, ("layers", "post_attn"), L + "post_attention_layernorm")  # own norm (Gemma's only)
-        if model.pre_norms:
+    if model.norms.post:  # Gemma, OLMo 2: post_attention_layernorm norms the attention's output; the MLP's input
+        out += norm_rules(model, ("layers", "post_attn"), L + "post_attention_layernorm")  # has its own (Gemma's)
+        if model.norms.pre:
             out += norm_rules(model, ("layers", "ln2"), L + "pre_feedforward_layernorm")
         out += norm_rules(model, ("layers", "post_mlp"), L + "post_feedforward_layernorm")
     else:

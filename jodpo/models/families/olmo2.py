@@ -7,14 +7,17 @@ attention factor on cos and sin) is the global layers' only, the sliding layers 
 PEFT has no default target modules for either: LoRA needs ``lora_target_modules``, as PEFT does."""
 from __future__ import annotations
 
+import dataclasses
+
 from jodpo.models.families import llama
 from jodpo.models.hf_mapping import Family, rope_of
 from jodpo.models.model import AttentionOptions
 
 
 def model_fields(cfg) -> dict:
-    fields = llama.model_fields(cfg) | dict(attn_options=AttentionOptions(qk_norm="whole"), norm_scale_f32=True,
-                                            pre_norms=False, post_norms=True)
+    fields = llama.model_fields(cfg)
+    fields |= dict(attn_options=AttentionOptions(qk_norm="whole"),
+                   norms=dataclasses.replace(fields["norms"], scale_f32=True, sites="post"))
     rope = cfg.rope_parameters
     if "full_attention" in rope:  # OLMo 3: RoPE per layer type
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads

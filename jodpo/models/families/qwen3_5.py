@@ -15,6 +15,8 @@ PEFT has no default target modules for Qwen3.5: LoRA needs ``lora_target_modules
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from jodpo.errors import UnsupportedModelError
@@ -32,9 +34,10 @@ def model_fields(cfg) -> dict:
     deltanet = DeltaNet(num_k_heads=cfg.linear_num_key_heads, num_v_heads=cfg.linear_num_value_heads,
                         k_head_dim=cfg.linear_key_head_dim, v_head_dim=cfg.linear_value_head_dim,
                         conv_kernel=cfg.linear_conv_kernel_dim)
-    return llama.model_fields(cfg) | dict(attn_options=AttentionOptions(qk_norm="head", output_gate=True),
-                                          norm_offset=1.0, deltanet=deltanet,
-                                          layer_kinds=tuple(LAYER_TYPES[t] for t in cfg.layer_types))
+    fields = llama.model_fields(cfg)
+    return fields | dict(attn_options=AttentionOptions(qk_norm="head", output_gate=True), deltanet=deltanet,
+                         norms=dataclasses.replace(fields["norms"], offset=1.0),
+                         layer_kinds=tuple(LAYER_TYPES[t] for t in cfg.layer_types))
 
 
 def _gated_q(path, name, heads, head_dim, suffix="weight"):
