@@ -73,9 +73,10 @@ def get_method(name: str) -> Method:
         raise ValueError(f"unknown method {name!r}; choose one of {sorted(METHODS)}") from None
 
 
-# a method's own settings: the method that reads each, and its default (per epoch: a number or a list of them)
-OWN_SETTINGS = {"mixture_coef": ("nash_md", (0.5,)), "alpha": ("xpo", (1e-5,))}
-# the run's shape a fixed pair takes (``Method.fixed_pair``); ``pairing`` also takes what ``auto`` means for a pair
+# a method's own settings: the method that reads each, and its default (TRL's; the config and StepConfig take theirs
+# from here; a setting is per epoch: a number or a list of them)
+OWN_SETTINGS = {"mixture_coef": ("nash_md", 0.5), "alpha": ("xpo", 1e-5)}
+# the run's shape a fixed pair takes (``Method.fixed_pair``)
 FIXED_PAIR_SHAPE = {"num_generations": 2, "pairing": "auto", "async_mode": False, "sync_steps": 1, "num_epochs": 1,
                     "num_mini_batches": 1, "sampler_devices": 0}
 
@@ -89,22 +90,24 @@ def per_epoch(name: str, value) -> tuple[float, ...]:
 
 
 def check_method(name: str, *, mixture_coef, alpha, loss_type: str, loss_options: LossOptions,
-                 **shape) -> Method:
-    """The method called ``name``, once its settings fit it: its own settings (``OWN_SETTINGS``) at their defaults
+                 **shape) -> None:
+    """Refuse settings that do not fit the method called ``name``: its own settings (``OWN_SETTINGS``) at their defaults
     for every other method, ``mixture_coef`` in [0, 1], a fixed pair in ``FIXED_PAIR_SHAPE`` (``shape``: any of its
     keys, as the caller has them), a reference to compare with, and Nash-MD's own loss. ValueError names what to
     change (``jodpo.program.config`` and ``StepConfig`` both call this)."""
     method = get_method(name)
     for setting, value in (("mixture_coef", mixture_coef), ("alpha", alpha)):
         owner, default = OWN_SETTINGS[setting]
-        if name != owner and per_epoch(setting, value) != default:
+        if name != owner and per_epoch(setting, value) != per_epoch(setting, default):
             raise ValueError(f"{setting} is {owner}'s setting and method is {name!r}: set method={owner!r} or "
                              f"leave {setting} at its default")
     if any(not 0 <= m <= 1 for m in per_epoch("mixture_coef", mixture_coef)):
         raise ValueError(f"mixture_coef weighs the reference in the mixture: each must be in [0, 1], got "
                          f"{mixture_coef}")
     if method.fixed_pair:
-        fits = lambda k, v: v == FIXED_PAIR_SHAPE[k] or (k == "pairing" and resolve_pairing(v, 2) == "random")  # noqa: E731
+        def fits(key, value):  # ``pairing`` also fits as what ``auto`` means for a pair
+            return value == FIXED_PAIR_SHAPE[key] or (key == "pairing" and resolve_pairing(value, 2) == "random")
+
         changed = [k for k, v in shape.items() if not fits(k, v)]
         if changed:
             raise ValueError(f"method={name!r} ({method.trainer}) samples one completion from the policy and one "
@@ -118,4 +121,3 @@ def check_method(name: str, *, mixture_coef, alpha, loss_type: str, loss_options
         raise ValueError(f"method={name!r} ({method.trainer}) trains with its own loss (REINFORCE of the preference "
                          "plus a KL term): leave loss_type and its options (label_smoothing, ipo_length_normalized, "
                          "discopop_tau, simpo_gamma, rdpo_alpha, ld_alpha) at their defaults")
-    return method

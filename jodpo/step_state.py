@@ -47,8 +47,8 @@ class StepConfig:
     sync_steps: int = 1
     # which of TRL's online trainers a step is (``jodpo.methods.METHODS``): online_dpo | nash_md | xpo
     method: str = "online_dpo"
-    alpha: tuple[float, ...] = OWN_SETTINGS["alpha"][1]  # XPO's exploration weight, alpha[min(int(epoch), len - 1)]
-    mixture_coef: tuple[float, ...] = OWN_SETTINGS["mixture_coef"][1]  # Nash-MD's weight of the reference in the
+    alpha: tuple[float, ...] = (OWN_SETTINGS["alpha"][1],)  # XPO's exploration weight, alpha[min(int(epoch), len - 1)]
+    mixture_coef: tuple[float, ...] = (OWN_SETTINGS["mixture_coef"][1],)  # Nash-MD's weight of the reference in the
     # mixture, indexed as beta
 
     @property

@@ -38,8 +38,9 @@ def _tiny(tmp_path, checkpoints, **changes):
     base = json.loads((checkpoints["gemma4"]["causal_lm"] / "config.json").read_text())
     keep = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
             "sliding_window", "pad_token_id", "eos_token_id", "bos_token_id", "max_position_embeddings")
-    cfg = Gemma4TextConfig(**{k: base[k] for k in keep}, global_head_dim=32, num_hidden_layers=len(changes["layer_types"]),
-                           vocab_size_per_layer_input=base["vocab_size"], **changes)
+    cfg = Gemma4TextConfig(**{k: base[k] for k in keep}, global_head_dim=32,
+                           num_hidden_layers=len(changes["layer_types"]), vocab_size_per_layer_input=base["vocab_size"],
+                           **changes)
     torch.manual_seed(3)
     hf = hf_fixtures.randomize(AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)).eval()
     hf.save_pretrained(tmp_path / "m")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from jodpo.errors import ConfigError
 from jodpo.losses import LOSSES, LossOptions, check_loss_options
-from jodpo.methods import FIXED_PAIR_SHAPE, check_method
+from jodpo.methods import FIXED_PAIR_SHAPE, OWN_SETTINGS, check_method
 from jodpo.models.model import ATTENTIONS, PRECISIONS
 from jodpo.pairing import PAIRINGS
 from jodpo.program.tracking import trackers
@@ -123,10 +123,12 @@ class TrainConfig:
     # --- TRL's online family (docs/online_family.md)
     method: str = _f("online_dpo", "which of TRL's online trainers a step is: online_dpo | nash_md (TRL 1.12's "
                                    "NashMDTrainer) | xpo (TRL 1.12's XPOTrainer)")
-    mixture_coef: float | tuple[float, ...] = _f(0.5, "nash_md: the reference's weight in the geometric mixture "
-                                                      "sampled beside the policy, in [0, 1]; a list is indexed by epoch")
-    alpha: float | tuple[float, ...] = _f(1e-5, "xpo: weight of the exploration term (the policy's log-prob of the "
-                                                "reference's completion); a list is indexed by epoch")
+    mixture_coef: float | tuple[float, ...] = _f(OWN_SETTINGS["mixture_coef"][1], "nash_md: the reference's weight "
+                                                 "in the geometric mixture sampled beside the policy, in [0, 1]; a "
+                                                 "list is indexed by epoch")
+    alpha: float | tuple[float, ...] = _f(OWN_SETTINGS["alpha"][1], "xpo: weight of the exploration term (the "
+                                          "policy's log-prob of the reference's completion); a list is indexed by "
+                                          "epoch")
     missing_eos_penalty: float | None = _f(None, "subtracted from the reward of completions without EOS (TRL)")
     non_eos_penalty: bool = _f(False, "replace the reward of completions without EOS by penalty_reward_value")
     penalty_reward_value: float = _f(-1.0, "the reward given by non_eos_penalty (open-instruct)")
