@@ -78,3 +78,24 @@ def test_the_torch_extra_installs_the_cpu_build_of_torch_first(tmp_path, extras)
     assert done.returncode == 0, done.stderr
     installs = [line for line in log.read_text().splitlines() if " install " in f" {line} "]
     assert installs[1].endswith("torch==2.13.0") and installs[2].endswith(f"-e {subproc.ROOT}[{extras}]"), installs
+
+
+def test_two_commands_started_at_once_install_the_environment_once(tmp_path):
+    """The two processes of a local multi-process job start ``scripts/env.sh`` together on an environment not
+    installed yet: one installs while the other waits on the lock, then finds it installed, and both run. Without the
+    lock both pips wrote into the same environment at once (issue 63: ``No such file or directory: ...INSTALLER...tmp``).
+    The environment's python is a stand-in that takes half a second an install and records when each begins and ends."""
+    venv, log = tmp_path / "venv", tmp_path / "calls"
+    (venv / "bin").mkdir(parents=True)
+    stub = venv / "bin" / "python"
+    stub.write_text(f'#!/bin/sh\necho "begin $*" >> {log}\nsleep 0.5\necho "end $*" >> {log}\n')
+    stub.chmod(0o755)
+    env = dict(subproc.env(), JODPO_VENV=str(venv), PYTHON=sys.executable)
+    env.pop("JODPO_NO_INSTALL", None)
+    env.pop("JODPO_EXTRAS", None)
+    procs = [subprocess.Popen(["bash", str(subproc.ROOT / "scripts" / "env.sh"), "true"], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    assert [p.wait(timeout=60) for p in procs] == [0, 0], [p.stderr.read() for p in procs]
+    calls = log.read_text().splitlines()
+    assert [c.split()[0] for c in calls] == ["begin", "end"] * 2  # one call at a time
+    assert sum(c.startswith("begin") and c.endswith(f"-e {subproc.ROOT}") for c in calls) == 1  # installed once
