@@ -99,10 +99,8 @@ INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a process that Ctrl-C ende
 
 # After XLA's fatal log, the line that says what it means for the run (jodpo.program.aborts). Only where this module
 # is the process (python -m jodpo.train), never where a script or a test calls main().
-FATAL_SIGNAL = ("jodpo.train: the process was ended by a fatal signal ({signal}); the log above says why (XLA's "
-                "\"Termination timeout for ... RendezvousKey\": a collective that not every device reached). The "
-                "checkpoints already saved are intact: run the same command to resume from the newest "
-                "(docs/troubleshooting.md)")
+FATAL_SIGNAL = ("jodpo.train: the process was ended by a fatal signal ({signal}): {cause}. The checkpoints already "
+                "saved are intact: run the same command to resume from the newest (docs/troubleshooting.md)")
 
 
 if __name__ == "__main__":

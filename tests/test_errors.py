@@ -13,6 +13,7 @@ import pytest
 
 from jodpo.parallel import sharding as S
 from jodpo import train
+from jodpo.program import aborts
 from jodpo.models.families import SUPPORTED
 from jodpo.program import loop
 from jodpo.program.checkpoint import Checkpointer
@@ -284,22 +285,46 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoints(world, finished, 
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == kept
 
 
-def test_an_abort_is_followed_by_one_line_that_says_the_run_resumes(tmp_path):
-    """A process that XLA aborts (SIGABRT from one of its threads: a collective that not every device reached, issue
-    53) runs no more Python; the command's watcher prints, after XLA's log, what happened and that the same command
-    resumes. Here the recipe itself aborts the process, from a thread, as XLA does."""
+def _aborting_run(tmp_path, native_words: str = ""):
+    """``python -m jodpo.train`` on a recipe that writes ``native_words`` to descriptor 2 (as XLA's and gloo's C++
+    does, past Python's ``sys.stderr``), then aborts the process from a thread, as XLA does."""
     recipe = tmp_path / "aborts.py"
-    recipe.write_text("import os, threading\n"
+    recipe.write_text("import os, sys, threading\n"
                       "def get_config():\n"
+                      "    print('python words', file=sys.stderr, flush=True)\n"
+                      f"    os.write(2, {native_words.encode()!r})\n"
                       "    threading.Thread(target=os.abort).start()\n"
                       "    threading.Event().wait()\n")
     python, environ = subproc.without_torch(subproc.env())
     done = subprocess.run([*python, "-m", "jodpo.train", "--config", str(recipe)], env=environ, capture_output=True,
                           text=True, timeout=120, cwd=tmp_path)
     assert done.returncode == -signal.SIGABRT, done.stderr[-3000:]
-    assert done.stderr.splitlines()[-1] == train.FATAL_SIGNAL.format(signal="Aborted"), done.stderr[-3000:]
+    assert "python words" in done.stderr and native_words in done.stderr  # both reach stderr
     assert "Fatal Python error" not in done.stderr  # faulthandler's report went to the watcher only
+    return done.stderr.splitlines()[-1]
+
+
+def test_an_abort_is_followed_by_one_line_that_says_the_run_resumes(tmp_path):
+    """A process that XLA aborts (SIGABRT from one of its threads) runs no more Python; the command's watcher prints,
+    after the native log, what happened and that the same command resumes."""
+    assert _aborting_run(tmp_path) == train.FATAL_SIGNAL.format(signal="Aborted", cause=aborts.UNKNOWN)
     assert "the process was ended by a fatal signal" in DOC
+
+
+@pytest.mark.parametrize("words, names", [
+    ("terminate called after throwing an instance of 'gloo::EnforceNotMet'\n  what():  [enforce fail at "
+     "gloo/transport/tcp/pair.cc:459] op.preamble.length <= op.nbytes. 16384 vs 1. Received data size doesn't match "
+     "expected size. Is there a distributed collective mismatch in your code?\n", "received a message of another"),
+    ("F1127 external/xla/xla/backends/cpu/collectives/in_process_communicator.cc:190] Termination timeout for `all "
+     "gather RendezvousKey{run_id=RunId: 7, global_devices=[0, 1], op_id=53}` of 40 seconds exceeded\n",
+     "waited past its limit for a collective")])
+def test_the_line_after_an_abort_names_what_the_native_log_says(tmp_path, words, names):
+    """Issue 63: a gloo size mismatch is not a rendezvous timeout; the line says which it was, from the native log's
+    last words (gloo's C++ exception, XLA's fatal log), and still that the checkpoints are intact."""
+    line = _aborting_run(tmp_path, words)
+    assert line.startswith("jodpo.train: the process was ended by a fatal signal (Aborted): ") and names in line, line
+    assert line.endswith("The checkpoints already saved are intact: run the same command to resume from the newest "
+                         "(docs/troubleshooting.md)")
 
 
 def test_a_run_that_ends_well_leaves_no_line_and_no_watcher(tmp_path):
