@@ -2,6 +2,7 @@
 
 The public functional API: outside code imports exactly these names from ``jodpo``. Importing jodpo does no work
 and changes no setting of jax (the commands set up XLA themselves: ``jodpo.program.backend``)."""
+from jodpo.collective_order import order_collectives
 from jodpo.errors import CheckpointError
 from jodpo.losses import (LOSSES, LossOptions, completion_logprobs, dpo_loss, nash_md_loss, online_dpo_loss,
                           xpo_loss)
@@ -30,5 +31,6 @@ def __getattr__(name: str):
 
 __all__ = ["LOSSES", "CheckpointError", "LossOptions", "Model", "Samples", "SamplingConfig", "completion_logprobs",
            "dpo_loss", "nash_md_loss", "xpo_loss", "init_cache", "init_params", "load_model", "load_tokenizer",
-           "logits", "online_dpo_loss", "param_axes", "reward_scores", "sample", "save_hf", "TrainConfig", "OnlineDPOConfig", "OnlineDPOTrainer",
-           "NashMDConfig", "NashMDTrainer", "XPOConfig", "XPOTrainer"]
+           "logits", "online_dpo_loss", "order_collectives", "param_axes", "reward_scores", "sample", "save_hf",
+           "TrainConfig", "OnlineDPOConfig", "OnlineDPOTrainer", "NashMDConfig", "NashMDTrainer", "XPOConfig",
+           "XPOTrainer"]

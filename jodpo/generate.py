@@ -26,6 +26,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from jodpo import collective_order
 from jodpo.errors import CheckpointError, ConfigError, GenerateError
 from jodpo.program import backend
 from jodpo.program import data as D
@@ -44,7 +45,7 @@ SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty
                    "matmul_precision", "attn_implementation", "param_dtype", "mesh_data", "mesh_fsdp", "mesh_tensor")
 DATA_FIELDS = ("dataset_name", "dataset_config", "dataset_test_split", "chat_template_path")
 
-_jit_sample = jax.jit(sample, static_argnums=(0, 5, 6))
+_jit_sample = collective_order.jit(sample, static_argnums=(0, 5, 6))
 
 
 

@@ -23,6 +23,7 @@ from typing import Callable, Sequence
 import jax
 import numpy as np
 
+from jodpo import collective_order
 from jodpo.errors import JudgeError
 from jodpo.models.decoder import Model, Params, hidden_states
 from jodpo.models.heads import lm_head
@@ -81,7 +82,7 @@ def answer_probabilities(model: Model, params: Params, input_ids: jax.Array, att
     return jax.nn.softmax(logits_NV[:, answer_ids], axis=-1)[:, 0]
 
 
-_jit_answer_probabilities = jax.jit(answer_probabilities, static_argnums=0)
+_jit_answer_probabilities = collective_order.jit(answer_probabilities, static_argnums=0)
 
 
 

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jodpo import collective_order
 from jodpo.losses import Coefficients, OnlineBatch, batch_logprobs, dpo_loss
 from jodpo.losses import LossOptions, completion_logprobs, online_dpo_loss  # noqa: F401 (re-exported)
 from jodpo.models.decoder import Model, Params
@@ -358,15 +359,16 @@ def jit_steps(state_sharding=None, metrics_sharding=None) -> JittedSteps:
         return None if state_sharding is None else (state_sharding, metrics_sharding, *rest)
 
     step = dict(static_argnums=0, donate_argnums=1)
+    jit = collective_order.jit  # collectives in program order, whatever the job (jodpo.collective_order)
     return JittedSteps(
-        sample_completions=jax.jit(sample_completions, static_argnums=(0, 4)),
-        score_completions=jax.jit(score_completions, static_argnums=0),
-        update=jax.jit(update, **step, out_shardings=out()),
-        online_update=jax.jit(online_update, **step, out_shardings=out()),
-        rollout_update=jax.jit(rollout_update, static_argnums=(0, 7, 8), donate_argnums=1, out_shardings=out()),
-        pair_choice=jax.jit(pair_choice, static_argnums=0),
-        online_step=jax.jit(online_step, **step, out_shardings=out(None, None)),
-        offline_step=jax.jit(offline_step, **step, out_shardings=out()))
+        sample_completions=jit(sample_completions, static_argnums=(0, 4)),
+        score_completions=jit(score_completions, static_argnums=0),
+        update=jit(update, **step, out_shardings=out()),
+        online_update=jit(online_update, **step, out_shardings=out()),
+        rollout_update=jit(rollout_update, static_argnums=(0, 7, 8), donate_argnums=1, out_shardings=out()),
+        pair_choice=jit(pair_choice, static_argnums=0),
+        online_step=jit(online_step, **step, out_shardings=out(None, None)),
+        offline_step=jit(offline_step, **step, out_shardings=out()))
 
 
 _single = jit_steps()

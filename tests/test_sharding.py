@@ -131,7 +131,10 @@ def _metrics(out: Path) -> dict[int, dict]:
     return {r["step"]: r for r in rows if "loss" in r}
 
 
-def _assert_same_run(a: Path, b: Path) -> None:
+def _assert_same_run(a: Path, b: Path, whole_arrays: bool = False) -> None:
+    """The runs in ``a`` and ``b`` logged the same numbers and saved the same parameters, entry by entry (with
+    ``whole_arrays``: each array within 1e-4 of the other's norm, for a run whose embedding rows are mostly tokens
+    it never sees: their gradients are float noise, which Adam's normalised step turns into +-lr)."""
     ma, mb = _metrics(a), _metrics(b)
     assert sorted(ma) == sorted(mb) == [1, 2, 3]
     for step in ma:
@@ -147,7 +150,10 @@ def _assert_same_run(a: Path, b: Path) -> None:
             # The key bias's gradient is exactly 0 in exact arithmetic (softmax ignores a per-query shift), so
             # Adam's normalised step turns float noise into +-lr: no layout can reproduce another's noise.
             continue
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-6)
+        if whole_arrays:
+            assert np.linalg.norm(np.asarray(y) - np.asarray(x)) <= 1e-4 * np.linalg.norm(np.asarray(x)), path
+        else:
+            np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-6)
 
 
 def _run_8_devices(jobs: list[tuple[list[str], Path | None, Path | None]]) -> tuple[list[bool], list[list]]:
@@ -271,60 +277,80 @@ def test_sampling_on_its_own_devices_equals_async_mode_on_one_mesh(runs, name):
     assert events["lora_split"] == [x for s in range(3) for x in (["launch", s, sampler, s], ["train", s, trainer])]
 
 
-def test_two_processes_of_four_devices_equal_the_1_device_run(runs, checkpoints):
-    """Also with the suite's compilation cache warm (a second session): on CPUs the job turns it off, since process 0
-    would read the programs it wrote while process 1 compiles its own, and the two deadlocked at the first step."""
-    root, data = runs
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = root / "two_processes"
-    python, env = subproc.without_torch(subproc.cpu_env(4, JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo"))
-    procs = [subprocess.Popen([*python, "-m", "jodpo.train", *_argv(out, checkpoints, data, 1),
-                               "--coordinator_address", f"127.0.0.1:{port}", "--num_processes", "2",
-                               "--process_id", str(i), "--debug"], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for i in range(2)]
-    try:
-        logs = [p.communicate(timeout=300)[0] for p in procs]
-    finally:  # a hung job is not left behind
-        for p in procs:
-            p.kill()
-    assert [p.returncode for p in procs] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
-    assert "jodpo.train: compilation cache off: a multi-process job on CPUs" in logs[0]
-    _assert_same_run(root / "one", out)
-    assert (out / "checkpoints" / "3" / "state" / "ocdbt.process_1").exists()  # both processes wrote their part
+@pytest.fixture(scope="module")
+def tldr(checkpoints, tmp_path_factory):
+    """The setting of issues 53 and 63: a tldr.py run with prompts of TL;DR's length, a Pythia-shaped pair a little
+    wider than the suite's, programs compiled as a run compiles them (with the suite's fast-compile flags neither
+    fault showed). Returns a function of the output dir and more ``--config.`` fields -> the command's argv."""
+    root = tmp_path_factory.mktemp("tldr")
+    pair = hf_fixtures.build_neox_pair(root, checkpoints["neox"]["causal_lm"])
+    data = hf_fixtures.prompt_dataset(root / "data", words=(10, 25))
+    fields = dict(model_name_or_path=pair["causal_lm"], reward_model_path=pair["reward"], dataset_name=data,
+                  max_steps=3, per_device_train_batch_size=1, gradient_accumulation_steps=1, max_new_tokens=8,
+                  logging_steps=1, learning_rate=1e-4, warmup_ratio=0.0, bf16=False, num_sample_generations=0)
+
+    def argv(out: Path, **more) -> list[str]:
+        return ["--config", "tldr.py", *(f"--config.{k}={v}" for k, v in (fields | more).items()),
+                f"--config.output_dir={out}"]
+    return argv
 
 
-def test_an_8_device_tldr_run_and_its_restart_on_a_warm_cache_finish_the_same(checkpoints, tmp_path):
+def test_an_8_device_tldr_run_and_its_restart_on_a_warm_cache_finish_the_same(tldr, tmp_path):
     """Issue 53: the tldr.py recipe on 8 CPU devices, then the same job in a new process and output_dir on the
-    compilation cache the first filled. XLA:CPU's executor ran a collective outside a loop while some devices were
-    still in the loop's collectives; with as many threads as devices, all of them waited in collectives some device
-    never reached, and XLA aborted after 40 s (exit 134; in this setting the restart, 3 times of 3, the first start
-    too with other sizes). The command now gives XLA 4 threads a device (NPROC; none is set here). The sizes are the
-    report's: prompts of TL;DR's length, a Pythia-shaped pair a little wider than the suite's, programs compiled as a
-    run compiles them (with the suite's fast-compile flags it never showed)."""
-    pair = hf_fixtures.build_neox_pair(tmp_path, checkpoints["neox"]["causal_lm"])
-    data = hf_fixtures.prompt_dataset(tmp_path / "data", words=(10, 25))
+    compilation cache the first filled, both under load (one core). XLA:CPU's executor ran a collective outside a
+    loop while some devices were still in the loop's collectives; with as many threads as devices, all of them
+    waited in collectives some device never reached, and XLA aborted after 40 s (exit 134; in this setting the
+    restart, 3 times of 3, the first start too with other sizes). The command now gives XLA 4 threads a device
+    (NPROC; none is set here)."""
     environ = subproc.compiled_as_a_run(subproc.cpu_env(8, JAX_DEBUG_LOG_MODULES="jax._src.compiler"))
     del environ[backend.NPROC]  # jodpo.train's to set
     python, environ = subproc.without_torch(environ)
-    fields = dict(model_name_or_path=pair["causal_lm"], reward_model_path=pair["reward"], dataset_name=data,
-                  max_steps=3, per_device_train_batch_size=1, gradient_accumulation_steps=1, max_new_tokens=8,
-                  logging_steps=1, learning_rate=1e-4, warmup_ratio=0.0, bf16=False, num_sample_generations=0,
-                  compilation_cache_dir=tmp_path / "xla")
-    runs = {}
+    logs = {}
     for name in ("first", "again"):
-        argv = ["--config", "tldr.py", *(f"--config.{k}={v}" for k, v in fields.items()),
-                f"--config.output_dir={tmp_path / name}"]
-        runs[name] = subprocess.run([*python, "-m", "jodpo.train", *argv], env=environ, capture_output=True,
-                                    text=True, timeout=600)
-        assert runs[name].returncode == 0, (name, runs[name].stderr[-4000:])
-    assert "Persistent compilation cache hit for 'jit_online_step'" in runs["again"].stderr  # the warm restart
+        proc = subproc.on_one_core(subprocess.Popen(
+            [*python, "-m", "jodpo.train", *tldr(tmp_path / name, compilation_cache_dir=tmp_path / "xla")],
+            env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        try:
+            _, logs[name] = proc.communicate(timeout=600)
+        finally:
+            proc.kill()
+        assert proc.returncode == 0, (name, logs[name][-4000:])
+    assert "Persistent compilation cache hit for 'jit_online_step'" in logs["again"]  # the warm restart
     first, again = _metrics(tmp_path / "first"), _metrics(tmp_path / "again")
     assert sorted(first) == sorted(again) == [1, 2, 3]
     for step in first:
         for k in COMPARED:
             assert again[step][k] == first[step][k], (step, k)  # the same program, read back: the same numbers
+
+
+def test_a_tldr_job_of_two_processes_under_load_equals_one_device(tldr, tmp_path):
+    """Issue 63: the same run as a job of 2 processes x 4 CPU devices (jax.distributed on 127.0.0.1, gloo), both
+    processes on one core, as on a busy host. XLA:CPU's executor ran a collective after a loop while the loop's
+    collectives still ran, gloo mixed their messages, and both processes aborted ("Received data size doesn't match
+    expected size") after 0 to 2 of their 3 steps; now every program keeps its collectives in order
+    (jodpo.collective_order). The job's numbers, evaluation and saved parameters equal one device's. Also with the
+    suite's compilation cache warm (a second session): on CPUs the job turns it off, since process 0 would read the
+    programs it wrote while process 1 compiles its own, and the two deadlocked at the first step."""
+    assert train.main(tldr(tmp_path / "one", per_device_train_batch_size=8)) == 0  # the job's global batch
+    out = tmp_path / "two_processes"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    environ = subproc.compiled_as_a_run(subproc.cpu_env(4, JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo"))
+    python, environ = subproc.without_torch(environ)
+    procs = [subproc.on_one_core(subprocess.Popen(
+        [*python, "-m", "jodpo.train", *tldr(out), "--coordinator_address", f"127.0.0.1:{port}", "--num_processes",
+         "2", "--process_id", str(i), "--debug"], env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True)) for i in range(2)]
+    try:
+        logs = [p.communicate(timeout=600)[0] for p in procs]
+    finally:  # a hung job is not left behind
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+    assert "jodpo.train: compilation cache off: a multi-process job on CPUs" in logs[0]
+    _assert_same_run(tmp_path / "one", out, whole_arrays=True)
+    assert (out / "checkpoints" / "3" / "state" / "ocdbt.process_1").exists()  # both processes wrote their part
 
 
 def test_qwen3_and_gemma_parameters_split_over_8_devices_equal_one(checkpoints):

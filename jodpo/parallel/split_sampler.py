@@ -24,6 +24,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from jodpo import collective_order
 from jodpo.parallel import sharding as S
 from jodpo import train_step as ts
 from jodpo.models import lora
@@ -48,8 +49,8 @@ class SplitSampler:
         # with LoRA the frozen base the adapters ride on, sent once
         self.base = jax.device_put(base, S.param_shardings(model, self.mesh)) if lora_targets else None
         self.rng = jax.device_put(rng, S.replicated(self.mesh))
-        self._weights = jax.jit(functools.partial(ts.sampler_weights, step_cfg))
-        self._sample = jax.jit(ts.sample_with, static_argnums=(0, 6))
+        self._weights = collective_order.jit(functools.partial(ts.sampler_weights, step_cfg))
+        self._sample = collective_order.jit(ts.sample_with, static_argnums=(0, 6))
         self.pending: tuple[int, Samples] | None = None  # (rollout, its completions, on the sampler's devices)
         self.weights = None  # the weights on the sampler's devices, and the state's step they are from
         self.weights_step: int | None = None

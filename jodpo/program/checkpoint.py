@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
+from jodpo import collective_order
 from jodpo.errors import CheckpointError, SaveError
 
 log = logging.getLogger("jodpo")
@@ -36,7 +37,7 @@ def _disk_full(e: BaseException | None) -> bool:
     return False
 
 
-@jax.jit
+@collective_order.jit
 def all_finite(tree) -> jax.Array:
     """True when every floating-point entry of ``tree`` is finite.
 
@@ -66,7 +67,7 @@ def _fmix(h: jax.Array) -> jax.Array:
     return h ^ (h >> 16)
 
 
-@jax.jit
+@collective_order.jit
 def _leaf_checksum(x) -> jax.Array:
     """Two 32-bit sums (modulo 2**32) of every word mixed with its position: u32[2]. Each word goes through a
     bijection of its own, so a change to any one word always changes both sums, and other damage (several

@@ -15,6 +15,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from jodpo import collective_order
 from jodpo.errors import ConfigError, Diverged, RewardError, Stopped
 from jodpo.program import data as D
 from jodpo import judges as J
@@ -145,8 +146,8 @@ def offline_iteration(run: Run, state, step: int):
 
 def initial_state(run: Run):
     """The run's first ``TrainState`` (from ``cfg.seed``), laid out as ``run.layout``."""
-    init = jax.jit(functools.partial(ts.init_state, run.step_cfg),
-                   out_shardings=jax.tree.map(lambda x: x.sharding, run.layout))
+    init = collective_order.jit(functools.partial(ts.init_state, run.step_cfg),
+                                out_shardings=jax.tree.map(lambda x: x.sharding, run.layout))
     return init(run.policy(), jax.random.PRNGKey(run.cfg.seed))
 
 

@@ -10,6 +10,7 @@ from typing import Sequence
 import jax
 import numpy as np
 
+from jodpo import collective_order
 from jodpo.errors import RewardError
 from jodpo.program.data import assistant_messages
 from jodpo.program.user_code import RewardFn
@@ -53,7 +54,8 @@ def score_texts(rm: Model, rm_params: Params, rm_tokenizer, prompts: Sequence, c
     return np.asarray(jit_reward_scores(rm, rm_params, ids, mask))
 
 
-jit_reward_scores = jax.jit(reward_scores, static_argnums=0)  # what score_texts calls (evaluation compiles it ahead)
+# what score_texts calls (evaluation compiles it ahead)
+jit_reward_scores = collective_order.jit(reward_scores, static_argnums=0)
 
 
 

@@ -11,6 +11,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from jodpo import collective_order
 from jodpo.errors import ConfigError
 from jodpo.program import backend
 from jodpo.program import data as D
@@ -135,8 +136,9 @@ class Run:
     def restart_optimizer(self, state):
         """``state`` restored without its optimizer state (a ``save_only_model`` checkpoint), with a new one laid
         out as the steps expect it (``optim.restarted``: AdamW's moments from zero, the schedule where the run is)."""
-        fresh = jax.jit(functools.partial(restarted, self.step_cfg.optimizer, frozen=buffers(self.step_cfg.model)),
-                        out_shardings=jax.tree.map(lambda x: x.sharding, self.layout.opt_state))
+        fresh = collective_order.jit(
+            functools.partial(restarted, self.step_cfg.optimizer, frozen=buffers(self.step_cfg.model)),
+            out_shardings=jax.tree.map(lambda x: x.sharding, self.layout.opt_state))
         return state.replace(opt_state=fresh(state.params, state.step))
 
 
