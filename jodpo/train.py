@@ -67,12 +67,13 @@ def main(argv: list[str] | None = None) -> int:
     debug = "--debug" in argv
     try:
         cfg, args = parse_args(argv)
-        backend.configure(cfg)  # XLA flags and the compilation cache, before jax starts its backends
+        backend.configure(cfg)  # XLA flags (determinism) before anything can start jax's backends
         init_distributed(args)
-        said = backend.cache_for_this_job()
+        said = backend.prepare(cfg)  # the rest of the set-up every way in gets (loop.train calls it too)
         if jax.process_index() == 0:
-            for line in [*args.notes, *([said] if said else [])]:
-                print(f"jodpo.train: {line}", flush=True)
+            for line in [*args.notes, *said]:
+                print(f"jodpo.train: {line}", file=sys.stderr if line.startswith("warning") else sys.stdout,
+                      flush=True)
         OnlineDPOTrainer(args=cfg).train(allow_config_change=args.allow_config_change)  # the program
     except Stopped as e:
         print(f"jodpo.train: {e}", file=sys.stderr)

@@ -84,6 +84,35 @@ def test_trls_example_with_paths_in_place_of_objects_needs_no_torch(checkpoints,
     assert done.returncode == 0 and done.stdout.strip() == "built", done.stderr[-3000:]
 
 
+def test_a_script_gets_the_commands_set_up_and_its_second_start_reads_the_compilation_cache(checkpoints, tmp_path):
+    """Issue 59: ``OnlineDPOTrainer(...).train()`` sets XLA up as ``python -m jodpo.train`` does (the compilation
+    cache, determinism, CPU threads): the script, run twice with another output_dir, compiles the step the first
+    time and reads it from the cache the second (it said "the compilation cache is off" and compiled every time)."""
+    import subprocess
+
+    data = hf_fixtures.prompt_dataset(tmp_path / "data")
+    script = textwrap.dedent(f"""
+        import sys
+        from datasets import load_dataset
+        from jodpo import OnlineDPOConfig, OnlineDPOTrainer
+
+        args = OnlineDPOConfig(output_dir=sys.argv[1], **{TINY!r})
+        OnlineDPOTrainer(model={str(checkpoints["qwen2"]["causal_lm"])!r},
+                         reward_funcs={str(checkpoints["qwen2"]["reward"])!r}, args=args,
+                         train_dataset=load_dataset("json", data_files={str(data / "train.jsonl")!r},
+                                                    split="train")).train()
+        """)
+    environ = subproc.env(JODPO_CACHE=str(tmp_path), JAX_DEBUG_LOG_MODULES="jax._src.compiler")
+    del environ["JAX_COMPILATION_CACHE_DIR"]  # the suite's: a script's user has none, compilation_cache_dir="auto"
+    python, env = subproc.without_torch(environ)
+    runs = [subprocess.run([*python, "-c", script, str(tmp_path / name)], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=300) for name in ("first", "again")]
+    assert [r.returncode for r in runs] == [0, 0], runs[-1].stderr[-3000:]
+    assert f"read them from the compilation cache ({tmp_path / 'xla'})" in runs[0].stdout + runs[0].stderr
+    assert "Persistent compilation cache hit for 'jit_online_step'" not in runs[0].stderr
+    assert "Persistent compilation cache hit for 'jit_online_step'" in runs[1].stderr
+
+
 def test_trls_arguments_jodpo_has_no_use_for_are_refused_in_one_line():
     with pytest.raises(ConfigError, match="unknown field.*Did you mean 'learning_rate'"):
         jodpo.OnlineDPOConfig(output_dir="x", learnin_rate=1e-6)

@@ -187,3 +187,21 @@ def configure(cfg) -> None:
     if cfg.deterministic:
         set_deterministic()
     set_compilation_cache(cfg.compilation_cache_dir)
+
+
+def prepare(cfg) -> list[str]:
+    """The whole set-up of a training program, whichever way it started (``python -m jodpo.train``, a script's
+    ``OnlineDPOTrainer(...).train()``): ``start_command``, then ``configure`` (the compilation cache, determinism),
+    then ``cache_for_this_job``. Call it once a multi-process job is joined and before the devices are used; again is
+    harmless. Returns the lines to show (process 0's to print), each once: the multi-process cache note, the CPU
+    threads warning of a script that started jax itself."""
+    start_command()
+    configure(cfg)
+    said = cache_for_this_job()
+    warning = cpu_threads_warning()
+    lines = [line for line in (said, warning) if line and line not in _said]
+    _said.update(lines)
+    return lines
+
+
+_said: set[str] = set()

@@ -183,12 +183,11 @@ def train(cfg: TrainConfig, allow_config_change: bool = False, given: Given = Gi
     than the checkpoint's, raises ``ConfigError`` before anything is written.
     ``given``: objects in place of what the config names (``OnlineDPOTrainer``); ``events``: told of each step,
     logged line, evaluation and save."""
-    # The CLI has done this before anything else; a script calling OnlineDPOTrainer gets it here if jax has not
-    # started yet, else a warning where its CPU devices have too few threads for their collectives
-    backend.set_cpu_threads()
-    warning = backend.cpu_threads_warning()
-    if warning and jax.process_index() == 0:
-        print(f"jodpo.train: {warning}", file=sys.stderr, flush=True)
+    # The CLI has done this already; a script calling OnlineDPOTrainer gets the same set-up here (the compilation
+    # cache, determinism, CPU threads where jax has not started yet, else a warning)
+    for line in backend.prepare(cfg):
+        if jax.process_index() == 0:
+            print(f"jodpo.train: {line}", file=sys.stderr if line.startswith("warning") else sys.stdout, flush=True)
     out, created = output_dir.prepare(cfg.output_dir)  # refused in one line before anything is read
     lock = output_dir.lock_for_job(out)  # held until train returns or raises, whatever ends it
     started = False
