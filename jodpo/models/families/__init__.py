@@ -52,6 +52,10 @@ def model_from_hf_config(cfg, task: str, dtype: str = "float32", eos_token_ids=(
     family = MODEL_TYPES.get(cfg.model_type)
     if family is None:
         raise UnsupportedModelError(f"model_type {cfg.model_type!r} is not supported; jodpo supports {SUPPORTED}")
+    # A *ForConditionalGeneration ties its LM head by its own (top-level) config's tie_word_embeddings, as
+    # transformers resolves it (its class default where config.json has none); text_config's flag is the text
+    # class's, which such a checkpoint never uses
+    tie = bool(cfg.tie_word_embeddings)
     cfg = cfg.get_text_config()  # the config itself, but for a multimodal model's (Gemma 3 4B-27B)
     fields = FAMILIES[family].model_fields(cfg)  # the family's own, which may set any of the shared ones below
     activation = fields.pop("activation", None) or cfg.hidden_act
@@ -70,7 +74,7 @@ def model_from_hf_config(cfg, task: str, dtype: str = "float32", eos_token_ids=(
     return Model(
         family=family, task=task, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
         num_layers=cfg.num_hidden_layers, num_heads=num_heads, head_dim=head_dim, mlp_dim=cfg.intermediate_size,
-        activation=activation, tie_embeddings=bool(cfg.tie_word_embeddings) and task == "causal_lm",
+        activation=activation, tie_embeddings=tie and task == "causal_lm",
         sliding_windows=windows, pad_token_id=cfg.pad_token_id, eos_token_ids=eos_ids, dtype=dtype,
         hf_config=cfg.to_json_string(), **fields)
 
