@@ -19,7 +19,7 @@ CURVES = {
     "objective/kl": "KL (objective/kl)",
     "loss": "loss",
     "eval/win_rate": "eval win rate (eval/win_rate)",
-    "lr": "learning rate (lr)",
+    "learning_rate": "learning rate",
     "eps": "episodes per second (eps)",
 }
 INSTALL = "pip install 'jodpo[plot]' (or pip install matplotlib)"
@@ -38,10 +38,14 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     out = []
     for i, line in enumerate(lines):
         try:
-            out.append(json.loads(line))
+            row = json.loads(line)
         except json.JSONDecodeError:
             if i < len(lines) - 1:  # only the line being written may be partial
                 raise PlotError(f"{path}: line {i + 1} is not JSON; the file is damaged") from None
+            continue
+        if "lr" in row and "learning_rate" not in row:  # a run written before jodpo took TRL's name
+            row["learning_rate"] = row.pop("lr")
+        out.append(row)
     return out
 
 

@@ -219,7 +219,7 @@ def apply_gradients(cfg: StepConfig, state: TrainState, grads: Params, metrics: 
     metrics = metrics | {"grad_norm": grad_norm, "skipped_update": (~finite).astype(jnp.float32),
                          # the rate this update used, as transformers (>= 4.50, TRL 1.16's) logs it: read before the
                          # scheduler's step, so 0 at the first step of a linear warm-up
-                         "lr": learning_rate_schedule(cfg.optimizer)(state.step)}
+                         "learning_rate": learning_rate_schedule(cfg.optimizer)(state.step)}
     return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 
@@ -305,7 +305,7 @@ def rollout_update(cfg: StepConfig, state: TrainState, ref_params: Params, promp
 
     new, metrics = jax.lax.scan(one_update, state, jnp.arange(num_epochs * M))
     # means over the updates; the learning rate after the last, as a single update reports it
-    metrics = jax.tree.map(lambda m: m.mean(0), metrics) | {"lr": metrics["lr"][-1]}
+    metrics = jax.tree.map(lambda m: m.mean(0), metrics) | {"learning_rate": metrics["learning_rate"][-1]}
     return _sampled(cfg, state, new), metrics | chosen
 
 

@@ -18,7 +18,7 @@ from jodpo.program.tracking import wandb_name
 from tests import hf_fixtures, wandb_files
 
 CONFIGS = sorted(p.name for p in C.CONFIGS_DIR.glob("*.py") if p.name != "__init__.py")
-TRL_NAMES = ["loss", "grad_norm", "lr", "episode", "step", "epoch", "eps", "objective/kl", "objective/entropy",
+TRL_NAMES = ["loss", "grad_norm", "learning_rate", "episode", "step", "epoch", "eps", "objective/kl", "objective/entropy",
              "objective/non_score_reward", "objective/rlhf_reward", "objective/scores", "objective/scores_margin",
              "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
              "logps/rejected", "val/contain_eos_token", "beta"]
@@ -218,7 +218,7 @@ def test_open_instruct_passes_over_each_rollout_resume_exactly(checkpoints, tmp_
     assert all("objective/off_policy_kl" in m and "frac_reward_zero_std" in m for m in lines)
     assert [m["step"] for m in lines] == [1, 2, 3] and [m["episode"] for m in lines] == [4, 8, 12]
     # the rate of each step's last update, the 4th, 8th and 12th of 12: linear decay without warm-up
-    assert [m["lr"] for m in lines] == pytest.approx([1e-3 * 9 / 12, 1e-3 * 5 / 12, 1e-3 * 1 / 12], abs=1e-9)
+    assert [m["learning_rate"] for m in lines] == pytest.approx([1e-3 * 9 / 12, 1e-3 * 5 / 12, 1e-3 * 1 / 12], abs=1e-9)
     resumed = tmp_path / "resumed"
     shutil.copytree(out, resumed)
     shutil.rmtree(resumed / "checkpoints" / "3")

@@ -54,7 +54,7 @@ def test_optimizer_equals_torch_adamw():
         logged = opt.param_groups[0]["lr"]  # transformers' Trainer logs the rate before the scheduler's step
         sched.step()
         state, metrics = ts.apply_gradients(step_cfg, state, {"w": jnp.asarray(g)}, {"loss": jnp.float32(0)})
-        assert float(metrics["lr"]) == pytest.approx(logged, rel=1e-6, abs=1e-12)  # float32; 0 first (warm-up)
+        assert float(metrics["learning_rate"]) == pytest.approx(logged, rel=1e-6, abs=1e-12)  # float32; 0 first (warm-up)
     np.testing.assert_allclose(np.asarray(state.params["w"]), p.detach().numpy(), rtol=1e-6, atol=1e-6)  # decay order
 
 
@@ -117,7 +117,7 @@ def test_fused_step_equals_split_path_and_does_not_recompile(checkpoints, neox):
     # the same update from gradients the two programs round differently (their fusions differ): Adam's first step
     # turns a gradient entry that is float noise into up to +-lr, so helpers.close_params' bound, not a float32 tolerance
     helpers.close_params(fused.params, split_state.params, 1e-3, 1)
-    assert int(fused.step) == 1 and float(metrics["lr"]) == pytest.approx(1e-3)  # the first update's: no warm-up
+    assert int(fused.step) == 1 and float(metrics["learning_rate"]) == pytest.approx(1e-3)  # the first update's: no warm-up
     compiled = ts.jit_online_step._cache_size()
     fused, metrics, _, _ = ts.jit_online_step(cfg, fused, params, rm_params, ids, mask)
     assert int(fused.step) == 2 and ts.jit_online_step._cache_size() == compiled

@@ -110,7 +110,7 @@ def test_one_step_equals_trl_112(golden_models, case):
     log = rec["log"]
     np.testing.assert_allclose(metrics["loss"], rec["loss"], rtol=RTOL, atol=ATOL)
     np.testing.assert_allclose(metrics["grad_norm"], log["grad_norm"], rtol=RTOL)
-    np.testing.assert_allclose(metrics["lr"], log["learning_rate"], rtol=1e-6)
+    np.testing.assert_allclose(metrics["learning_rate"], log["learning_rate"], rtol=1e-6)
     for name in sorted(set(log) - NOT_METRICS):
         np.testing.assert_allclose(metrics[name], log[name], rtol=RTOL, atol=ATOL, err_msg=name)
 

@@ -2,7 +2,7 @@
 ``jodpo.program.tracking``), a console progress bar, completion tables.
 
 Only the main process writes (``enabled=False`` elsewhere). Metric names are TRL's plus ``loss``,
-``grad_norm``, ``lr``, ``episode``, ``step``, ``epoch`` and ``eps`` (prompts per second of wall time over the
+``grad_norm``, ``learning_rate``, ``episode``, ``step``, ``epoch`` and ``eps`` (prompts per second of wall time over the
 logging interval, sampling, scoring and update included).
 """
 from __future__ import annotations
