@@ -16,7 +16,7 @@ from jodpo.errors import (BackendError, CheckpointError, ConfigError, DataError,
 from jodpo.program import aborts, backend
 from jodpo.program import flags as F
 from jodpo.program.config import FIELDS, TrainConfig
-from jodpo.program.trainer import OnlineDPOTrainer
+from jodpo.program import loop
 
 
 def parse_args(argv: list[str]) -> tuple[TrainConfig, argparse.Namespace]:
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
             for line in [*args.notes, *said]:
                 print(f"jodpo.train: {line}", file=sys.stderr if line.startswith("warning") else sys.stdout,
                       flush=True)
-        OnlineDPOTrainer(args=cfg).train(allow_config_change=args.allow_config_change)  # the program
+        loop.train(cfg, args.allow_config_change)  # the program (OnlineDPOTrainer.train's, without its TrainerState)
     except Stopped as e:
         print(f"jodpo.train: {e}", file=sys.stderr)
         return 0

@@ -16,6 +16,19 @@ from tests import hf_fixtures
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _load_export_script():
+    """scripts/export_hf.py as a module (a script, not a package module)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("export_hf", ROOT / "scripts" / "export_hf.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+export_hf = _load_export_script()
+
+
 def step_cfg(model, **kw):
     opt = ts.OptimizerConfig(**{"learning_rate": 1e-3, "total_steps": 10, **kw.pop("opt", {})})
     sampling = jodpo.SamplingConfig(max_new_tokens=6, temperature=1.0, eos_token_ids=model.eos_token_ids,

@@ -1,6 +1,5 @@
 """scripts/export_hf.py: train a few steps (``python -m jodpo.train``'s main), export, load with transformers; sharded
 and bf16 files; a checkpoint written on 8 devices exports on 1; refusals and unreadable checkpoints."""
-import importlib.util
 import json
 import shutil
 import subprocess
@@ -17,13 +16,11 @@ from transformers import AutoModelForCausalLM
 import jodpo
 from jodpo import train
 from jodpo.program.checkpoint import restore_params
-from tests import hf_fixtures, subproc
+from tests import helpers, hf_fixtures, subproc
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "export_hf.py"
-_spec = importlib.util.spec_from_file_location("export_hf", SCRIPT)
-export_hf = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(export_hf)
+export_hf = helpers.export_hf
 
 
 def _train(checkpoints, family: str, root: Path, steps: int) -> Path:

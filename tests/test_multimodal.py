@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import jodpo
 from jodpo import train
 from tests import hf_fixtures, references
-from tests.test_export_script import export_hf
+from tests.helpers import export_hf
 
 
 def _qwen3_5(text: dict, tie: dict):

@@ -175,7 +175,7 @@ def test_objects_peft_eval_sets_and_callbacks_through_train(checkpoints, tmp_pat
         args=jodpo.OnlineDPOConfig(output_dir=str(tmp_path / "objects"), **tiny), train_dataset=rows["train"],
         eval_dataset=evals, processing_class=AutoTokenizer.from_pretrained(policy),
         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]), callbacks=[recorder])
-    objects.train()
+    output = objects.train()
     lines = subproc.metrics_lines(tmp_path / "objects")
     assert set(lines[-1]) == {"step", "eval_short/objective/scores", "eval_short/win_rate",
                               "eval_long/objective/scores", "eval_long/win_rate"}  # transformers' eval_<name>_ prefix
@@ -183,7 +183,17 @@ def test_objects_peft_eval_sets_and_callbacks_through_train(checkpoints, tmp_pat
         ("on_train_begin", 0, 2), ("on_step_end", 1, 0.125), ("on_log", 1, True), ("on_step_end", 2, 0.25),
         ("on_log", 2, True), ("on_log", 2, False), ("on_evaluate", 2, sorted(lines[-1].keys() - {"step"})),
         ("on_save", 2), ("on_train_end", 2, 3)]
-    assert [{k: v for k, v in h.items() if k != "eps"} for h in objects.state.log_history] == lines
+    *logged, summary = objects.state.log_history
+    assert [{k: v for k, v in h.items() if k != "eps"} for h in logged] == lines
+    # what TRL's train() returns (transformers' TrainOutput), its summary the last line of log_history
+    from transformers.trainer_utils import TrainOutput
+
+    losses = [m["loss"] for m in lines if "loss" in m]
+    assert isinstance(output, TrainOutput) and output.global_step == 2
+    assert output.training_loss == pytest.approx(sum(losses) / 2) and output.metrics["train_loss"] == output[1]
+    assert set(output.metrics) == {"train_runtime", "train_samples_per_second", "train_steps_per_second",
+                                   "train_loss", "epoch"} and summary == {**output.metrics, "step": 2}
+    assert output.metrics["train_steps_per_second"] > 0 and output.metrics["epoch"] == 0.25
 
     stopper = Recorder(stop_at=1)
     paths = jodpo.OnlineDPOTrainer(
@@ -194,10 +204,16 @@ def test_objects_peft_eval_sets_and_callbacks_through_train(checkpoints, tmp_pat
     assert stopper.events[-2:] == [("on_save", 1), ("on_train_end", 1, 1)]
     assert [m["step"] for m in subproc.metrics_lines(tmp_path / "paths")] == [1]
     paths.callbacks = []
-    paths.train()  # resumes from the stop's checkpoint
+    assert paths.train().global_step == 2  # resumes from the stop's checkpoint
     assert subproc.metrics_lines(tmp_path / "paths") == lines
+    assert paths.state.global_step == 2 and [h["step"] for h in paths.state.log_history] == [2, 2, 2]  # no callbacks
     adapter = objects.save_model(str(tmp_path / "adapter"))
     assert (adapter / "adapter_config.json").is_file()
+
+
+def test_a_trainer_holds_a_state_before_it_trains():
+    state = jodpo.OnlineDPOTrainer("m").state  # transformers' TrainerState, as a TRL trainer holds from the start
+    assert (state.global_step, state.log_history) == (0, [])
 
 
 def test_a_jodpo_model_needs_its_tokenizer(checkpoints):

@@ -9,7 +9,9 @@ exceptions (``jodpo.errors``), never ``SystemExit``; ``train()`` may be called a
 from __future__ import annotations
 
 import difflib
+import time
 from pathlib import Path
+from typing import NamedTuple
 
 from jodpo.errors import ConfigError
 from jodpo.program import loop
@@ -162,10 +164,14 @@ class OnlineDPOTrainer:
         self.callbacks = [c() if isinstance(c, type) else c for c in callbacks or []]
         self.model, self.processing_class = model, processing_class  # what callbacks get as model= and processing_class=
         self.metrics: dict = {}
-        self.state = None  # the TrainerState of the last train() (with callbacks)
+        self._state = None  # transformers' TrainerState, made when first needed (its import loads peft and torch)
 
-    def train(self, resume_from_checkpoint: bool | str | None = None, *, allow_config_change: bool = False) -> dict:
-        """Run the training (the same program as ``python -m jodpo.train``); returns the last logged metrics.
+    def train(self, resume_from_checkpoint: bool | str | None = None, *, allow_config_change: bool = False):
+        """Run the training (the same program as ``python -m jodpo.train``); returns transformers' ``TrainOutput``
+        as TRL's ``train()`` does: ``global_step``, ``training_loss`` (the mean of the losses logged by this call)
+        and ``metrics`` (``train_runtime``, ``train_samples_per_second``, ``train_steps_per_second``,
+        ``train_loss``, ``epoch``; jodpo counts no FLOPs, so no ``total_flos``). ``self.metrics`` holds the last
+        logged metrics, ``self.state`` transformers' ``TrainerState`` (``global_step``, ``log_history``, ...).
 
         A run resumes from its output_dir's newest checkpoint whenever there is one (``resume_from_checkpoint`` True
         or None alike); a path names the run directory (or a checkpoint inside it) to continue."""
@@ -177,9 +183,20 @@ class OnlineDPOTrainer:
                 raise ConfigError(f"resume_from_checkpoint={str(path)!r}: no checkpoints/ there; give a run's "
                                   "output_dir (or one of its checkpoints/<step>)")
             cfg = cfg.replace(output_dir=str(run_dir))
-        events = _Callbacks(self, cfg) if self.callbacks else None
+        events = _Callbacks(self, cfg)
+        began = time.monotonic()
         self.metrics = loop.train(cfg, allow_config_change, self.given, events)
-        return self.metrics
+        return events.output(time.monotonic() - began)
+
+    @property
+    def state(self):
+        """transformers' ``TrainerState``: ``global_step``, ``epoch``, ``log_history`` (every logged line, then
+        ``train()``'s summary), ``max_steps`` and the rest callbacks read; before ``train()``, a fresh one."""
+        if self._state is None:
+            from transformers.trainer_callback import TrainerState
+
+            self._state = TrainerState()
+        return self._state
 
     def save_model(self, output_dir: str | None = None) -> Path:
         """The trained policy (the run's newest checkpoint) as a transformers directory, or with ``peft_config`` as
@@ -212,7 +229,8 @@ class _Callbacks(loop.Events):
 
         self.trainer, self.args = trainer, args
         self.state, self.control = TrainerState(), TrainerControl()
-        trainer.state = self.state
+        self.first_step = self.prompts_per_step = 0
+        trainer._state = self.state
 
     def _call(self, event: str, **kwargs) -> None:
         for callback in self.trainer.callbacks:
@@ -231,6 +249,7 @@ class _Callbacks(loop.Events):
         s.num_train_epochs = -(-run.total_steps // run.steps_per_epoch)
         s.logging_steps, s.save_steps, s.eval_steps = cfg.logging_steps, run.save_every, cfg.eval_steps or 0
         s.train_batch_size = cfg.per_device_train_batch_size
+        self.first_step, self.prompts_per_step = start, run.global_batch
         self.control.should_training_stop = False
         self._call("on_train_begin")
 
@@ -254,6 +273,29 @@ class _Callbacks(loop.Events):
 
     def should_stop(self) -> bool:
         return bool(self.control.should_training_stop)
+
+    def output(self, seconds: float):
+        """What ``train()`` returns, as transformers' Trainer makes it; its summary also ends ``log_history``."""
+        try:
+            from transformers.trainer_utils import TrainOutput
+        except ImportError:  # transformers' own class where it imports; the same fields where it does not
+            TrainOutput = _TrainOutput
+        s = self.state
+        losses = [line["loss"] for line in s.log_history if "loss" in line]
+        loss = sum(losses) / len(losses) if losses else float("nan")
+        steps = s.global_step - self.first_step
+        metrics = {"train_runtime": round(seconds, 4),
+                   "train_samples_per_second": round(steps * self.prompts_per_step / seconds, 3),
+                   "train_steps_per_second": round(steps / seconds, 3), "train_loss": loss, "epoch": s.epoch}
+        s.log_history.append({**metrics, "step": s.global_step})
+        return TrainOutput(s.global_step, loss, metrics)
+
+
+class _TrainOutput(NamedTuple):
+    """transformers' ``TrainOutput``'s fields."""
+    global_step: int
+    training_loss: float
+    metrics: dict
 
 
 def _rows(ds, what: str):
