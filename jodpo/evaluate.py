@@ -119,7 +119,7 @@ class Comparison:
             for spec in cfg.reward_funcs:
                 import_reward_function(spec)
             if cfg.reward_model_path:
-                resolve_path(cfg.reward_model_path)
+                resolve_path(cfg.reward_model_path, task="reward")
             parts = [*([cfg.reward_model_path] if cfg.reward_model_path else []), *cfg.reward_funcs]
             self.name = f"rewards {', '.join(parts)} (the higher score wins)"
         else:
@@ -307,6 +307,7 @@ def report(summary: dict, out_dir: Path) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     backend.start_command()
+    backend.one_line_warnings("jodpo.evaluate")
     p = G.parser("python -m jodpo.evaluate", __doc__.split("\n\n")[0].replace("``", ""))
     p.add_argument("--out", required=True, help="the directory to write (continued if it holds an evaluation)")
     group = p.add_argument_group("the other side (default: the dataset's 'completion' column)")

@@ -314,6 +314,7 @@ def argv_debug(argv: list[str] | None) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     backend.start_command()
+    backend.one_line_warnings("jodpo.generate")
     p = parser("python -m jodpo.generate", __doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="the JSONL file to write (continued if it exists)")
     try:

@@ -63,6 +63,7 @@ def init_distributed(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     backend.start_command()
+    backend.one_line_warnings("jodpo.train")
     argv = sys.argv[1:] if argv is None else argv
     debug = "--debug" in argv
     try:

@@ -130,3 +130,20 @@ def test_the_run_keeps_its_frozen_models_in_their_compute_form(checkpoints, tmp_
     assert dtypes(built.rewards.params["layers"]["attn"]) == {"bfloat16"}
     assert built.rewards.params["score"].dtype == "bfloat16"
     assert dtypes(built.policy_params) == {"float32"}
+
+
+def test_a_command_says_jodpos_warnings_in_one_line(monkeypatch):
+    """Issue 59: a command's notices (a multimodal checkpoint's towers left out, ...) print as its other lines do,
+    ``jodpo.train: <message>``, not as Python's ``.../jodpo/models/loading.py:286: UserWarning: ...`` with the
+    source line; other code's warnings keep Python's format."""
+    import warnings
+
+    from jodpo.models import loading
+
+    monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)
+    backend.one_line_warnings("jodpo.train")
+    backend.one_line_warnings("jodpo.train")  # a second run in the process: not stacked
+    said = warnings.formatwarning("DIR: its vision tower (3 tensors) is left out", UserWarning, loading.__file__, 286)
+    assert said == "jodpo.train: DIR: its vision tower (3 tensors) is left out\n"
+    other = warnings.formatwarning("theirs", UserWarning, "/elsewhere/lib.py", 7)
+    assert other.startswith("/elsewhere/lib.py:7: UserWarning: theirs")

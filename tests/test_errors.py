@@ -140,7 +140,8 @@ CASES = {  # name: (argv after --config CFG, the phrase the one-line message mus
     "empty dataset": (["--config.dataset_name={bad}/empty.jsonl"], "is empty"),
     "prompts all too long": (["--config.max_prompt_length=2"], "are longer than max_prompt_length=2 tokens"),
     "reward model path that does not exist": (["--config.reward_model_path=/no/such/rm"],
-                                              "reward_model_path: /no/such/rm: not a model directory"),
+                                              "reward_model_path: /no/such/rm: not a model directory (no such "
+                                              "directory). Pass a directory holding a *ForSequenceClassification"),
     "reward model path that is not a model": (["--config.reward_model_path={bad}"],
                                               "reward_model_path: {bad}: no config.json"),
     "judge path that does not exist": (["--config.reward_model_path=None", "--config.judge=/no/such/judge"],

@@ -33,15 +33,23 @@ TOKENIZER_PATTERNS = ["tokenizer*", "special_tokens_map.json", "vocab.*", "merge
 # --------------------------------------------------------------------------------------------------
 
 
-def resolve_path(path_or_hub_id: str, revision: str | None = None, with_bin: bool = False) -> Path:
+# What a path that is not there should have been, by the task it was given for (a reward model has no GGUF form)
+EXPECTED = {"causal_lm": "a directory holding config.json and weights, a .gguf file, or a hub id like 'org/name'",
+            "reward": "a directory holding a *ForSequenceClassification checkpoint (config.json with num_labels=1, "
+                      "and weights), or a hub id like 'org/name'"}
+
+
+def resolve_path(path_or_hub_id: str, revision: str | None = None, with_bin: bool = False,
+                 task: str = "causal_lm") -> Path:
     """A local directory as is; otherwise a hub snapshot through huggingface_hub (cache, HF_HUB_OFFLINE
-    and ``revision`` honoured), fetching only config, weights and tokenizer files."""
+    and ``revision`` honoured), fetching only config, weights and tokenizer files. ``task``: what the path was
+    given for, which the message of a missing one says it should be."""
     path = Path(os.path.expanduser(str(path_or_hub_id)))
     if path.is_dir() or (path.is_file() and path.suffix == ".gguf"):
         return path
     if path.exists() or str(path_or_hub_id).startswith((".", "/", "~")) or str(path_or_hub_id).count("/") > 1:
-        raise CheckpointError(f"{path_or_hub_id}: not a model directory (no such directory). Pass a directory "
-                              "holding config.json and weights, a .gguf file, or a hub id like 'org/name'.")
+        raise CheckpointError(f"{path_or_hub_id}: not a model directory (no such directory). Pass "
+                              f"{EXPECTED[task]}.")
     import huggingface_hub
     from huggingface_hub import errors as hf_errors
 
@@ -322,13 +330,13 @@ def load_model(path_or_hub_id: str, task: str = "causal_lm", dtype=jnp.float32, 
         model = model_from_object(path_or_hub_id, task, dtype).replace(precision=precision)
         put = None if place is None else place(model, jnp.dtype(dtype))
         return model, load_params(model, _object_name(path_or_hub_id), dtype, put, _object_tensors(path_or_hub_id))
-    path = resolve_path(path_or_hub_id, revision)
+    path = resolve_path(path_or_hub_id, revision, task=task)
     gguf_file, tensors = gguf.find(path), None
     if gguf_file is not None:
         model, tensors = _gguf_model(gguf_file, task, dtype)
     else:
         if not any(path.glob("*.safetensors")):  # a hub repo with only .bin weights: fetch those too
-            path = resolve_path(path_or_hub_id, revision, with_bin=True)
+            path = resolve_path(path_or_hub_id, revision, with_bin=True, task=task)
         model = model_from_dir(path, task, dtype)
     model = model.replace(precision=precision)
     put = None if place is None else place(model, jnp.dtype(dtype))
@@ -355,7 +363,7 @@ def describe_model(path_or_hub_id: str, task: str = "causal_lm", dtype=jnp.float
     directory's config.json, or a GGUF file's metadata, or a transformers model object's config)."""
     if is_model_object(path_or_hub_id):
         return model_from_object(path_or_hub_id, task, dtype)
-    path = resolve_path(path_or_hub_id, revision)
+    path = resolve_path(path_or_hub_id, revision, task=task)
     gguf_file = gguf.find(path)
     return _gguf_model(gguf_file, task, dtype)[0] if gguf_file else model_from_dir(path, task, dtype)
 

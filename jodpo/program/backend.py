@@ -117,6 +117,25 @@ def start_command() -> None:
     hostmem.install()
 
 
+def one_line_warnings(command: str) -> None:
+    """A command's own way of saying jodpo's warnings: ``jodpo.train: <the message>``, one line like its other notes,
+    not Python's ``path/to/jodpo/module.py:198: UserWarning: ...`` with the source line under it. Warnings that other
+    code raises print as Python prints them; only their format changes (``warnings.formatwarning``), so filters and
+    recorders see them as before. Only the commands call this: a script keeps Python's format."""
+    import warnings
+
+    package = str(Path(__file__).resolve().parents[1])
+    python_format = getattr(warnings.formatwarning, "python_format", warnings.formatwarning)
+
+    def one_line(message, category, filename, lineno, line=None):
+        if str(Path(filename).resolve()).startswith(package):
+            return f"{command}: {message}\n"
+        return python_format(message, category, filename, lineno, line)
+
+    one_line.python_format = python_format  # a second call (a test's second run) replaces, never stacks
+    warnings.formatwarning = one_line
+
+
 CACHE_MAX_BYTES = 32 * 2**30
 
 
