@@ -1,7 +1,7 @@
 """Checks that mean something only with a GPU as jax's default backend (skipped elsewhere; ``--gpu-tests-on-cpu``
 runs them on the CPU to check the tests themselves): precision, a 1B-shaped export, determinism, bf16 paths.
 
-Run on a GPU machine with ``bash scripts/test.sh -m gpu`` (docs/performance.md, "On a GPU")."""
+Run on a GPU machine with ``bash scripts/test.sh -m gpu`` (docs/gpu.md, "Running the suite on a GPU")."""
 import os
 import signal
 

@@ -1,7 +1,7 @@
 """What the training program sets up in XLA before jax touches a device: deterministic GPU kernels (when asked),
 the persistent compilation cache, and enough CPU threads for the collectives of several CPU devices.
 
-Numbers and backends (docs/performance.md, "Precision and determinism"):
+Numbers and backends (docs/gpu.md, "Precision" and "Determinism"):
   - float32 dots are computed in float32 on every backend (``Model.precision``, ``matmul_precision``);
   - a CPU run is bitwise reproducible, killed and resumed included, with no setting;
   - a GPU run is bitwise reproducible with ``deterministic=True`` (XLA's deterministic ops: no atomics in

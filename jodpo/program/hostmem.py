@@ -4,7 +4,7 @@ Compiling a large step, XLA allocates hundreds of MiB of small objects and frees
 those pages in its heap, and the step's own buffers (large blocks, mapped elsewhere) cannot reuse them, so
 the process's resident memory stays that much higher for the rest of the run. A JAX monitoring listener calls
 glibc's ``malloc_trim(0)`` when a backend compilation finishes, before the compiled step first runs.
-Measured on the benchmark's online DPO step (docs/performance.md): peak RSS 3.6 GiB -> 3.1 GiB.
+Measured on the benchmark's online DPO step (docs/performance.md): 2513 -> 1986 MiB of RSS after compiling the step.
 
 Every command installs it once (``backend.start_command``); it does nothing where the C library has no
 ``malloc_trim`` (macOS, musl).
