@@ -23,6 +23,9 @@ ratios within a run, not seconds across runs). docs/performance.md has the figur
                                    [--out runs/tpu-grid] [--table-only]  (memory --tpu over a grid: tpu_grid.py)
   python benchmarks/bench.py deltanet [--lengths 512 2048] [--chunk 64] [--repeats 3] [--out F.json]
                                    (Gated DeltaNet's delta rule, forward+backward: deltanet.py)
+  python benchmarks/bench.py depth [--models qwen3-0.6b qwen3.5-0.8b gemma-3-1b gemma-4-e2b] [--prompts 8]
+                                [--prompt-len 128] [--completion-len 64] [--remat full] [--no-sample] [--out F.json]
+                                (compile time and XLA temporaries per layer at real configs: depth.py)
 
 ``sample``: jodpo's sampler vs transformers' ``generate`` (KV cache on) on the same random
 Pythia-70m-shaped GPT-NeoX (hidden 512, 6 layers, 8 heads, vocab 50304), batch and lengths, fp32 on the
@@ -48,6 +51,10 @@ TPU chip or a slice's chips (FSDP over them, per-chip numbers) with libtpu (memo
 jodpo's chunked form with its recomputing backward, jax's autodiff of the token-by-token recurrence, and
 transformers' ``torch_chunk_gated_delta_rule`` under torch autograd, alternated; XLA's temporaries of each jax
 gradient (deltanet.py).
+
+``depth``: what depth costs at real sizes, from ``benchmarks/configs/`` alone: the gradient of a step's log-probs
+(trace+lower+compile seconds, XLA's temporaries with and without rematerialisation) and ``jodpo.sample``'s compile,
+per layer, for several models side by side (a 2026 family beside its dense peer: depth.py).
 
 ``device``: the suite's tests that carry weight, then the step and the sampler at a ~1.7B shape in bf16, each phase
 under its own time limit, into one JSON and a table for docs/gpu.md (device.py).
@@ -75,6 +82,7 @@ import sys
 from pathlib import Path
 
 import deltanet
+import depth
 import device
 import device_measure
 import memory
@@ -96,6 +104,7 @@ BENCHMARKS = {"sample": (sample.bench_sample, sample.print_sample), "train": (tr
               "device": (device.bench_device, device.print_device),
               "tpu-grid": (tpu_grid.bench_tpu_grid, tpu_grid.print_tpu_grid),
               "deltanet": (deltanet.bench_deltanet, deltanet.print_deltanet),
+              "depth": (depth.bench_depth, depth.print_depth),
               "traffic": (traffic.bench_traffic, traffic.print_traffic)}
 
 
@@ -111,6 +120,7 @@ def parser() -> argparse.ArgumentParser:
     tpu_grid.add_parser(sub)
     traffic.add_parser(sub, SHAPE)
     deltanet.add_parser(sub)
+    depth.add_parser(sub)
     return ap
 
 

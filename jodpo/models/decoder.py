@@ -42,7 +42,7 @@ import numpy as np
 
 from jodpo.models.layers import (FULL_WINDOW, Context, Site, embed, mlp, norm, per_layer_block, per_layer_inputs,
                                  rope_tables)
-from jodpo.models.layout import (KEYS, KIND_OF_KEY, MIXERS, SUBTREES, Run, layer_params, layer_runs,  # noqa: F401
+from jodpo.models.layout import (KEYS, KIND_OF_KEY, MIXERS, SUBTREES, Run, groups, layer_params, layer_runs,  # noqa: F401
                                  merge_adapters, period_params, run_params)
 from jodpo.models.model import (ATTENTIONS, PRECISIONS, READS, Cache, Model, Norms,  # noqa: F401 - re-exported
                                 Params, Rope, einsum)
@@ -106,11 +106,12 @@ REMAT_POLICIES = ("none",) + tuple(_REMAT_POLICIES)
 
 
 def _stack(model: Model, params: Params, xs: tuple, mix, states=None, remat: bool = False, extra=None):
-    """``xs`` (a tuple of token groups) through every layer, one ``lax.scan`` per run of ``layer_runs``. ``states``:
-    what the mixers read and write, by kind: the cache's states (each kind's stacked over its layers: a layer's at
-    its index among them), or in the cache-free forwards KV sharing's slots (``attention_mixer``); the scan carries
-    them (updated in place). ``extra``: each group's per-layer inputs ``[N, ...]`` (Gemma 4), scanned with the layers.
-    ``remat``: each layer rematerialised as ``model.remat`` says (the forwards that are differentiated)."""
+    """``xs`` (a tuple of token groups) through every layer, one ``lax.scan`` per run of ``layer_runs`` (a repeating
+    period of kinds), and inside a period one scan per group of consecutive layers of one kind (``groups``).
+    ``states``: what the mixers read and write, by kind: the cache's states (each kind's stacked over its layers: a
+    layer's at its index among them), or in the cache-free forwards KV sharing's slots (``attention_mixer``); the scans
+    carry them (updated in place). ``extra``: each group's per-layer inputs ``[N, ...]`` (Gemma 4), scanned with the
+    layers. ``remat``: each layer rematerialised as ``model.remat`` says (the forwards that are differentiated)."""
     all_sites = sites(model)
     for run in layer_runs(model.kinds):
         period, n = run.period, len(run.period)
@@ -122,19 +123,32 @@ def _stack(model: Model, params: Params, xs: tuple, mix, states=None, remat: boo
         def body(carry, scanned, period=period, lo=lo):
             x, states = carry
             p_run, site_run, rep, extra_run = scanned
-            for q, kind in enumerate(period):
-                p = period_params(model, p_run, period, q)
+            for q, kind, count in groups(period):
                 src, j = _source(model, kind, lo[kind] + rep * period.count(kind) + period[:q].count(kind))
 
-                def one(x, states, p, site, extra, kind=kind, src=src, j=j):
+                def one(carry, layer, kind=kind, src=src):
+                    (x, states), (p, site, extra, j) = carry, layer
                     mine = None if states is None else states.get(src)
                     x, mine = _layer(model, kind, p, x, site, mix, mine, j, extra)
-                    return x, (states if states is None or src not in states else {**states, src: mine})
+                    return (x, states if states is None or src not in states else {**states, src: mine}), None
 
                 if remat and model.remat != "none":
-                    one = jax.checkpoint(one, policy=_REMAT_POLICIES[model.remat], prevent_cse=False)
-                x, states = one(x, states, p, Site(*(a[q] for a in site_run)),
-                                None if extra_run is None else tuple(e[q] for e in extra_run))
+                    # A scan's body is rematerialised as is; a layer beside others in straight-line code needs its
+                    # recomputation kept apart (prevent_cse), or XLA merges it with the forward and saves nothing
+                    alone = count == 1 and len(groups(period)) > 1
+                    one = jax.checkpoint(one, policy=_REMAT_POLICIES[model.remat], prevent_cse=alone)
+                p = period_params(model, p_run, period, q, count)
+                if count == 1:
+                    layer = (p, Site(*(a[q] for a in site_run)),
+                             None if extra_run is None else tuple(e[q] for e in extra_run), j)
+                    (x, states), _ = one((x, states), layer)
+                    continue
+                # a KV-sharing group's layers all read the one state of their source (_source)
+                js = j + (jnp.arange(count, dtype=jnp.int32) if src == kind else jnp.zeros(count, jnp.int32))
+                layers = slice(q, q + count)
+                layer = (p, Site(*(a[layers] for a in site_run)),
+                         None if extra_run is None else tuple(e[layers] for e in extra_run), js)
+                (x, states), _ = jax.lax.scan(one, (x, states), layer)
             return (x, states), None
 
         (xs, states), _ = jax.lax.scan(body, (xs, states), scanned)

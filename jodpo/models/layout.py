@@ -93,23 +93,52 @@ class Run:
         return self.start + self.reps * len(self.period)
 
 
+def _repeating(rest: tuple[str, ...]) -> Run | None:
+    """The period (shortest first) that covers the most of ``rest``'s first layers by repeating at least twice."""
+    best = None
+    for p in range(1, len(rest) // 2 + 1):
+        reps = 1
+        while rest[reps * p:(reps + 1) * p] == rest[:p]:
+            reps += 1
+        if reps > 1 and (best is None or reps * p > best.reps * len(best.period)):
+            best = Run(0, rest[:p], reps)
+    return best
+
+
 @functools.lru_cache(maxsize=None)
 def layer_runs(kinds: tuple[str, ...]) -> tuple[Run, ...]:
-    """The layers as few scans as possible, each with a short body: from the first layer on, the period (shortest
-    first) that covers the most layers by repeating, then the same for the layers after it. A uniform model is one
-    run of one layer; Qwen3.5's 24 layers one run of (deltanet x 3, attention) x 6."""
+    """The layers as scans over repeating periods: from the first layer on, the period that covers the most layers by
+    repeating (shortest first), then the same for the layers after it. Layers where no period repeats (until one
+    does) are a run of their own, once. A uniform model is one run of one layer; Qwen3.5's 24 layers one run of
+    (deltanet x 3, attention) x 6; Gemma 4 E2B's 35 two runs: (sliding x 4, global) x 3, then its KV-sharing layers'
+    (sliding x 4, global) x 4. Inside a period, consecutive layers of one kind are a scan of their own
+    (``groups``)."""
     runs, start = [], 0
     while start < len(kinds):
-        rest, best = kinds[start:], None
-        for p in range(1, len(rest) + 1):
-            reps = 1
-            while rest[reps * p:(reps + 1) * p] == rest[:p] and (reps + 1) * p <= len(rest):
-                reps += 1
-            if (reps > 1 or p == len(rest)) and (best is None or reps * p > best.reps * len(best.period)):
-                best = Run(start, rest[:p], reps)
-        runs.append(best)
-        start = best.end
+        found = _repeating(kinds[start:])
+        if found is not None:
+            runs.append(Run(start, found.period, found.reps))
+            start = runs[-1].end
+            continue
+        end = next((i for i in range(start + 1, len(kinds)) if _repeating(kinds[i:]) is not None), len(kinds))
+        runs.append(Run(start, kinds[start:end], 1))
+        start = end
     return tuple(runs)
+
+
+@functools.lru_cache(maxsize=None)
+def groups(period: tuple[str, ...]) -> tuple[tuple[int, str, int], ...]:
+    """A period's layers as ``(first, kind, count)``: consecutive layers of one kind together. Each group of several
+    runs as a ``lax.scan`` of one layer, so that rematerialising a layer saves inside a period what it saves in a
+    scan of single layers (in straight-line code XLA keeps every layer's recomputed activations at once)."""
+    out, q = [], 0
+    while q < len(period):
+        n = 1
+        while q + n < len(period) and period[q + n] == period[q]:
+            n += 1
+        out.append((q, period[q], n))
+        q += n
+    return tuple(out)
 
 
 def _leaf_owners(model: Model, layers: Params) -> dict:
@@ -173,9 +202,15 @@ def run_params(model: Model, layers: Params, run: Run) -> Params:
     return map_layers(model, for_kinds(model, layers, run.period), take)
 
 
-def period_params(model: Model, p_run: Params, period: tuple[str, ...], q: int) -> Params:
-    """Layer ``q`` of a period's parameters out of ``run_params``' slice for one repetition."""
+def period_params(model: Model, p_run: Params, period: tuple[str, ...], q: int, count: int = 1) -> Params:
+    """Layer ``q`` of a period's parameters out of ``run_params``' slice for one repetition; with ``count``, layers
+    ``q .. q + count - 1`` (of one kind: a ``groups`` entry), each leaf ``[count, ...]``."""
     kind = period[q]
-    return map_layers(model, for_kinds(model, p_run, (kind,)),
-                      lambda leaf, kinds: leaf if _per_period(period, kinds) == 1 else
-                      leaf[q if kinds is None else sum(k in kinds for k in period[:q])])
+
+    def take(leaf, kinds):
+        if _per_period(period, kinds) == 1:
+            return leaf
+        at = q if kinds is None else sum(k in kinds for k in period[:q])
+        return leaf[at] if count == 1 else leaf[at:at + count]
+
+    return map_layers(model, for_kinds(model, p_run, (kind,)), take)

@@ -1,0 +1,123 @@
+"""``bench.py depth``: what a model's depth costs to compile and to hold, at real sizes, from ``config.json`` alone (no
+weights: abstract arrays), for several models side by side in one run (a 2026 family beside its dense peer).
+
+For each model, in bf16 compute with float32 weights (a training run's setting), ``--prompts`` prompts of
+``--prompt-len`` tokens with two completions of ``--completion-len`` each (block layout, as a step has them):
+  - the gradient of ``completion_logprobs`` (the policy's forward+backward of a step), jitted with rematerialisation
+    as ``--remat`` says and without it: trace+lower+compile seconds, and XLA's temporaries
+    (``memory_analysis().temp_size_in_bytes``); "remat saves" is the share of the temporaries remat removes;
+  - ``jodpo.sample`` of two completions per prompt: trace+lower+compile seconds;
+and each per layer. Compile seconds are this machine's (2 cores, shared): compare them within one run.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from harness import Phases, disturbance_warning
+
+CONFIGS = Path(__file__).resolve().parent / "configs"
+GB = 1e9
+
+
+def add_parser(sub) -> None:
+    s = sub.add_parser("depth", help="compile time and XLA temporaries of a step's gradient and of sampling, per "
+                                     "layer, at real configs (benchmarks/configs/)")
+    s.add_argument("--models", nargs="+", default=["qwen3-0.6b", "qwen3.5-0.8b", "gemma-3-1b", "gemma-4-e2b"],
+                   help="names of benchmarks/configs/*.json")
+    s.add_argument("--prompts", type=int, default=8)
+    s.add_argument("--prompt-len", type=int, default=128)
+    s.add_argument("--completion-len", type=int, default=64)
+    s.add_argument("--remat", default="full", choices=("full", "dots"))
+    s.add_argument("--no-sample", action="store_true", help="skip the sampler's compile")
+    s.add_argument("--out", type=Path)
+
+
+def model_of(name: str, dtype: str = "bfloat16"):
+    """The ``Model`` of ``benchmarks/configs/NAME.json`` (compute in ``dtype``)."""
+    import tempfile
+
+    from jodpo.models.loading import model_from_dir
+
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "config.json").write_text((CONFIGS / f"{name}.json").read_text())
+        return model_from_dir(Path(d), "causal_lm", dtype)
+
+
+def _compile(fn, *args):
+    """(seconds to trace, lower and compile ``fn(*args)``, the compiled executable)."""
+    import jax
+
+    t = time.perf_counter()
+    compiled = jax.jit(fn).lower(*args).compile()
+    return time.perf_counter() - t, compiled
+
+
+def measure(name: str, args) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    import jodpo
+    from jodpo.losses import completion_logprobs
+
+    model = model_of(name)
+    params = jax.eval_shape(lambda: jodpo.init_params(model, jax.random.key(0)))  # float32 master weights
+    B, P, C = args.prompts, args.prompt_len, args.completion_len
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
+    batch = (i32(B, P), i32(B, P), i32(2 * B, C), i32(2 * B, C))
+    out = {"model": name, "layers": model.num_layers, "kinds": sorted(set(model.kinds))}
+    for remat in (args.remat, "none"):
+        m = model.replace(remat=remat)
+
+        def grad(p, ids, mask, cids, cmask, m=m):
+            return jax.grad(lambda p: completion_logprobs(m, p, ids, mask, cids, cmask).sum())(p)
+
+        seconds, compiled = _compile(grad, params, *batch)
+        out[f"grad_{remat}"] = {"compile_s": round(seconds, 2),
+                                "temp_GB": round(compiled.memory_analysis().temp_size_in_bytes / GB, 3)}
+    out["grad"] = out.pop(f"grad_{args.remat}")
+    out["remat_saves"] = round(1 - out["grad"]["temp_GB"] / out["grad_none"]["temp_GB"], 3)
+    if not args.no_sample:
+        cfg = jodpo.SamplingConfig(max_new_tokens=C, eos_token_ids=model.eos_token_ids, pad_token_id=0)
+
+        def sample(p, ids, mask):
+            return jodpo.sample(model, p, ids, mask, jax.random.key(0), cfg, num_samples=2)
+
+        seconds, _ = _compile(sample, params, *batch[:2])
+        out["sample"] = {"compile_s": round(seconds, 2)}
+    n = model.num_layers
+    out["per_layer"] = {"grad_compile_s": round(out["grad"]["compile_s"] / n, 3),
+                        "grad_temp_GB": round(out["grad"]["temp_GB"] / n, 4)}
+    if "sample" in out:
+        out["per_layer"]["sample_compile_s"] = round(out["sample"]["compile_s"] / n, 3)
+    return out
+
+
+def bench_depth(args) -> dict:
+    phases = Phases()
+    rows = []
+    for name in args.models:
+        rows.append(measure(name, args))
+        phases.end(name)
+        print(json.dumps(rows[-1]), flush=True)
+    return {"settings": {k: getattr(args, k) for k in ("prompts", "prompt_len", "completion_len", "remat")},
+            "models": rows, "cores_taken_by_others_share": phases.foreign}
+
+
+def print_depth(result: dict) -> None:
+    s = result["settings"]
+    print(f"\n{s['prompts']} prompts of {s['prompt_len']} tokens, two completions of {s['completion_len']}; bf16 "
+          f"compute, float32 weights; remat {s['remat']} (temporaries without remat beside)")
+    print("| model | layers | grad compile s (per layer) | grad temporaries GB (per layer) | without remat GB | "
+          "remat saves | sample compile s (per layer) |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in result["models"]:
+        pl = r["per_layer"]
+        sample = (f"{r['sample']['compile_s']} ({pl['sample_compile_s']})" if "sample" in r else "-")
+        print(f"| {r['model']} | {r['layers']} | {r['grad']['compile_s']} ({pl['grad_compile_s']}) | "
+              f"{r['grad']['temp_GB']} ({pl['grad_temp_GB']}) | {r['grad_none']['temp_GB']} | "
+              f"{r['remat_saves']:.0%} | {sample} |")
+    warning = disturbance_warning(result["cores_taken_by_others_share"])
+    if warning:
+        print(warning)
