@@ -280,7 +280,8 @@ training_args = OnlineDPOConfig(
     save_steps=2, eval_strategy="steps", eval_steps=2, logging_first_step=True, logging_steps=2, **eval(tiny))
 trainer = OnlineDPOTrainer(
     model=model, reward_funcs=reward_len, args=training_args, processing_class=tokenizer,
-    train_dataset=Dataset.from_json(f"{data_dir}/train.jsonl"), eval_dataset=Dataset.from_json(f"{data_dir}/test.jsonl"))
+    train_dataset=Dataset.from_json(f"{data_dir}/train.jsonl"),
+    eval_dataset=Dataset.from_json(f"{data_dir}/test.jsonl"))
 trainer.train()
 trainer.save_model(export)
 trainer.push_to_hub()
@@ -377,15 +378,18 @@ def test_epoch_and_no_strategies_and_a_pushed_checkpoint_that_resumes(checkpoint
     hub_stand_in.patch(hub, monkeypatch)
     try:
         args = jodpo.OnlineDPOConfig(str(tmp_path / "epoch"), save_strategy="epoch", eval_strategy="epoch",
-                                     logging_strategy="epoch", push_to_hub=True, hub_strategy="checkpoint", **tiny)
+                                     logging_strategy="epoch", eval_on_start=True, push_to_hub=True,
+                                     hub_strategy="checkpoint", hub_private_repo=True, hub_revision="dev", **tiny)
         jodpo.OnlineDPOTrainer(policy, reward_funcs=_reward_len, args=args, train_dataset=rows,
                                eval_dataset=evals).train()
         lines = subproc.metrics_lines(tmp_path / "epoch")
-        assert [m["step"] for m in lines if "loss" in m] == [2, 3] == [m["step"] for m in lines if "eval/win_rate" in m]
+        assert [m["step"] for m in lines if "loss" in m] == [2, 3]
+        assert [m["step"] for m in lines if "eval/win_rate" in m] == [0, 2, 3]  # eval_on_start: the policy at step 0
         assert sorted(p.name for p in (tmp_path / "epoch" / "checkpoints").iterdir()) == ["2", "3"]
         assert [c["summary"] for c in hub.commits] == ["Training in progress, epoch 1",
                                                        "Training in progress, epoch 1, checkpoint"] * 2
-        pushed = hub.files("stand-in-user/epoch")
+        assert hub.repos["stand-in-user/epoch"]["private"] and {c["revision"] for c in hub.commits} == {"dev"}
+        pushed = hub.files("stand-in-user/epoch", "dev")
         run = {p[len("last-checkpoint/"):]: b for p, b in pushed.items() if p.startswith("last-checkpoint/")}
         assert {"config.json", "source_model/config.json"} <= set(run) and not any("checkpoints/2/" in p for p in run)
         assert run == {p: b for p, b in _files(tmp_path / "epoch").items()
@@ -405,13 +409,22 @@ def test_epoch_and_no_strategies_and_a_pushed_checkpoint_that_resumes(checkpoint
                                  logging_strategy="no", logging_first_step=True, **tiny)
     trainer = jodpo.OnlineDPOTrainer(policy, reward_funcs=_reward_len, args=args, train_dataset=rows,
                                      eval_dataset=evals, callbacks=[_Preempted()])
+
+    def unused():
+        return pytest.warns(UserWarning, match="eval_strategy='no' \\(TRL's default\\): the run does not evaluate")
+
     with pytest.raises(Stopped, match=re.escape("stopped by SIGTERM at step 1; nothing saved (save_strategy='no'): a "
-                                                "run started again begins at step 0")):
+                                                "run started again begins at step 0")), unused():
         trainer.train()
     trainer.callbacks = []
-    with pytest.warns(UserWarning, match="eval_strategy='no' \\(TRL's default\\): the run does not evaluate"):
+    with unused():
         trainer.train()
     assert [m["step"] for m in subproc.metrics_lines(tmp_path / "none")] == [1]
     assert not any((tmp_path / "none" / "checkpoints").iterdir())
-    model, params = jodpo.load_model(str(trainer.save_model()))
+    with pytest.warns(UserWarning, match="names the run's output_dir, whose config.json and checkpoints/ are the "
+                                         "run's"):
+        saved = trainer.save_model(str(tmp_path / "none"))  # TRL's scripts save to output_dir
+    assert saved == tmp_path / "none" / "final" and json.loads((tmp_path / "none" / "config.json").read_text())[
+        "save_strategy"] == "no"
+    model, params = jodpo.load_model(str(saved))
     assert model.vocab_size == jodpo.load_model(policy)[0].vocab_size

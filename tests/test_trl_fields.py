@@ -127,8 +127,10 @@ def test_accepted_fields_map_onto_jodpos_or_are_no_ops_said_once():
     assert (again.torch_compile, again.vllm_mode, again.use_cache, again.optim) == (True, "server", False,
                                                                                    "adamw_torch")
     notes = T.notes(again.trl_given)
-    assert "torch_compile=True has no effect in jodpo: XLA compiles every program jodpo runs, whatever this says" in notes
-    assert any(n.startswith("remove_unused_columns=True has no effect in jodpo: jodpo keeps every column") for n in notes)
+    assert "torch_compile=True has no effect in jodpo: XLA compiles every program jodpo runs, whatever this says" in \
+        notes
+    assert any(n.startswith("remove_unused_columns=True has no effect in jodpo: jodpo keeps every column")
+               for n in notes)
     assert not any(n.startswith(("optim=", "use_vllm=")) for n in notes)  # what jodpo does anyway: nothing to say
     assert cfg.to_dict()["hub_token"] == "<HUB_TOKEN>" and cfg.hub_token == "hf_secret"  # never in config.json
     # the command line reads them as TRL's parser does: a bare flag is True, several words a list
@@ -198,3 +200,32 @@ def test_a_push_that_fails_is_one_line_before_the_run_trains(monkeypatch):
                        + r".*; check the network, hub_token \(or \$HF_TOKEN\) and hub_model_id \('run'\); the run's "
                          "checkpoints are intact"):
         Hub(C.TrainConfig(output_dir="/tmp/somewhere/run", push_to_hub=True, hub_token="hf_stand_in"))
+
+
+def test_all_checkpoints_pushes_each_saves_run_to_a_folder_of_its_own(tmp_path, monkeypatch):
+    """hub_strategy="all_checkpoints": besides the policy, each save's resumable run (config.json, source_model/,
+    that step's checkpoint) goes to checkpoint-<step>/, the earlier ones kept (the policy's export is stubbed: the
+    runs in tests/test_trainer.py push real ones)."""
+    from jodpo.program.hub import Hub
+    from tests import hub_stand_in
+
+    run = tmp_path / "run"
+    for path in ("config.json", "source_model/config.json", "checkpoints/2/state/a", "checkpoints/4/state/a",
+                 "metrics.jsonl", "jodpo.lock"):
+        (run / path).parent.mkdir(parents=True, exist_ok=True)
+        (run / path).write_text(path)
+    hub = hub_stand_in.HubStandIn()
+    hub_stand_in.patch(hub, monkeypatch)
+    try:
+        pushes = Hub(C.TrainConfig(output_dir=str(run), push_to_hub=True, hub_strategy="all_checkpoints",
+                                   save_strategy="steps"))
+        monkeypatch.setattr(pushes, "push_policy", lambda *a, **k: None)
+        pushes.push_save(run, 2, 0.5)
+        pushes.push_save(run, 4, 1.0)
+        assert sorted(hub.files("stand-in-user/run")) == [
+            f"checkpoint-{s}/{p}" for s in (2, 4) for p in ("checkpoints/" + str(s) + "/state/a", "config.json",
+                                                             "source_model/config.json")]
+        assert [c["summary"] for c in hub.commits] == ["Training in progress, step 2, checkpoint",
+                                                       "Training in progress, step 4, checkpoint"]
+    finally:
+        hub.close()

@@ -158,7 +158,8 @@ class _Fields:
     hub_strategy: str = _f("every_save", "what is pushed when: every_save (the policy, at each save) | checkpoint "
                                          "(also the resumable run, to last-checkpoint/) | all_checkpoints (also each "
                                          "save's run, to checkpoint-STEP/) | end (the policy at the end only)")
-    hub_token: str | None = _f(None, "the Hub token pushes use (None: huggingface_hub's own: $HF_TOKEN or hf auth login)")
+    hub_token: str | None = _f(None, "the Hub token pushes use (None: huggingface_hub's own: $HF_TOKEN or hf auth "
+                                     "login)")
     hub_private_repo: bool | None = _f(None, "create the repo private (None: the namespace's default); an existing "
                                              "repo is left as it is")
     hub_revision: str | None = _f(None, "the branch pushed to (None: main)")

@@ -163,8 +163,8 @@ def dotted_overrides(rest: list[str], names=None) -> dict:
 
 
 def _hint(given: str, names=None) -> str | None:
-    """The field (as ``given`` is written: ``--FIELD`` or ``FIELD``) that ``given`` most resembles, of ``names`` (default
-    jodpo's fields and TRL's others: ``trl_fields.hint``)."""
+    """The field (written as ``given`` is: ``--FIELD`` or ``FIELD``) that ``given`` most resembles, of ``names``
+    (default jodpo's fields and TRL's others: ``trl_fields.hint``)."""
     bare = given.lstrip("-")
     close = trl_fields.hint(bare, FIELDS) if names is None else \
         next(iter(difflib.get_close_matches(bare, names, n=1)), None)

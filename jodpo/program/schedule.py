@@ -31,7 +31,8 @@ def check(c) -> None:
     if c.hub_strategy not in HUB_STRATEGIES:
         raise ConfigError(f"hub_strategy must be one of {HUB_STRATEGIES}, got {c.hub_strategy!r}")
     if not c.save_steps > 0:
-        raise ConfigError(f"save_steps must be > 0 (a step count, or a fraction of the run below 1), got {c.save_steps}")
+        raise ConfigError(f"save_steps must be > 0 (a step count, or a fraction of the run below 1), got "
+                          f"{c.save_steps}")
     if c.eval_steps is not None and not c.eval_steps > 0:
         raise ConfigError(f"eval_steps must be > 0 (a step count, or a fraction of the run below 1) or None "
                           f"(logging_steps), got {c.eval_steps}")

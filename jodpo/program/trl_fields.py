@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 from typing import Callable
 
 from jodpo.errors import ConfigError
@@ -45,16 +46,23 @@ def mapped(default, reason: str, maps: Callable[[object], dict]) -> Answer:
 
 
 def _keys(value, what: str) -> dict:
+    """A dict field's value: a dict, or its JSON text (as transformers reads its dict fields), or None."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            pass
     if value is None:
         return {}
     if not isinstance(value, dict):
-        raise ValueError(f"{what} is a dict of keyword arguments, got a {type(value).__name__}")
+        raise ValueError(f"{what} is a dict of keyword arguments (or its JSON), got a {type(value).__name__}")
     return value
 
 
 SAMPLING = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty")
-_GENERATION_IGNORED = {"use_cache": "jodpo's sampler always decodes with its own KV cache",
-                       "do_sample": None}  # True: what TRL's online trainers do; False is refused below
+# use_cache: jodpo's sampler always decodes with its own KV cache; do_sample=True is what TRL's online trainers do
+# (False is refused below)
+_GENERATION_IGNORED = ("use_cache", "do_sample")
 
 
 def _generation(value) -> dict:
@@ -207,7 +215,7 @@ TABLE: dict[str, Answer] = {
     "include_num_input_tokens_seen": only("no", "jodpo does not count the input tokens seen", False),
     "log_level": noop("passive", "transformers' logging verbosity; jodpo prints its own lines"),
     "log_level_replica": noop("warning", "transformers' logging verbosity; jodpo prints on process 0 only"),
-    "disable_tqdm": noop(None, "jodpo's progress bar is one line, rewritten in place"),
+    "disable_tqdm": noop(None, "jodpo always shows its one-line progress bar (on stderr, rewritten in place)"),
     "project": noop("huggingface", _TRACKIO),
     "trackio_space_id": noop(None, _TRACKIO),
     "trackio_bucket_id": noop(None, _TRACKIO),
