@@ -39,7 +39,8 @@ TINY = dict(max_steps=2, per_device_train_batch_size=2, max_new_tokens=4, max_le
             prompt_buckets=[64], logging_steps=1, bf16=False, report_to="none", seed=3)
 
 
-def test_trls_example_with_its_import_changed_logs_what_the_command_line_logs(checkpoints, tmp_path, monkeypatch):
+def test_trls_example_with_its_import_changed_logs_what_the_command_line_logs(checkpoints, tmp_path, monkeypatch,
+                                                                             capsys):
     (tmp_path / "my_reward.py").write_text("def reward_len(completions, **kwargs):\n"
                                            "    return [-abs(8 - len(c)) / 8 for c in completions]\n")
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -54,10 +55,20 @@ def test_trls_example_with_its_import_changed_logs_what_the_command_line_logs(ch
 
     cli = ["--model_name_or_path", model, "--dataset_name", str(data / "train.jsonl"), "--reward_funcs",
            "my_reward:reward_len", "--output_dir", str(tmp_path / "cli"), "--prompt_buckets", "64",
-           *[f"--config.{k}={v!r}" for k, v in TINY.items() if k != "prompt_buckets"]]
-    assert train.main(cli) == 0  # a second run in the same process
+           *[f"--config.{k}={v!r}" for k, v in TINY.items() if k != "prompt_buckets"], "--push_to_hub",
+           "--hub_strategy", "end", "--torch_compile"]  # the command pushes when training ends, as TRL's scripts do
+    hub = hub_stand_in.HubStandIn()
+    hub_stand_in.patch(hub, monkeypatch)
+    try:
+        assert train.main(cli) == 0  # a second run in the same process
+    finally:
+        hub.close()
     api, command = subproc.metrics_lines(tmp_path / "api"), subproc.metrics_lines(tmp_path / "cli")
     assert [m["step"] for m in api] == [1, 2] and api == command
+    assert [c["summary"] for c in hub.commits] == ["End of training"] and "config.json" in hub.files(
+        "stand-in-user/cli")
+    said = capsys.readouterr().out
+    assert "jodpo.train: torch_compile=True has no effect in jodpo: XLA compiles every program" in said
 
     out = scope["trainer"].save_model(str(tmp_path / "saved"))
     reread, _ = jodpo.load_model(str(out))
