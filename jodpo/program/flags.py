@@ -167,7 +167,7 @@ def _hint(given: str, names=None) -> str | None:
     (default jodpo's fields and TRL's others: ``trl_fields.hint``)."""
     bare = given.lstrip("-")
     close = trl_fields.hint(bare, FIELDS) if names is None else \
-        next(iter(difflib.get_close_matches(bare, names, n=1)), None)
+        next(iter(difflib.get_close_matches(bare, names, n=1, cutoff=trl_fields.HINT_CUTOFF)), None)
     return None if close is None else given[:len(given) - len(bare)] + close
 
 

@@ -293,10 +293,14 @@ TABLE: dict[str, Answer] = {
                                      "whole)"),
 }
 
-# Names that are not TRL 1.16's but mean one of jodpo's fields: the hint a wrong name gets
+# Names that are not TRL 1.16's but mean one of jodpo's fields (older transformers and TRL names, TRL GRPO's,
+# open-instruct's: docs/open_instruct.md): the hint a wrong name gets
 ALIASES = {"evaluation_strategy": "eval_strategy", "max_completion_length": "max_new_tokens",
-           "num_completions": "num_generations", "torch_dtype": "dtype", "push_to_hub_model_id": "hub_model_id",
-           "push_to_hub_token": "hub_token", "lr": "learning_rate"}
+           "torch_dtype": "dtype", "push_to_hub_model_id": "hub_model_id", "push_to_hub_token": "hub_token",
+           "response_length": "max_new_tokens", "max_token_length": "max_length",
+           "max_prompt_token_length": "max_prompt_length", "non_stop_penalty": "non_eos_penalty",
+           "dataset_train_splits": "dataset_train_split", "dataset_eval_splits": "dataset_test_split",
+           "exp_name": "run_name"}
 
 
 def _accepted(a: Answer, value) -> bool:
@@ -316,12 +320,15 @@ def check(name: str, value) -> dict:
     return a.maps(value)
 
 
+HINT_CUTOFF = 0.8  # a misspelling (learnin_rate, betta), not another name that shares a word (num_evals, num_epochs)
+
+
 def hint(name: str, fields) -> str | None:
     """The field a wrong name most likely meant: an alias, or a close spelling of a jodpo or TRL field (every TRL
     field is one of them, so a real TRL field never gets here and is never pointed at another of other meaning)."""
     if name in ALIASES:
         return ALIASES[name]
-    close = difflib.get_close_matches(name, [*fields, *TABLE], n=1)
+    close = difflib.get_close_matches(name, [*fields, *TABLE], n=1, cutoff=HINT_CUTOFF)
     return close[0] if close else None
 
 
