@@ -234,6 +234,8 @@ class _Callbacks(loop.Events):
     """The loop's events as TRL's trainer calls its callbacks: transformers' ``TrainerState`` and ``TrainerControl``
     (importable without torch), the same keyword arguments (no torch model, optimizer or data loaders: None)."""
 
+    wants_policy = True  # save_model() exports it when no checkpoint holds it (save_strategy="no")
+
     def __init__(self, trainer: OnlineDPOTrainer, args: TrainConfig):
         from transformers.trainer_callback import TrainerControl, TrainerState
 
@@ -281,8 +283,6 @@ class _Callbacks(loop.Events):
 
     def train_end(self, step: int) -> None:
         self._call("on_train_end")
-
-    wants_policy = True  # save_model() exports it when no checkpoint holds it (save_strategy="no")
 
     def trained(self, params) -> None:
         self.trainer._policy = params
