@@ -60,3 +60,7 @@ class Stopped(Exception):
 
 class Diverged(RuntimeError):
     """Too many updates in a row were skipped for a non-finite loss or gradient norm."""
+
+
+class HubError(RuntimeError):
+    """A push to the Hub (``push_to_hub``) that failed; the run's checkpoints are intact."""

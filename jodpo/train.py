@@ -11,8 +11,8 @@ import sys
 
 import jax
 
-from jodpo.errors import (BackendError, CheckpointError, ConfigError, DataError, Diverged, SaveError,  # noqa: F401
-                          Stopped)
+from jodpo.errors import (BackendError, CheckpointError, ConfigError, DataError, Diverged, HubError,  # noqa: F401
+                          SaveError, Stopped)
 from jodpo.program import aborts, backend
 from jodpo.program import flags as F
 from jodpo.program.config import FIELDS, TrainConfig
@@ -24,7 +24,8 @@ def parse_args(argv: list[str]) -> tuple[TrainConfig, argparse.Namespace]:
     own flags (``notes``: lines to show, from ``flags.with_overrides``). Mistakes are ``ConfigError``s."""
     parser = F.Parser(prog="python -m jodpo.train", description="Online DPO (and DPO) in JAX.",
                       formatter_class=argparse.RawDescriptionHelpFormatter,
-                      epilog="Every field is also --config.FIELD=VALUE (a Python literal). docs/config.md lists them.")
+                      epilog="Every field is also --config.FIELD=VALUE (a Python literal). docs/config.md lists them, "
+                             "and answers each of TRL's other fields, which are taken too.")
     parser.add_argument("--config", help="the recipe: a Python config file, a YAML file of TRL field names, or a "
                                           "bundled config by name (tiny.py, tldr.py, ...); without it every field "
                                           "starts at its TRL default")
@@ -39,8 +40,9 @@ def parse_args(argv: list[str]) -> tuple[TrainConfig, argparse.Namespace]:
     group.add_argument("--num_processes", type=int, help="processes in the job (with --coordinator_address)")
     group.add_argument("--process_id", type=int, help="this process's index, 0 .. num_processes-1")
     F.add_field_flags(parser, FIELDS, "fields (TRL's names: --FIELD VALUE, or --config.FIELD=VALUE)")
+    F.add_trl_flags(parser)
     args, rest = parser.parse_known_args(argv)
-    overrides = F.given_fields(args, FIELDS) | F.dotted_overrides(rest)
+    overrides = F.given_fields(args, FIELDS) | F.given_trl_fields(args) | F.dotted_overrides(rest)
     cfg, note = F.with_overrides(F.load_recipe(args.config), overrides)
     args.notes = [note] if note else []
     return cfg, args
@@ -75,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
             for line in [*args.notes, *said]:
                 print(f"jodpo.train: {line}", file=sys.stderr if line.startswith("warning") else sys.stdout,
                       flush=True)
-        loop.train(cfg, args.allow_config_change)  # the program (OnlineDPOTrainer.train's, without its TrainerState)
+        # the program (OnlineDPOTrainer.train's, without its TrainerState); the end pushed as TRL's scripts push it
+        loop.train(cfg, args.allow_config_change, push_at_end=True)
     except Stopped as e:
         print(f"jodpo.train: {e}", file=sys.stderr)
         return 0
@@ -83,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         print("jodpo.train: interrupted: stopped at once; a checkpoint being written was abandoned (the complete ones "
               "are kept): run the same command to resume from the newest", file=sys.stderr)
         return INTERRUPTED
-    except (SaveError, Diverged) as e:
+    except (SaveError, Diverged, HubError) as e:
         if debug:
             raise
         print(f"jodpo.train: error: {e}", file=sys.stderr)

@@ -213,13 +213,13 @@ def test_overriding_the_training_data_drops_the_recipes_evaluation_set(tmp_path,
     """A recipe's eval_dataset belongs to its data: --dataset_name without --eval_dataset drops it (said in one line),
     so evaluation never runs the recipe's prompts with the user's rewards; given together, both are kept."""
     recipe = C.load_config_file("tiny.py")
-    assert recipe.eval_dataset and recipe.eval_steps
+    assert recipe.eval_dataset and recipe.eval_strategy == "steps"
     cfg, args = train.parse_args(["--config", "tiny.py", "--dataset_name", "mine.jsonl"])
     assert (cfg.dataset_name, cfg.eval_dataset, cfg.eval_steps) == ("mine.jsonl", None, recipe.eval_steps)
     assert args.notes == [f"dataset_name overridden, so the recipe's eval_dataset={recipe.eval_dataset!r} is dropped "
-                          f"(it belongs to the recipe's data): evaluation (eval_steps={recipe.eval_steps}) now runs on "
+                          "(it belongs to the recipe's data): evaluation (eval_strategy='steps') now runs on "
                           "dataset_name's 'train' split; give --eval_dataset to evaluate on another set"]
-    cfg, args = train.parse_args(["--config", "tiny.py", "--config.dataset_name=mine.jsonl", "--eval_steps", "None"])
+    cfg, args = train.parse_args(["--config", "tiny.py", "--config.dataset_name=mine.jsonl", "--eval_strategy", "no"])
     assert cfg.eval_dataset is None and args.notes[0].endswith("evaluation is off; give --eval_dataset to evaluate "
                                                                "on another set")
     for argv in (["--dataset_name", "mine.jsonl", "--eval_dataset", "other.jsonl"],  # both given: both kept

@@ -23,7 +23,8 @@ def test_runtime_only_chat_run_from_the_callers_directory(checkpoints, tmp_path)
         f"model_name_or_path: {checkpoints['qwen2']['causal_lm']}\n"
         "dataset_name: data/train.jsonl\neval_dataset: data/test.jsonl\ndataset_test_split: train\n"
         "reward_funcs: [my_rewards:concise]\nper_device_train_batch_size: 2\nmax_new_tokens: 4\nmax_length: 96\n"
-        "max_prompt_length: 64\nprompt_buckets: [64]\nmax_eval_prompts: 2\nper_device_eval_batch_size: 2\nreport_to: none\n")
+        "max_prompt_length: 64\nprompt_buckets: [64]\nmax_eval_prompts: 2\nper_device_eval_batch_size: 2\nreport_to: none\n"
+        "eval_strategy: steps\n")
     before = sorted(p.name for p in subproc.ROOT.iterdir())
     python, env = subproc.without_torch(subproc.env())
     cmd = [*python, "-m", "jodpo.train", "--config", "recipe.yaml", "--output_dir", "runs/mine", "--max_steps", "2",

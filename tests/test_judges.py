@@ -135,8 +135,8 @@ def test_a_callable_judge_trains_end_to_end(checkpoints, tmp_path):
                         dataset_name=str(hf_fixtures.prompt_dataset(tmp_path / "data")),
                         output_dir=str(tmp_path / "out"), max_steps=3, per_device_train_batch_size=4,
                         learning_rate=1e-3, logging_steps=1, max_new_tokens=8, max_length=120, bf16=False,
-                        eval_steps=3, max_eval_prompts=4, per_device_eval_batch_size=4, num_generations=3,
-                        use_peft=True, lora_r=4)
+                        eval_strategy="steps", eval_steps=3, max_eval_prompts=4, per_device_eval_batch_size=4,
+                        num_generations=3, use_peft=True, lora_r=4)
     last = loop.train(cfg)
     lines = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in lines if "loss" in m]

@@ -160,7 +160,8 @@ def test_every_config_runs_two_steps_on_local_stand_ins(name, checkpoints, tmp_p
         "reward_model_path": str(checkpoints[stand_in(cfg.reward_model_path or cfg.model_name_or_path)]["reward"])}
     cfg = cfg.replace(model_name_or_path=str(checkpoints[family]["causal_lm"]), **scorer, **source,
                       output_dir=str(tmp_path / "out"), total_episodes=None, max_steps=2, per_device_train_batch_size=2,
-                      max_new_tokens=6, max_length=P + 24, max_prompt_length=P, eval_steps=2, max_eval_prompts=4,
+                      max_new_tokens=6, max_length=P + 24, max_prompt_length=P, eval_strategy="steps", eval_steps=2,
+                      max_eval_prompts=4,
                       per_device_eval_batch_size=2, logging_steps=1,
                       prompt_buckets=(P,))  # one prompt shape: each program compiles once (the prompts straddle 64)
     last = loop.train(cfg)

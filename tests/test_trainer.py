@@ -1,15 +1,22 @@
 """TRL's Python API: TRL's documented online-DPO example, with only its import changed, runs on jodpo (tiny local
 stand-ins for its model, tokenizer and dataset, a Python reward function) and logs what the command line logs for
-the same config, in the same process."""
+the same config, in the same process; a TRL script that pushes to the Hub (a local stand-in of its API) and saves
+and evaluates by transformers' strategies runs too."""
 import json
+import os
+import re
+import signal
+import subprocess
+import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
 import jodpo
 from jodpo import train
-from jodpo.errors import ConfigError
-from tests import hf_fixtures, subproc
+from jodpo.errors import ConfigError, Stopped
+from tests import hf_fixtures, hub_stand_in, subproc
 
 # TRL's example (docs: Online DPO Trainer, "Quick start" with a reward), with `trl.experimental.online_dpo` -> `jodpo`
 EXAMPLE = """
@@ -32,7 +39,8 @@ TINY = dict(max_steps=2, per_device_train_batch_size=2, max_new_tokens=4, max_le
             prompt_buckets=[64], logging_steps=1, bf16=False, report_to="none", seed=3)
 
 
-def test_trls_example_with_its_import_changed_logs_what_the_command_line_logs(checkpoints, tmp_path, monkeypatch):
+def test_trls_example_with_its_import_changed_logs_what_the_command_line_logs(checkpoints, tmp_path, monkeypatch,
+                                                                             capsys):
     (tmp_path / "my_reward.py").write_text("def reward_len(completions, **kwargs):\n"
                                            "    return [-abs(8 - len(c)) / 8 for c in completions]\n")
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -47,10 +55,20 @@ def test_trls_example_with_its_import_changed_logs_what_the_command_line_logs(ch
 
     cli = ["--model_name_or_path", model, "--dataset_name", str(data / "train.jsonl"), "--reward_funcs",
            "my_reward:reward_len", "--output_dir", str(tmp_path / "cli"), "--prompt_buckets", "64",
-           *[f"--config.{k}={v!r}" for k, v in TINY.items() if k != "prompt_buckets"]]
-    assert train.main(cli) == 0  # a second run in the same process
+           *[f"--config.{k}={v!r}" for k, v in TINY.items() if k != "prompt_buckets"], "--push_to_hub",
+           "--hub_strategy", "end", "--torch_compile"]  # the command pushes when training ends, as TRL's scripts do
+    hub = hub_stand_in.HubStandIn()
+    hub_stand_in.patch(hub, monkeypatch)
+    try:
+        assert train.main(cli) == 0  # a second run in the same process
+    finally:
+        hub.close()
     api, command = subproc.metrics_lines(tmp_path / "api"), subproc.metrics_lines(tmp_path / "cli")
     assert [m["step"] for m in api] == [1, 2] and api == command
+    assert [c["summary"] for c in hub.commits] == ["End of training"] and "config.json" in hub.files(
+        "stand-in-user/cli")
+    said = capsys.readouterr().out
+    assert "jodpo.train: torch_compile=True has no effect in jodpo: XLA compiles every program" in said
 
     out = scope["trainer"].save_model(str(tmp_path / "saved"))
     reread, _ = jodpo.load_model(str(out))
@@ -167,7 +185,7 @@ def test_objects_peft_eval_sets_and_callbacks_through_train(checkpoints, tmp_pat
     data = hf_fixtures.prompt_dataset(tmp_path / "data")
     rows = {s: Dataset.from_json(str(data / f"{s}.jsonl")) for s in ("train", "test")}
     evals = {"short": rows["test"].select(range(2)), "long": rows["test"].select(range(2, 6))}
-    tiny = TINY | dict(max_eval_prompts=4, per_device_eval_batch_size=2)
+    tiny = TINY | dict(max_eval_prompts=4, per_device_eval_batch_size=2, eval_strategy="steps", eval_steps=2)
 
     recorder = Recorder()
     objects = jodpo.OnlineDPOTrainer(
@@ -250,3 +268,174 @@ def test_a_ref_model_of_its_own_is_the_reference(checkpoints, tmp_path):
         run("llama", ref_model=str(checkpoints["llama"]["causal_lm"]))
     with pytest.raises(ConfigError, match="ref_model: with peft_config the reference is the base"):
         run("peft", ref_model=path, peft_config={"peft_type": "LORA", "r": 2, "lora_alpha": 4})
+
+
+# TRL 1.16's quick start as a script that pushes to the Hub and saves and evaluates by steps, ending as TRL's example
+# scripts end (save_model, push_to_hub), with only its import changed (`trl.experimental.online_dpo` -> `jodpo`)
+PUSHING = """
+import sys
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from jodpo import OnlineDPOConfig, OnlineDPOTrainer
+
+
+def reward_len(completions, **kwargs):
+    return [-abs(8 - len(c)) / 8 for c in completions]
+
+
+model_dir, data_dir, out, export, tiny = sys.argv[1:6]
+model = AutoModelForCausalLM.from_pretrained(model_dir)
+tokenizer = AutoTokenizer.from_pretrained(model_dir)
+training_args = OnlineDPOConfig(
+    output_dir=out, push_to_hub=True, hub_model_id="tiny-online-dpo", hub_token="hf_stand_in", save_strategy="steps",
+    save_steps=2, eval_strategy="steps", eval_steps=2, logging_first_step=True, logging_steps=2, **eval(tiny))
+trainer = OnlineDPOTrainer(
+    model=model, reward_funcs=reward_len, args=training_args, processing_class=tokenizer,
+    train_dataset=Dataset.from_json(f"{data_dir}/train.jsonl"),
+    eval_dataset=Dataset.from_json(f"{data_dir}/test.jsonl"))
+trainer.train()
+trainer.save_model(export)
+trainer.push_to_hub()
+"""
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _exported(files: dict[str, bytes]) -> dict[str, bytes]:
+    """An export's files, its tokenizer_config.json without the ``local_files_only`` it records (whether the
+    tokenizer was read offline: the test's process is, the script's is not)."""
+    config = json.loads(files["tokenizer_config.json"])
+    config.pop("local_files_only", None)
+    return files | {"tokenizer_config.json": json.dumps(config, sort_keys=True).encode()}
+
+
+def test_a_trl_script_that_pushes_saves_and_evaluates_by_steps(checkpoints, tmp_path):
+    """Issue 59: push_to_hub, save_strategy, eval_strategy and logging_first_step were refused. The script runs: step
+    1 is logged besides every logging_steps (and the last), evaluations and saves come every 2 steps and at the end,
+    each save is pushed as the policy exported from it (transformers' "Training in progress, step N"), then the
+    script's save_model ("Model save") and push_to_hub ("End of training"): the repo holds the export."""
+    data = hf_fixtures.prompt_dataset(tmp_path / "data", chat=True)
+    out, export, script = tmp_path / "run", tmp_path / "export", tmp_path / "train_online_dpo.py"
+    script.write_text(PUSHING)
+    tiny = {k: v for k, v in TINY.items() if k != "logging_steps"} | dict(max_steps=3, max_eval_prompts=4,
+                                                                            per_device_eval_batch_size=2)
+    hub = hub_stand_in.HubStandIn()
+    try:
+        done = subprocess.run([sys.executable, str(script), str(checkpoints["qwen2"]["causal_lm"]), str(data),
+                               str(out), str(export), repr(tiny)], cwd=tmp_path, capture_output=True, text=True,
+                              env=subproc.env(**hub_stand_in.environment(hub)), timeout=600)
+    finally:
+        hub.close()
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = subproc.metrics_lines(out)
+    assert [m["step"] for m in lines if "loss" in m] == [1, 2, 3]
+    assert [m["step"] for m in lines if "eval/objective/scores" in m] == [2, 3]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["2", "3"]
+    assert json.loads((out / "config.json").read_text())["hub_token"] == "<HUB_TOKEN>"
+    from jodpo.program.trained_policy import export_run
+
+    repo = "stand-in-user/tiny-online-dpo"
+    assert list(hub.repos) == [repo] and [c["summary"] for c in hub.commits] == [
+        "Training in progress, step 2", "Training in progress, step 3", "Model save", "End of training"]
+    assert _exported(hub.commits[0]["added"]) == _exported(_files(export_run(out, tmp_path / "step2",
+                                                                             out / "checkpoints" / "2")))
+    exported = _files(export)
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(exported)
+    assert hub.files(repo) == exported == hub.commits[1]["added"]
+    assert "pushed step 2 to the Hub (stand-in-user/tiny-online-dpo, hub_strategy='every_save')" in done.stdout
+
+
+class _Preempted:
+    """A callback standing in for a preemption: SIGTERM at the end of step 1."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_evaluating_a_scripts_own_rows_needs_an_eval_dataset(checkpoints, tmp_path):
+    from datasets import Dataset
+
+    from jodpo.program.run import build
+
+    rows = Dataset.from_json(str(hf_fixtures.prompt_dataset(tmp_path / "data") / "train.jsonl"))
+    trainer = jodpo.OnlineDPOTrainer(str(checkpoints["qwen2"]["causal_lm"]), reward_funcs=_reward_len,
+                                     train_dataset=rows, args=jodpo.OnlineDPOConfig(str(tmp_path / "out"),
+                                                                                    eval_strategy="steps", **TINY))
+    with pytest.raises(ConfigError, match=re.escape("eval_strategy='steps' needs an eval_dataset (as transformers' "
+                                                    "Trainer requires one): give the trainer eval_dataset, or set "
+                                                    "eval_strategy='no'")):
+        build(trainer.args, trainer.given)
+
+
+def _reward_len(completions, **kwargs):
+    return [-abs(8 - len(c)) / 8 for c in completions]
+
+
+def test_epoch_and_no_strategies_and_a_pushed_checkpoint_that_resumes(checkpoints, tmp_path, monkeypatch):
+    """save/eval/logging_strategy="epoch" act at each epoch's end and the run's end; hub_strategy="checkpoint" pushes
+    the resumable run to last-checkpoint/ (the older one replaced), which resumes once downloaded; "no" saves,
+    evaluates and logs nothing (but logging_first_step), and save_model() exports the policy train() ended with."""
+    from datasets import Dataset
+
+    data = hf_fixtures.prompt_dataset(tmp_path / "data")
+    rows = Dataset.from_json(str(data / "train.jsonl")).select(range(4))  # 2 steps an epoch, at 2 prompts a step
+    evals = Dataset.from_json(str(data / "test.jsonl")).select(range(4))
+    policy = str(checkpoints["qwen2"]["causal_lm"])
+    tiny = {**TINY, "max_steps": 3, "max_eval_prompts": 4, "per_device_eval_batch_size": 2}
+    hub = hub_stand_in.HubStandIn()
+    hub_stand_in.patch(hub, monkeypatch)
+    try:
+        args = jodpo.OnlineDPOConfig(str(tmp_path / "epoch"), save_strategy="epoch", eval_strategy="epoch",
+                                     logging_strategy="epoch", eval_on_start=True, push_to_hub=True,
+                                     hub_strategy="checkpoint", hub_private_repo=True, hub_revision="dev", **tiny)
+        jodpo.OnlineDPOTrainer(policy, reward_funcs=_reward_len, args=args, train_dataset=rows,
+                               eval_dataset=evals).train()
+        lines = subproc.metrics_lines(tmp_path / "epoch")
+        assert [m["step"] for m in lines if "loss" in m] == [2, 3]
+        assert [m["step"] for m in lines if "eval/win_rate" in m] == [0, 2, 3]  # eval_on_start: the policy at step 0
+        assert sorted(p.name for p in (tmp_path / "epoch" / "checkpoints").iterdir()) == ["2", "3"]
+        assert [c["summary"] for c in hub.commits] == ["Training in progress, epoch 1",
+                                                       "Training in progress, epoch 1, checkpoint"] * 2
+        assert hub.repos["stand-in-user/epoch"]["private"] and {c["revision"] for c in hub.commits} == {"dev"}
+        pushed = hub.files("stand-in-user/epoch", "dev")
+        run = {p[len("last-checkpoint/"):]: b for p, b in pushed.items() if p.startswith("last-checkpoint/")}
+        assert {"config.json", "source_model/config.json"} <= set(run) and not any("checkpoints/2/" in p for p in run)
+        assert run == {p: b for p, b in _files(tmp_path / "epoch").items()
+                       if p in ("config.json",) or p.startswith(("source_model/", "checkpoints/3/"))}
+    finally:
+        hub.close()
+    downloaded = tmp_path / "downloaded"
+    for path, content in run.items():
+        (downloaded / path).parent.mkdir(parents=True, exist_ok=True)
+        (downloaded / path).write_bytes(content)
+    resumed = jodpo.OnlineDPOTrainer(policy, reward_funcs=_reward_len, train_dataset=rows, eval_dataset=evals,
+                                     args=args.replace(output_dir=str(downloaded), max_steps=4, push_to_hub=False))
+    assert resumed.train(allow_config_change=True).global_step == 4  # max_steps 3 -> 4
+    assert [m["step"] for m in subproc.metrics_lines(downloaded) if "loss" in m] == [4]
+
+    args = jodpo.OnlineDPOConfig(str(tmp_path / "none"), save_strategy="no", eval_strategy="no",
+                                 logging_strategy="no", logging_first_step=True, **tiny)
+    trainer = jodpo.OnlineDPOTrainer(policy, reward_funcs=_reward_len, args=args, train_dataset=rows,
+                                     eval_dataset=evals, callbacks=[_Preempted()])
+
+    def unused():
+        return pytest.warns(UserWarning, match="eval_strategy='no' \\(TRL's default\\): the run does not evaluate")
+
+    with pytest.raises(Stopped, match=re.escape("stopped by SIGTERM at step 1; nothing saved (save_strategy='no'): a "
+                                                "run started again begins at step 0")), unused():
+        trainer.train()
+    trainer.callbacks = []
+    with unused():
+        trainer.train()
+    assert [m["step"] for m in subproc.metrics_lines(tmp_path / "none")] == [1]
+    assert not any((tmp_path / "none" / "checkpoints").iterdir())
+    with pytest.warns(UserWarning, match="names the run's output_dir, whose config.json and checkpoints/ are the "
+                                         "run's"):
+        saved = trainer.save_model(str(tmp_path / "none"))  # TRL's scripts save to output_dir
+    assert saved == tmp_path / "none" / "final" and json.loads((tmp_path / "none" / "config.json").read_text())[
+        "save_strategy"] == "no"
+    model, params = jodpo.load_model(str(saved))
+    assert model.vocab_size == jodpo.load_model(policy)[0].vocab_size

@@ -39,7 +39,8 @@ def test_the_first_evaluation_compiles_nothing_after_the_background_compile(chec
     data = hf_fixtures.prompt_dataset(tmp_path / "data")
     cfg = TrainConfig(model_name_or_path=str(checkpoints["neox"]["causal_lm"]),
                       reward_model_path=str(checkpoints["neox"]["reward"]), dataset_name=str(data),
-                      max_new_tokens=5, max_length=160, max_prompt_length=128, per_device_eval_batch_size=4, eval_steps=1,
+                      max_new_tokens=5, max_length=160, max_prompt_length=128, per_device_eval_batch_size=4,
+                      eval_strategy="steps", eval_steps=1,
                       prompt_buckets=(56, 64, 128), output_dir=str(tmp_path / "out"))
     built = run.build(cfg)
     state = loop.initial_state(built)

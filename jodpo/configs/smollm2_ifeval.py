@@ -41,6 +41,7 @@ def get_config() -> TrainConfig:
         missing_eos_penalty=None,  # the reward is IFEval's verdict alone; a cut-off reply is judged as it stands
         logging_steps=1,
         save_steps=30,
+        eval_strategy="steps",
         eval_steps=15,
         num_sample_generations=2,
         bf16=False,

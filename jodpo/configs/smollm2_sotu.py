@@ -43,6 +43,7 @@ def get_config() -> TrainConfig:
         missing_eos_penalty=1.0,
         logging_steps=2,
         save_steps=10,
+        eval_strategy="steps",
         eval_steps=15,
         num_sample_generations=2,
         bf16=False,

@@ -30,6 +30,7 @@ def get_config() -> TrainConfig:
         temperature=1.0,
         logging_steps=10,
         save_steps=100,
+        eval_strategy="steps",
         eval_steps=100,
         num_sample_generations=4,
         bf16=False,

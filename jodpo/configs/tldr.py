@@ -28,6 +28,7 @@ def get_config() -> TrainConfig:
         warmup_ratio=0.1,
         missing_eos_penalty=1.0,
         save_steps=0.1,
+        eval_strategy="steps",
         eval_steps=1000,
         max_eval_prompts=256,
         save_total_limit=2,

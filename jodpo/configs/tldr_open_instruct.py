@@ -3,10 +3,10 @@ field. Each line names the open-instruct flag it reproduces; docs/open_instruct.
 
 Not needed in jodpo: --vllm_device cuda:7 (jodpo samples with its own sampler on the training devices; the
 asynchronous generation it gave open-instruct is async_mode), --local_rollout_forward_batch_size 32 (the reference
-and reward forwards of a micro-batch run in one jitted call), --with_tracking / --push_to_hub /
---hf_metadata_dataset / --no_try_launch_beaker_eval_jobs (metrics.jsonl and tensorboard/ in output_dir;
-scripts/export_hf.py), accelerate with DeepSpeed ZeRO-3 on 7 processes (the default mesh splits parameters,
-gradients and optimizer state over every device).
+and reward forwards of a micro-batch run in one jitted call), --with_tracking / --hf_metadata_dataset /
+--no_try_launch_beaker_eval_jobs (metrics.jsonl and tensorboard/ in output_dir), accelerate with DeepSpeed ZeRO-3
+on 7 processes (the default mesh splits parameters, gradients and optimizer state over every device). --push_to_hub
+is jodpo's push_to_hub (TRL's field), left off here.
 
 The dataset has prompt/chosen/rejected columns; with a reward model jodpo trains online DPO on its prompts (the
 `prompt` text, as open-instruct's simple_concat_with_space template renders it), as open-instruct does."""
@@ -38,6 +38,7 @@ def get_config() -> TrainConfig:
         async_mode=True,  # --vllm_device cuda:7: open-instruct generates one step behind, asynchronously
         temperature=0.7,  # open-instruct's default sampling temperature
         temperature_scaled_logprobs=True,  # open-instruct's loss forward divides the logits by it
-        # evaluation at the end on dataset_eval_mixer; open-instruct's --num_evals N is eval_steps = steps / N
+        eval_strategy="steps",  # on dataset_eval_mixer; open-instruct's --num_evals N is eval_steps = 1 / N of the run:
+        eval_steps=0.25,  # four evaluations, the last at the end
         save_total_limit=2,  # 12 bytes a parameter each (float32 weights + AdamW): about 12 GB for 1B
     )

@@ -16,6 +16,7 @@ def get_config() -> TrainConfig:
         num_train_epochs=1,
         max_new_tokens=64,
         missing_eos_penalty=1.0,
+        eval_strategy="steps",
         eval_steps=500,
         dataset_test_split="test",
         save_total_limit=2,  # 12 bytes a parameter each (float32 weights + Adam): about 6 GB for 0.5B

@@ -12,7 +12,7 @@ def get_config():
     return load_config_file("ultrafeedback_qwen2.py").replace(
         reward_model_path=None,
         missing_eos_penalty=None,
-        eval_steps=None,
+        eval_strategy="no",
         judge="Qwen/Qwen2.5-1.5B-Instruct",  # or 'my_module:MyJudge' (TRL's BasePairwiseJudge.judge shape)
         judge_both_orders=True,  # two rows of the judge's forward per pair: position bias averaged out
         output_dir="Qwen2-0.5B-Online-DPO-LLM-judge",

@@ -13,15 +13,12 @@ import importlib.util
 import types
 import typing
 import traceback
-import warnings
 from pathlib import Path
 
 from jodpo.errors import ConfigError
-from jodpo.losses import LOSSES, LossOptions, check_loss_options
-from jodpo.methods import FIXED_PAIR_SHAPE, OWN_SETTINGS, check_method
-from jodpo.models.model import ATTENTIONS, PRECISIONS
-from jodpo.pairing import PAIRINGS
-from jodpo.program.tracking import trackers
+from jodpo.methods import OWN_SETTINGS
+from jodpo.program import trl_fields
+from jodpo.program.config_checks import check
 from jodpo.program.user_code import MOVED
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"  # the bundled recipes, jodpo/configs/
@@ -33,7 +30,7 @@ def _f(default, help: str):
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainConfig:
+class _Fields:
     # --- models and rewards
     model_name_or_path: str = _f("", "policy (and reference): a local HF checkpoint directory or a hub id")
     reward_model_path: str | None = _f(None, "reward model (*ForSequenceClassification, num_labels=1): dir or hub id")
@@ -135,16 +132,37 @@ class TrainConfig:
     # --- run
     seed: int = _f(42, "seed of the data order, the sampling and any random initialisation")
     output_dir: str = _f("trainer_output", "where metrics.jsonl, tensorboard/, config.json and checkpoints/ go")
-    logging_steps: int = _f(10, "log every this many optimizer steps")
+    logging_strategy: str = _f("steps", "when training lines are logged: steps (every logging_steps) | epoch (at each "
+                                        "epoch's end) | no; the last step too, unless no")
+    logging_steps: int = _f(10, "log every this many optimizer steps (logging_strategy steps)")
+    logging_first_step: bool = _f(False, "log step 1 too")
     report_to: str | tuple[str, ...] = _f("tensorboard", "trackers besides metrics.jsonl: tensorboard | wandb | a list "
                                                        "of them | all | none (docs/tracking.md)")
     run_name: str | None = _f(None, "the run's name in W&B (None: W&B picks one)")
-    save_steps: float = _f(500, "checkpoint every this many steps (< 1: a fraction of the run); the last is saved")
+    save_strategy: str = _f("steps", "when checkpoints are saved: steps (every save_steps) | epoch (at each epoch's "
+                                     "end) | no (none: the run cannot resume); the last step too, unless no")
+    save_steps: float = _f(500, "checkpoint every this many steps (< 1: a fraction of the run; save_strategy steps)")
     save_total_limit: int | None = _f(None, "checkpoints kept, the newest (None: all); from 2 on, the oldest is "
                                             "deleted just before a save, so the disk never holds more")
     save_only_model: bool = _f(False, "checkpoints hold the parameters only, no optimizer state (a third of the "
                                       "bytes); a resume from one restarts AdamW's moments")
-    eval_steps: int | None = _f(None, "evaluate every this many steps (None: only at the end if eval data exists)")
+    eval_strategy: str = _f("no", "when the run evaluates: no (TRL's default, even with eval data) | steps (every "
+                                  "eval_steps, and the last step) | epoch (at each epoch's end, and the last step)")
+    eval_steps: float | None = _f(None, "evaluate every this many steps with eval_strategy steps (< 1: a fraction of "
+                                        "the run; None: logging_steps)")
+    eval_delay: float = _f(0, "steps (eval_strategy steps) or epochs (epoch) to train before the first evaluation")
+    eval_on_start: bool = _f(False, "evaluate the starting policy before the first step (logged at that step)")
+    push_to_hub: bool = _f(False, "push the trained policy (a transformers directory; LoRA: the adapter) to the Hub "
+                                  "repo hub_model_id at saves (hub_strategy); docs/config.md")
+    hub_model_id: str | None = _f(None, "the Hub repo pushed to, 'name' or 'namespace/name' (None: output_dir's name)")
+    hub_strategy: str = _f("every_save", "what is pushed when: every_save (the policy, at each save) | checkpoint "
+                                         "(also the resumable run, to last-checkpoint/) | all_checkpoints (also each "
+                                         "save's run, to checkpoint-STEP/) | end (the policy at the end only)")
+    hub_token: str | None = _f(None, "the Hub token pushes use (None: huggingface_hub's own: $HF_TOKEN or hf auth "
+                                     "login)")
+    hub_private_repo: bool | None = _f(None, "create the repo private (None: the namespace's default); an existing "
+                                             "repo is left as it is")
+    hub_revision: str | None = _f(None, "the branch pushed to (None: main)")
     max_nonfinite_steps: int = _f(10, "stop the run after this many updates in a row skipped for a NaN/Inf loss or gradient")
     num_sample_generations: int = _f(10, "times a table of sample completions is printed over the run")
     bf16: bool = _f(True, "bfloat16 compute with float32 master weights and float32 log-softmax")
@@ -176,7 +194,29 @@ class TrainConfig:
                                             "bfloat16 (with bf16 compute they are kept in bf16, norms as read)")
 
     def __post_init__(self):
-        _check(self)
+        check(self)
+
+
+class TrainConfig(_Fields):
+    """jodpo's config: TRL's fields (names, meanings and defaults) and jodpo's own, typed and frozen. It also takes
+    TRL's other fields (``trl_fields.TABLE``): each is accepted as a no-op, at the values that mean what jodpo does,
+    or mapped onto jodpo's fields; the rest are refused, every one said at once. Read back, such a field gives its
+    value (or TRL's default), as a TRL config would."""
+
+    def __init__(self, **given):
+        fields, trl = trl_fields.answer(given, FIELDS, type(self).__name__)
+        super().__init__(**{k: v if k in given else coerce(k, v) for k, v in fields.items()})
+        object.__setattr__(self, "_trl", trl)
+
+    def __getattr__(self, name: str):
+        if name in trl_fields.TABLE:
+            return self.__dict__.get("_trl", {}).get(name, trl_fields.TABLE[name].default)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    @property
+    def trl_given(self) -> dict:
+        """TRL's other fields given to this config (name -> value), as accepted."""
+        return dict(self.__dict__.get("_trl", {}))
 
     @property
     def micro_batches(self) -> int:
@@ -190,103 +230,21 @@ class TrainConfig:
         return self.num_epochs * self.num_mini_batches
 
     def replace(self, **changes) -> "TrainConfig":
-        return dataclasses.replace(self, **changes)
+        """This config with ``changes`` (jodpo's fields, or TRL's: kept with the ones given before)."""
+        fields, trl = trl_fields.answer(changes, FIELDS, type(self).__name__)
+        new = dataclasses.replace(self, **{k: v if k in changes else coerce(k, v) for k, v in fields.items()})
+        object.__setattr__(new, "_trl", self.trl_given | trl)
+        return new
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The fields as a dict (config.json, W&B's run config); a hub_token is not written, as transformers'."""
+        d = dataclasses.asdict(self)
+        if d["hub_token"] is not None:
+            d["hub_token"] = "<HUB_TOKEN>"
+        return d
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
-
-
-def _check(c: TrainConfig) -> None:
-    positive = ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
-                "num_epochs", "num_mini_batches",
-                "max_new_tokens", "max_length", "max_prompt_length", "logging_steps", "decode_chunk",
-                "max_nonfinite_steps", "sync_steps")
-    for name in positive:
-        if getattr(c, name) < 1:
-            raise ConfigError(f"{name} must be >= 1, got {getattr(c, name)}")
-    if not c.learning_rate > 0:
-        raise ConfigError(f"learning_rate must be > 0, got {c.learning_rate}")
-    if c.num_generations < 2:
-        raise ConfigError(f"num_generations must be >= 2 (a pair needs two completions of a prompt), got "
-                          f"{c.num_generations}")
-    if c.pairing not in PAIRINGS:
-        raise ConfigError(f"pairing must be one of {PAIRINGS}, got {c.pairing!r}")
-    if c.sync_steps > 1 and c.sync_steps % c.updates_per_step:
-        raise ConfigError(f"sync_steps={c.sync_steps} is not a multiple of the {c.updates_per_step} optimizer steps "
-                          "of a rollout (num_epochs x num_mini_batches): the sampler is refreshed between rollouts; "
-                          "use a multiple")
-    betas = c.beta if isinstance(c.beta, tuple) else (c.beta,)
-    if not betas or any(not b > 0 for b in betas):
-        raise ConfigError(f"beta must be > 0 (a number or a list of numbers), got {c.beta}")
-    if c.loss_type not in LOSSES:
-        raise ConfigError(f"unknown loss_type {c.loss_type!r}; choose one of {sorted(LOSSES)}")
-    try:
-        check_loss_options(c.loss_type, LossOptions(c.label_smoothing, c.discopop_tau, c.ipo_length_normalized,
-                                                     c.simpo_gamma, c.rdpo_alpha, c.ld_alpha))
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    _check_method(c)
-    for name in ("param_dtype", "frozen_param_dtype"):
-        if getattr(c, name) not in ("float32", "bfloat16"):
-            raise ConfigError(f"{name} must be float32 or bfloat16, got {getattr(c, name)!r}")
-    sizes = (c.mesh_data, c.mesh_fsdp, c.mesh_tensor)
-    if sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):
-        raise ConfigError(f"mesh_data, mesh_fsdp, mesh_tensor must be >= 1, with at most one -1; got {sizes}")
-    if c.matmul_precision not in PRECISIONS:
-        raise ConfigError(f"matmul_precision must be one of {PRECISIONS}, got {c.matmul_precision!r}")
-    if c.attn_implementation not in ("auto", *ATTENTIONS):
-        raise ConfigError(f"attn_implementation must be one of {('auto', *ATTENTIONS)}, got {c.attn_implementation!r}")
-    if c.attn_implementation == "cudnn" and not c.bf16:
-        raise ConfigError("attn_implementation='cudnn' needs bf16=True (cuDNN's flash attention has no float32 "
-                          "kernel); use 'xla' for float32 compute")
-    if c.dataset_mixer is not None and c.dataset_name:
-        raise ConfigError("dataset_mixer and dataset_name are both set: the mixer replaces dataset_name; unset one")
-    if c.stop_token not in (None, "eos", "period"):
-        raise ConfigError(f"stop_token must be eos or period (open-instruct's), got {c.stop_token!r}")
-    if c.total_episodes is not None and (c.total_episodes < 1 or c.max_steps > 0):
-        raise ConfigError(f"total_episodes must be >= 1 and max_steps unset (both give the run's length); got "
-                          f"total_episodes={c.total_episodes}, max_steps={c.max_steps}")
-    if c.temperature_scaled_logprobs and not c.temperature > 0:
-        raise ConfigError("temperature_scaled_logprobs divides the loss's logits by temperature, which is "
-                          f"{c.temperature}; use a temperature > 0 or turn it off")
-    if c.use_peft and (c.lora_r < 1 or not c.lora_alpha > 0 or not 0 <= c.lora_dropout < 1):
-        raise ConfigError(f"use_peft needs lora_r >= 1, lora_alpha > 0 and 0 <= lora_dropout < 1; got lora_r="
-                          f"{c.lora_r}, lora_alpha={c.lora_alpha}, lora_dropout={c.lora_dropout}")
-    if c.judge is not None:
-        others = [n for n in ("reward_model_path", "reward_funcs", "reward_weights") if getattr(c, n)]
-        if others:
-            raise ConfigError(f"judge and {', '.join(others)} are both set: a run pairs its completions by a judge or "
-                              "by rewards (as TRL enforces); unset one")
-        if c.missing_eos_penalty is not None or c.non_eos_penalty:
-            raise ConfigError("missing_eos_penalty and non_eos_penalty change rewards, and a judge gives none (TRL "
-                              "applies them only with rewards); unset them, or use a reward model")
-        if len(c.judge_answer_tokens) != 2 or c.judge_answer_tokens[0] == c.judge_answer_tokens[1]:
-            raise ConfigError(f"judge_answer_tokens must be two different strings, got {c.judge_answer_tokens!r}")
-    if c.sampler_devices < 0:
-        raise ConfigError(f"sampler_devices must be >= 0 (0: sample on the training devices), got {c.sampler_devices}")
-    trackers(c.report_to)  # unknown names, and a tracker not installed, fail before the run starts
-    if c.remat not in ("auto", "none", "full", "dots"):
-        raise ConfigError(f"remat must be auto, none, full or dots, got {c.remat!r}")
-    if not c.save_steps > 0:
-        raise ConfigError(f"save_steps must be > 0 (a step count, or a fraction of the run below 1), got {c.save_steps}")
-    if c.max_new_tokens >= c.max_length:
-        warnings.warn(f"max_new_tokens ({c.max_new_tokens}) >= max_length ({c.max_length}): prompts will be truncated "
-                      "or removed in the loss forward; use max_length > max_new_tokens + the prompt length "
-                      "(as TRL warns).", stacklevel=3)
-
-
-def _check_method(c: TrainConfig) -> None:
-    """``method`` and the settings of TRL's online family (``jodpo.methods.check_method``)."""
-    options = LossOptions(c.label_smoothing, c.discopop_tau, c.ipo_length_normalized, c.simpo_gamma, c.rdpo_alpha,
-                          c.ld_alpha)
-    try:
-        check_method(c.method, mixture_coef=c.mixture_coef, alpha=c.alpha, loss_type=c.loss_type,
-                     loss_options=options, **{k: getattr(c, k) for k in FIXED_PAIR_SHAPE})
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -344,18 +302,10 @@ def _config_file_errors(path: Path):
 
 
 def from_dict(d: dict, source: str = "config") -> TrainConfig:
-    unknown = sorted(set(d) - set(FIELDS))
-    if unknown:
-        raise ConfigError(f"{source}: unknown field(s) {unknown}. {_did_you_mean(unknown[0])}"
-                          "Run `python -m jodpo.train --help` for the list.")
-    return TrainConfig(**{k: coerce(k, v) for k, v in d.items()})
-
-
-def _did_you_mean(name: str) -> str:
-    import difflib
-
-    close = difflib.get_close_matches(name, FIELDS, n=1)
-    return f"Did you mean {close[0]!r}? " if close else ""
+    """A config of the fields ``d`` names (a config file's dict, a YAML recipe, a run's config.json): jodpo's fields
+    checked against their types, TRL's others answered (``trl_fields``); every unknown name is said at once."""
+    trl_fields.answer(d, FIELDS, source)  # unknown names and refused values first, said with the source
+    return TrainConfig(**{k: coerce(k, v) if k in FIELDS else v for k, v in d.items()})
 
 
 def field_types(annotation) -> tuple:
@@ -369,7 +319,7 @@ def field_types(annotation) -> tuple:
 def coerce(name: str, value):
     """``value`` checked against the field's type; lists become tuples, ints are accepted for floats."""
     if name not in FIELDS:
-        raise ConfigError(f"unknown field {name!r}. {_did_you_mean(name)}Run `python -m jodpo.train --help`.")
+        raise ConfigError(f"{trl_fields.unknown_line([name], FIELDS)} Run `python -m jodpo.train --help`.")
     for t in field_types(name):
         if t is type(None) and value is None:
             return None
@@ -406,7 +356,8 @@ def coerce_elem(t, v):
 
 
 def parse_override(arg: str) -> tuple[str, object]:
-    """``--config.FIELD=VALUE`` -> (FIELD, value). VALUE is a Python literal, or a bare string."""
+    """``--config.FIELD=VALUE`` -> (FIELD, value). VALUE is a Python literal, or a bare string. TRL's other fields
+    (``trl_fields``) come back as parsed, for the config to answer."""
     body = arg[len("--config."):]
     if "=" not in body:
         raise ConfigError(f"{arg}: write overrides as --config.FIELD=VALUE")
@@ -415,6 +366,8 @@ def parse_override(arg: str) -> tuple[str, object]:
         value = ast.literal_eval(text)
     except (ValueError, SyntaxError):
         value = text
+    if name in trl_fields.TABLE and name not in FIELDS:
+        return name, value
     kinds = field_types(name) if name in FIELDS else ()
     listed = isinstance(value, (list, tuple)) and any(typing.get_origin(t) is tuple for t in kinds)
     if str in kinds and value is not None and not isinstance(value, str) and not listed:

@@ -13,6 +13,7 @@ import typing
 from pathlib import Path
 
 from jodpo.errors import ConfigError
+from jodpo.program import trl_fields
 from jodpo.program.config import FIELDS, TrainConfig, coerce, field_types, find_config_file, from_dict, \
     load_config_file, parse_override
 
@@ -98,27 +99,76 @@ def given_fields(args: argparse.Namespace, names) -> dict:
     return out
 
 
-def dotted_overrides(rest: list[str], names=None) -> dict:
-    """``--config.FIELD=VALUE`` arguments -> {FIELD: value}; anything else is an unknown argument, said with the flag
-    it most resembles."""
+def add_trl_flags(parser: argparse.ArgumentParser) -> None:
+    """``--FIELD [VALUE ...]`` for TRL's other fields (``trl_fields.TABLE``), left out of ``--help`` (docs/config.md
+    holds their answers): read as TRL's parser reads them (a bare boolean flag is True, one word a value, several a
+    list), for the config to answer. A name the command already has as its own flag (``--debug``) stays the
+    command's."""
+    for name, answer in trl_fields.TABLE.items():
+        if f"--{name}" in parser._option_string_actions:
+            continue
+        word = _bool if isinstance(answer.default, bool) else _literal
+        parser.add_argument(f"--{name}", nargs="*", type=word, default=argparse.SUPPRESS, help=argparse.SUPPRESS,
+                            dest=f"trl:{name}")
+
+
+def _literal(text: str):
+    """One word of a TRL field's value: JSON or a Python literal (numbers, booleans, None, dicts, lists), else the
+    text."""
+    for parse in (json.loads, ast.literal_eval):
+        try:
+            return parse(text)
+        except (ValueError, SyntaxError):
+            continue
+    return None if text == "none" else text
+
+
+def given_trl_fields(args: argparse.Namespace) -> dict:
+    """TRL's other fields given as ``--FIELD [VALUE ...]``: a bare flag True, one word its value, several a list."""
     out = {}
-    for arg in rest:
-        if not arg.startswith("--config."):
-            raise ConfigError(unknown_argument(arg, names))
-        name, value = parse_override(arg)
-        if names is not None and name not in names:
-            raise ConfigError(f"{arg}: this command does not take {name!r}; it takes {', '.join(sorted(names))}")
-        out[name] = value
+    for name in trl_fields.TABLE:
+        words = getattr(args, f"trl:{name}", None)
+        if words is not None:
+            out[name] = True if words == [] else words[0] if len(words) == 1 else words
     return out
 
 
-def unknown_argument(arg: str, names=None) -> str:
-    flag = arg.split("=", 1)[0]
-    known = [f"--{n}" for n in (FIELDS if names is None else names)]
-    close = difflib.get_close_matches(flag, known, n=1)
-    hint = f" Did you mean {close[0]!r}?" if close else ""
-    return (f"unknown argument {arg!r}.{hint} Fields are set as --FIELD VALUE (TRL's style) or --config.FIELD=VALUE; "
-            "--help lists them")
+def dotted_overrides(rest: list[str], names=None) -> dict:
+    """``--config.FIELD=VALUE`` arguments -> {FIELD: value}; every other argument, and every field the command does
+    not take (``names``: the fields it takes, default all of jodpo's and TRL's others), is said at once, each with
+    the field it most resembles."""
+    takes = (lambda n: n in FIELDS or n in trl_fields.TABLE) if names is None else (lambda n: n in names)
+    flags, fields, foreign, stray, follows_flag = [], [], [], [], False
+    for arg in rest:
+        if arg.startswith("--config."):
+            name = arg[len("--config."):].split("=", 1)[0]
+            if not takes(name):
+                (foreign if name in FIELDS else fields).append(name)
+            follows_flag = False
+        elif arg.startswith("-"):
+            flags.append(arg.split("=", 1)[0])
+            follows_flag = True
+        elif not follows_flag:  # a word after an unknown flag is its value
+            stray.append(arg)
+    problems = [trl_fields.unknown_line(flags, (), "argument", {f: _hint(f, names) for f in flags})] if flags else []
+    if fields:
+        problems.append(trl_fields.unknown_line(fields, (), "field", {f: _hint(f, names) for f in fields}))
+    problems += [f"this command does not take {name!r}; it takes {', '.join(sorted(names))}." for name in foreign]
+    if stray:
+        problems.append(f"Unexpected word{'s' if len(stray) > 1 else ''} {', '.join(repr(w) for w in stray)}.")
+    if problems:
+        raise ConfigError(" ".join(problems) + " Fields are set as --FIELD VALUE (TRL's style) or "
+                                               "--config.FIELD=VALUE; --help lists them")
+    return dict(parse_override(arg) for arg in rest)
+
+
+def _hint(given: str, names=None) -> str | None:
+    """The field (written as ``given`` is: ``--FIELD`` or ``FIELD``) that ``given`` most resembles, of ``names``
+    (default jodpo's fields and TRL's others: ``trl_fields.hint``)."""
+    bare = given.lstrip("-")
+    close = trl_fields.hint(bare, FIELDS) if names is None else \
+        next(iter(difflib.get_close_matches(bare, names, n=1, cutoff=trl_fields.HINT_CUTOFF)), None)
+    return None if close is None else given[:len(given) - len(bare)] + close
 
 
 _TRAIN_DATA = ("dataset_name", "dataset_mixer")
@@ -131,7 +181,7 @@ def with_overrides(recipe: TrainConfig, overrides: dict) -> tuple[TrainConfig, s
     A recipe's evaluation set belongs to the recipe's data: when the training data is overridden (``dataset_name``
     or ``dataset_mixer``) and the evaluation set is not, the recipe's ``eval_dataset`` / ``dataset_eval_mixer`` are
     dropped, as a TRL script evaluates on ``eval_dataset`` only when it is given (else on ``dataset_name``'s
-    ``dataset_test_split``, with ``eval_steps``); otherwise evaluation would silently run the recipe's prompts with
+    ``dataset_test_split``, with ``eval_strategy``); otherwise evaluation would silently run the recipe's prompts with
     the user's rewards."""
     note = None
     dropped = {k: getattr(recipe, k) for k in _EVAL_DATA if getattr(recipe, k)}
@@ -143,8 +193,8 @@ def with_overrides(recipe: TrainConfig, overrides: dict) -> tuple[TrainConfig, s
     cfg = recipe.replace(**overrides) if overrides else recipe
     if dropped:
         said = ", ".join(f"{k}={v!r}" for k, v in dropped.items())
-        where = (f"evaluation (eval_steps={cfg.eval_steps}) now runs on {' and '.join(changed)}'s "
-                 f"{cfg.dataset_test_split!r} split" if cfg.eval_steps else "evaluation is off")
+        where = (f"evaluation (eval_strategy={cfg.eval_strategy!r}) now runs on {' and '.join(changed)}'s "
+                 f"{cfg.dataset_test_split!r} split" if cfg.eval_strategy != "no" else "evaluation is off")
         note = (f"{' and '.join(changed)} overridden, so the recipe's {said} is dropped (it belongs to the "
                 f"recipe's data): {where}; give --eval_dataset to evaluate on another set")
     return cfg, note
@@ -188,4 +238,5 @@ def load_yaml(path: Path) -> TrainConfig:
     return from_dict(d, source=str(path))
 
 
-__all__ = ["Parser", "add_field_flags", "given_fields", "dotted_overrides", "with_overrides", "load_recipe", "find_config_file"]
+__all__ = ["Parser", "add_field_flags", "add_trl_flags", "given_fields", "given_trl_fields", "dotted_overrides",
+           "with_overrides", "load_recipe", "find_config_file"]

@@ -20,11 +20,12 @@ from jodpo.errors import ConfigError, Diverged, RewardError, Stopped
 from jodpo.program import data as D
 from jodpo import judges as J
 from jodpo import pairing as P
-from jodpo.program import backend, output_dir
+from jodpo.program import backend, output_dir, trl_fields
 from jodpo.parallel import sharding as S
 from jodpo import train_step as ts
 from jodpo.program.checkpoint import Checkpointer, without_optimizer
 from jodpo.program.config import TrainConfig
+from jodpo.program.hub import Hub
 from jodpo.program.training_eval import Evaluation
 from jodpo.program.metrics_log import RunLogger, checkpoint_note, compile_note, loading_note, penalty_note
 from jodpo.program.preemption import StopSignals
@@ -155,7 +156,11 @@ class Events:
     """What the loop tells its caller as it goes (``OnlineDPOTrainer`` turns it into TRL/transformers' callback
     events), on the main process only, in transformers' order: a step's end, then its logged line, its evaluation
     (``log`` with the evaluation's line, then ``evaluate``), its save. ``should_stop()``, asked after each step's
-    events: True ends the run there, saved (a run started again resumes from that step). These do nothing."""
+    events: True ends the run there, saved unless save_strategy='no' (a run started again resumes from that step).
+    ``wants_policy``: with save_strategy='no' the run's trained policy is handed to ``trained`` (on the host) at the
+    end, since no checkpoint holds it. These do nothing."""
+
+    wants_policy = False
 
     def train_begin(self, run: Run, start: int) -> None: ...
     def step_end(self, step: int, epoch: float) -> None: ...
@@ -163,13 +168,14 @@ class Events:
     def evaluate(self, metrics: dict) -> None: ...
     def save(self, step: int) -> None: ...
     def train_end(self, step: int) -> None: ...
+    def trained(self, params) -> None: ...
 
     def should_stop(self) -> bool:
         return False
 
 
 def train(cfg: TrainConfig, allow_config_change: bool = False, given: Given = Given(),
-          events: Events | None = None) -> dict:
+          events: Events | None = None, push_at_end: bool = False) -> dict:
     """Run (or resume) training as configured; returns the last logged metrics.
 
     Resuming (``output_dir`` has a checkpoint) with a config that differs from the saved ``config.json`` is
@@ -182,10 +188,12 @@ def train(cfg: TrainConfig, allow_config_change: bool = False, given: Given = Gi
     made, and prints no "writing to". A checkpoint whose arrays do not fit the configured model, or a dataset other
     than the checkpoint's, raises ``ConfigError`` before anything is written.
     ``given``: objects in place of what the config names (``OnlineDPOTrainer``); ``events``: told of each step,
-    logged line, evaluation and save."""
+    logged line, evaluation and save. With ``push_to_hub``, the saves are pushed as ``hub_strategy`` says
+    (``jodpo.program.hub``); ``push_at_end`` (the command's) also pushes the trained policy when the run ends, as TRL's
+    example scripts end with ``trainer.push_to_hub()``."""
     # The CLI has done this already; a script calling OnlineDPOTrainer gets the same set-up here (the compilation
     # cache, determinism, CPU threads where jax has not started yet, else a warning)
-    for line in backend.prepare(cfg):
+    for line in [*backend.prepare(cfg), *trl_fields.notes(cfg.trl_given)]:
         if jax.process_index() == 0:
             print(f"jodpo.train: {line}", file=sys.stderr if line.startswith("warning") else sys.stdout, flush=True)
     out, created = output_dir.prepare(cfg.output_dir)  # refused in one line before anything is read
@@ -199,7 +207,7 @@ def train(cfg: TrainConfig, allow_config_change: bool = False, given: Given = Gi
         started = True  # the models and the data load: the directory is the run's from here on
         if main:
             print(f"jodpo.train: writing to {out}", flush=True)
-        return _train(run, out, allow_config_change, events or Events())
+        return _train(run, out, allow_config_change, events or Events(), push_at_end)
     finally:
         if lock is not None:
             lock.release()
@@ -207,7 +215,7 @@ def train(cfg: TrainConfig, allow_config_change: bool = False, given: Given = Gi
             output_dir.discard(created)
 
 
-def _train(run: Run, out: Path, allow_config_change: bool, events: Events) -> dict:
+def _train(run: Run, out: Path, allow_config_change: bool, events: Events, push_at_end: bool) -> dict:
     cfg = run.cfg
     layout = run.layout
     ckpt = Checkpointer(out / "checkpoints", cfg.save_total_limit)
@@ -251,8 +259,11 @@ def _train(run: Run, out: Path, allow_config_change: bool, events: Events) -> di
             "" if restarted is None else ", which holds the model only (save_only_model): the optimizer restarts "
             "(AdamW's moments from zero; the learning-rate schedule goes on from where the run is)"))
     if start < run.total_steps:
-        logger.message(checkpoint_note(*_state_bytes(layout), cfg.save_only_model, _saves(run, start),
-                                       cfg.save_total_limit))
+        logger.message(checkpoint_note(*_state_bytes(layout), cfg.save_only_model, run.schedule.saves_after(start),
+                                       cfg.save_total_limit) if run.schedule.saving else
+                       "save_strategy='no': no checkpoint is written, not even the last step's, so this run cannot "
+                       "resume" + (" (OnlineDPOTrainer.save_model() exports the policy it holds when training ends)"
+                                   if events.wants_policy else ""))
         logger.message(compile_note(start + 1, jax.config.jax_compilation_cache_dir))
     if cfg.async_mode and sampler is None:
         logger.message("async_mode: sampling and the update take turns on the same devices (one step off-policy, "
@@ -261,13 +272,26 @@ def _train(run: Run, out: Path, allow_config_change: bool, events: Events) -> di
     evaluation = Evaluation(run) if run.eval is not None else None
     step_fn = offline_iteration if isinstance(run.train, D.PreferenceData) else \
         functools.partial(online_iteration, sampler=sampler)
+    wants_policy = events.wants_policy and not run.schedule.saving  # the same on every process (a gather)
+    hub = Hub(cfg) if cfg.push_to_hub and jax.process_index() == 0 else None  # the repo, before any training
     try:
         with StopSignals() as stop:
             if jax.process_index() != 0:  # the caller's callbacks run once, as transformers' on the main process
                 events = Events()
             events.train_begin(run, start)
-            last = _loop(run, state, start, ckpt, logger, stop, data_fingerprint, step_fn, evaluation, events)
-            events.train_end(int(last.get("step", start)))
+            last, state, done = _loop(run, state, start, ckpt, logger, stop, data_fingerprint, step_fn, evaluation,
+                                      events, out, hub)
+            kept = None
+            if wants_policy or (push_at_end and cfg.push_to_hub and not run.schedule.saving):
+                kept = jax.tree.map(S.to_host, state.params)  # no checkpoint holds it: the host's copy
+            if wants_policy:
+                events.trained(kept)
+            events.train_end(done)
+            if push_at_end and cfg.push_to_hub:
+                ckpt.wait()  # on every process: the last checkpoint is whole on disk before process 0 reads it
+                if hub is not None:
+                    hub.push_policy(out, "End of training", params=kept)
+                    logger.message(f"pushed the policy of step {done} to the Hub ({hub.repo_id})")
             return last
     finally:
         # a second Ctrl-C (KeyboardInterrupt) waits for nothing: not the save in flight, not a background compile
@@ -281,8 +305,9 @@ def _train(run: Run, out: Path, allow_config_change: bool, events: Events) -> di
 
 
 def _loop(run: Run, state, start: int, ckpt: Checkpointer, logger: RunLogger, stop: StopSignals,
-          data_fingerprint: str, step_fn, evaluation: Evaluation | None, events: Events) -> dict:
-    cfg = run.cfg
+          data_fingerprint: str, step_fn, evaluation: Evaluation | None, events: Events, out: Path, hub: Hub | None):
+    """The steps from ``start``; returns ``(the last logged metrics, the state, the step reached)``."""
+    cfg, schedule = run.cfg, run.schedule
     table_every = max(1, run.total_steps // max(1, cfg.num_sample_generations))
     last, t0, since = {}, time.perf_counter(), 0
     skipped, streak = None, 0  # the previous step's skip flag (read a step late: no wait) and the run of skips
@@ -303,12 +328,24 @@ def _loop(run: Run, state, start: int, ckpt: Checkpointer, logger: RunLogger, st
                                 "batch_in_epoch": done % run.steps_per_epoch, "dataset_rows": len(run.train),
                                 "dataset_fingerprint": data_fingerprint, "seed": cfg.seed}, cfg.save_only_model)
 
+    def evaluate(done):
+        nonlocal last
+        with _reward_errors(f"in the evaluation at step {done}"):
+            ev = evaluation(state)
+        logger.log({"step": done} | ev)
+        events.log({"step": done} | ev)
+        events.evaluate(ev)
+        last |= ev
+
+    if cfg.eval_on_start and evaluation is not None and start < run.total_steps:
+        evaluate(start)
+    done = start
     for step in range(start, run.total_steps):
         try:
             state, metrics, sampled = step_fn(run, state, step)
         except RewardError as e:  # the rewards failed before the update: the state is the last step's, whole
             kept = ""
-            if step > start and step % run.save_every:  # steps done since the last save are kept
+            if step > start and schedule.saving and not schedule.saves(step):  # steps done since the last save
                 save(step)
                 ckpt.wait()
                 kept = f"; saved {ckpt.directory}/{step}"
@@ -323,7 +360,7 @@ def _loop(run: Run, state, start: int, ckpt: Checkpointer, logger: RunLogger, st
         since += run.global_batch
         done = step + 1
         events.step_end(done, done / run.steps_per_epoch)
-        if done % cfg.logging_steps == 0 or done == run.total_steps:
+        if schedule.logs(done):
             metrics = {k: float(S.to_host(v)) for k, v in metrics.items()}
             now = time.perf_counter()
             last = metrics | {"step": done, "episode": done * run.global_batch, "epoch": done / run.steps_per_epoch,
@@ -340,41 +377,39 @@ def _loop(run: Run, state, start: int, ckpt: Checkpointer, logger: RunLogger, st
             rows = [(J.plain_text(run.train.prompts[i]), t, float(r))
                     for i, t, r in zip(idx[:B], texts, S.to_host(raw)[0])]
             logger.table(done, rows[:4])
-        if run.eval is not None and (done == run.total_steps or (cfg.eval_steps and done % cfg.eval_steps == 0)):
-            with _reward_errors(f"in the evaluation at step {done}"):
-                ev = evaluation(state)
-            logger.log({"step": done} | ev)
-            events.log({"step": done} | ev)
-            events.evaluate(ev)
-            last |= ev
+        if evaluation is not None and schedule.evaluates(done):
+            evaluate(done)
         logger.advance()
         if done == run.total_steps:
             check_skipped(skipped, done)
         signal_name, asked = stop.requested(), events.should_stop()
-        if done % run.save_every == 0 or done == run.total_steps or signal_name or asked:
+        if schedule.saves(done) or ((signal_name or asked) and schedule.saving):
             save(done)
             events.save(done)
+            if cfg.push_to_hub and cfg.hub_strategy != "end" and not signal_name:  # a stop by signal must be quick
+                ckpt.wait()  # on every process: the checkpoint is whole on disk before process 0 reads it
+                if hub is not None:
+                    hub.push_save(out, done, done / run.steps_per_epoch)
+                    logger.message(f"pushed step {done} to the Hub ({hub.repo_id}, hub_strategy={cfg.hub_strategy!r})")
         if asked and not signal_name:  # a callback's control.should_training_stop
-            logger.message(f"stopped at step {done} as a callback asked (control.should_training_stop); saved "
-                           f"{ckpt.directory}/{done}")
-            return last | {"step": done}
+            logger.message(f"stopped at step {done} as a callback asked (control.should_training_stop); " +
+                           (f"saved {ckpt.directory}/{done}" if schedule.saving else
+                            "nothing saved (save_strategy='no')"))
+            return last, state, done
         if signal_name:
+            if not schedule.saving:
+                raise Stopped(f"stopped by {signal_name} at step {done}; nothing saved (save_strategy='no'): a run "
+                              "started again begins at step 0")
             ckpt.wait()
             raise Stopped(f"stopped by {signal_name} at step {done}; saved {ckpt.directory}/{done}; run the same "
                           "command to resume")
-    return last
+    return last, state, done
 
 
 def _state_bytes(layout) -> tuple[int, int]:
     """Bytes of a checkpoint of this state: whole, and without the optimizer state (``save_only_model``)."""
     size = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))  # noqa: E731
     return size(layout), size(without_optimizer(layout))
-
-
-def _saves(run: Run, start: int) -> int:
-    """The checkpoints the run still writes: every ``save_every`` steps after ``start``, and the last step."""
-    every, total = run.save_every, run.total_steps
-    return total // every - start // every + (1 if total % every else 0)
 
 
 @contextlib.contextmanager

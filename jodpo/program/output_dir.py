@@ -190,9 +190,10 @@ def check_same_config(out: Path, cfg) -> None:
     new = json.loads(json.dumps(cfg.to_dict()))
     # a field added to jodpo after the run started reads as its default (which is what the run used)
     old = json.loads(json.dumps(TrainConfig().to_dict())) | json.loads(saved.read_text())
-    # where things are kept, how much of them, and where they are reported, is not what the run computes (a disk
-    # filling up is fixed by resuming with save_only_model)
-    moved = ("output_dir", "compilation_cache_dir", "report_to", "run_name", "save_only_model")
+    # where things are kept, how much of them, and where they are reported or published, is not what the run computes
+    # (a disk filling up is fixed by resuming with save_only_model)
+    moved = ("output_dir", "compilation_cache_dir", "report_to", "run_name", "save_only_model", "push_to_hub",
+             "hub_model_id", "hub_strategy", "hub_token", "hub_private_repo", "hub_revision")
     changed = sorted(k for k in new if old.get(k) != new[k] and k not in moved)
     if changed:
         detail = ", ".join(f"{k}: {old.get(k)!r} -> {new[k]!r}" for k in changed[:6])

@@ -27,6 +27,7 @@ from jodpo.models.params import frozen_params, param_shapes
 from jodpo.optim import restarted
 from jodpo.models.params import buffers
 from jodpo.program.rewards import RewardSet
+from jodpo.program.schedule import Schedule
 from jodpo.program.sources import (Given, describe_policy, eval_sets, load_judge, load_rewards, load_split, named,
                                    prompt_bos, read_policy, say_attention)
 from jodpo.sampling import SamplingConfig
@@ -55,7 +56,7 @@ class Run:
     global_batch: int
     steps_per_epoch: int
     total_steps: int
-    save_every: int
+    schedule: Schedule  # when the run logs, evaluates and saves (the strategies)
     lora_targets: tuple[str, ...] = ()  # the adapted HF modules (use_peft)
     sampler_mesh: Mesh | None = None  # sampler_devices: the devices that sample, apart from ``mesh``
     policy_source: object = None  # where ``policy()`` reads the policy: model_name_or_path, or the caller's object
@@ -255,9 +256,9 @@ def build(cfg: TrainConfig, given: Given = Given()) -> Run:
         logprob_temperature=cfg.temperature if cfg.temperature_scaled_logprobs else None, stop_token_ids=stop,
         async_mode=cfg.async_mode, num_generations=cfg.num_generations, pairing=cfg.pairing,
         sync_steps=cfg.sync_steps, method=cfg.method, alpha=cfg.alpha, mixture_coef=cfg.mixture_coef)
-    save_every = int(cfg.save_steps) if cfg.save_steps >= 1 else max(1, math.ceil(total * cfg.save_steps))
     run = Run(cfg, tokenizer, step_cfg, mesh, policy_params, ref_params, rewards, judge, train, evaluation,
-              cfg.prompt_buckets or D.default_buckets(cfg.max_prompt_length), global_batch, spe, total, save_every,
+              cfg.prompt_buckets or D.default_buckets(cfg.max_prompt_length), global_batch, spe, total,
+              Schedule(cfg, total, spe),
               lora_targets=targets, sampler_mesh=sampler_mesh, policy_source=source)
     return with_steps(run)
 

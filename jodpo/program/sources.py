@@ -185,13 +185,27 @@ def prompt_bos(cfg: TrainConfig, tokenizer) -> int | None:
 
 
 def eval_sets(cfg: TrainConfig, given: Given, tokenizer, dp: int, offline: bool) -> tuple:
-    """The run's evaluation sets as ``((metric prefix, PromptData), ...)``: the caller's (one, or each of a dict),
-    else ``eval_dataset`` / ``dataset_eval_mixer`` / with ``eval_steps`` the training data's test split (never for
-    the caller's own training rows or offline DPO); at most ``max_eval_prompts`` prompts each. A set smaller than the
-    data-parallel size is left out, said once."""
+    """The run's evaluation sets as ``((metric prefix, PromptData), ...)``, when it evaluates (``eval_strategy`` not
+    "no", or ``eval_on_start``): the caller's (one, or each of a dict), else ``eval_dataset`` / ``dataset_eval_mixer``
+    / the training data's test split (a caller's own training rows have no test split: they need an evaluation set,
+    as transformers requires; offline DPO is not evaluated); at most ``max_eval_prompts`` prompts each. A set smaller
+    than the data-parallel size is left out, said once."""
+    given_set = given.eval_rows is not None or cfg.eval_dataset or cfg.dataset_eval_mixer
+    if cfg.eval_strategy == "no" and not cfg.eval_on_start:
+        if given_set:
+            warnings.warn("an evaluation set is given and eval_strategy='no' (TRL's default): the run does not "
+                          "evaluate; set eval_strategy='steps' (or 'epoch') to evaluate on it", stacklevel=3)
+        return ()
+    if offline:
+        warnings.warn("a preference dataset trains offline DPO, which is not evaluated (evaluation samples and scores "
+                      "completions); eval_strategy is ignored", stacklevel=3)
+        return ()
     if given.eval_rows is not None:
         named_rows = given.eval_rows
-    elif given.train_rows is None and not offline and (cfg.eval_dataset or cfg.dataset_eval_mixer or cfg.eval_steps):
+    elif given.train_rows is not None and not (cfg.eval_dataset or cfg.dataset_eval_mixer):
+        raise ConfigError(f"eval_strategy={cfg.eval_strategy!r} needs an eval_dataset (as transformers' Trainer "
+                          "requires one): give the trainer eval_dataset, or set eval_strategy='no'")
+    else:
         mixer = cfg.dataset_eval_mixer or (None if cfg.eval_dataset else cfg.dataset_mixer)
         name = cfg.eval_dataset or cfg.dataset_name
         same = training_prompts(mixer, name, cfg.dataset_test_split, cfg.to_dict())
@@ -200,8 +214,6 @@ def eval_sets(cfg: TrainConfig, given: Given, tokenizer, dp: int, offline: bool)
                           "scores are on prompts the run trains on; give eval_dataset for held-out prompts",
                           stacklevel=3)
         named_rows = {"eval": load_split(mixer, name, cfg, cfg.dataset_test_split)}
-    else:
-        return ()
     out = []
     for prefix, rows in named_rows.items():
         data = D.prepare_prompts(rows.select(range(min(len(rows), cfg.max_eval_prompts))), tokenizer,

@@ -131,3 +131,23 @@ def load_run_policy(checkpoint: str | Path, step: int | None = None) -> RunPolic
     else:
         check_fits(model, params, step_dir, source)
     return RunPolicy(step_dir, source, cfg, model, params, load_tokenizer(str(source)))
+
+
+def export_run(run_dir: str | Path, out: str | Path, step_dir: Path | None = None, params: dict | None = None) -> Path:
+    """A run's policy as a transformers directory in ``out`` (a LoRA run's as a PEFT adapter directory), with the
+    tokenizer: ``params`` (host arrays of the trained policy, a LoRA run's adapters) when given, else checkpoint
+    ``step_dir``'s, else the run's newest readable one. ``OnlineDPOTrainer.save_model`` and the Hub pushes write
+    through it. Returns ``out``."""
+    from jodpo.models.export import save_hf
+
+    run_dir = Path(run_dir)
+    if params is None:
+        step_dir, params = restore_newest([step_dir] if step_dir is not None else step_dir_of(run_dir))
+    source = source_model_dir(run_dir)
+    model, cfg = model_from_dir(source, "causal_lm", "float32"), run_config(run_dir)
+    tokenizer = load_tokenizer(str(source))
+    if cfg.get("use_peft"):
+        lora_model, targets, _ = lora_parts(cfg, model, params, step_dir or run_dir, source, read_base=False)
+        return lora.save_peft(lora_model, params, out, targets, cfg.get("lora_dropout", 0.0),
+                              cfg["model_name_or_path"], tokenizer, overwrite=True)
+    return save_hf(model, params, out, tokenizer, overwrite=True)

@@ -8,8 +8,8 @@ exceptions (``jodpo.errors``), never ``SystemExit``; ``train()`` may be called a
 """
 from __future__ import annotations
 
-import difflib
 import time
+import warnings
 from pathlib import Path
 from typing import NamedTuple
 
@@ -23,20 +23,15 @@ from jodpo.program.sources import Given, is_jodpo_model
 class OnlineDPOConfig(TrainConfig):
     """TRL's ``OnlineDPOConfig``: jodpo's ``TrainConfig`` itself (TRL's field names and defaults, plus jodpo's own
     fields; one set of fields), taking TRL's forms: ``output_dir`` first, lists for tuples, a one-element ``beta`` as
-    TRL makes it a float. An unknown field is a ``ConfigError`` naming the nearest one."""
+    TRL makes it a float. TRL's other fields are answered as ``TrainConfig`` answers them (docs/config.md); unknown
+    fields are a ``ConfigError`` naming every one, with the field each most resembles."""
 
     def __init__(self, output_dir: str | None = None, **fields):
         if output_dir is not None:
             fields["output_dir"] = output_dir
-        unknown = sorted(set(fields) - set(FIELDS))
-        if unknown:
-            close = difflib.get_close_matches(unknown[0], FIELDS, n=1)
-            raise ConfigError(f"{type(self).__name__}: unknown field(s) {unknown}." +
-                              (f" Did you mean {close[0]!r}?" if close else "") +
-                              " docs/config.md lists jodpo's fields (TRL's names)")
         if isinstance(fields.get("beta"), (list, tuple)) and len(fields["beta"]) == 1:
             fields["beta"] = fields["beta"][0]
-        super().__init__(**{k: coerce(k, v) for k, v in fields.items()})
+        super().__init__(**{k: coerce(k, v) if k in FIELDS else v for k, v in fields.items()})
 
 
 _TORCH_ONLY = ("data_collator", "compute_metrics", "optimizers", "preprocess_logits_for_metrics")
@@ -165,6 +160,7 @@ class OnlineDPOTrainer:
         self.model, self.processing_class = model, processing_class  # what callbacks get as model= and processing_class=
         self.metrics: dict = {}
         self._state = None  # transformers' TrainerState, made when first needed (its import loads peft and torch)
+        self._policy = None  # with save_strategy="no", the trained policy on the host (no checkpoint holds it)
 
     def train(self, resume_from_checkpoint: bool | str | None = None, *, allow_config_change: bool = False):
         """Run the training (the same program as ``python -m jodpo.train``); returns transformers' ``TrainOutput``
@@ -184,6 +180,7 @@ class OnlineDPOTrainer:
                                   "output_dir (or one of its checkpoints/<step>)")
             cfg = cfg.replace(output_dir=str(run_dir))
         events = _Callbacks(self, cfg)
+        self._policy = None
         began = time.monotonic()
         self.metrics = loop.train(cfg, allow_config_change, self.given, events)
         return events.output(time.monotonic() - began)
@@ -199,30 +196,45 @@ class OnlineDPOTrainer:
         return self._state
 
     def save_model(self, output_dir: str | None = None) -> Path:
-        """The trained policy (the run's newest checkpoint) as a transformers directory, or with ``peft_config`` as
-        a PEFT adapter directory, with the tokenizer; default: ``args.output_dir``/final."""
-        from jodpo.models import lora
-        from jodpo.models.export import save_hf
-        from jodpo.models.loading import load_tokenizer, model_from_dir
-        from jodpo.program.trained_policy import (lora_parts, restore_newest, run_config, source_model_dir,
-                                                  step_dir_of)
+        """The trained policy (the run's newest checkpoint; with ``save_strategy="no"``, the policy ``train()`` ended
+        with) as a transformers directory, or with ``peft_config`` as a PEFT adapter directory, with the tokenizer;
+        default: ``args.output_dir``/final (so is ``args.output_dir`` itself: its config.json is the run's). With
+        ``push_to_hub``, the directory is then pushed to the Hub ("Model save"), as transformers' ``save_model``
+        does."""
+        from jodpo.program.trained_policy import export_run
 
-        out = Path(output_dir) if output_dir is not None else Path(self.args.output_dir) / "final"
-        step_dir, params = restore_newest(step_dir_of(self.args.output_dir))
-        run_dir = step_dir.parent.parent
-        source = source_model_dir(run_dir)
-        model, cfg = model_from_dir(source, "causal_lm", "float32"), run_config(run_dir)
-        tokenizer = load_tokenizer(str(source))
-        if cfg.get("use_peft"):
-            lora_model, targets, _ = lora_parts(cfg, model, params, step_dir, source, read_base=False)
-            return lora.save_peft(lora_model, params, out, targets, cfg.get("lora_dropout", 0.0),
-                                  cfg["model_name_or_path"], tokenizer, overwrite=True)
-        return save_hf(model, params, out, tokenizer, overwrite=True)
+        run_dir = Path(self.args.output_dir)
+        out = Path(output_dir) if output_dir is not None else run_dir / "final"
+        if out.absolute() == run_dir.absolute():
+            warnings.warn(f"save_model({str(output_dir)!r}) names the run's output_dir, whose config.json and "
+                          f"checkpoints/ are the run's: the model goes to {out / 'final'}", stacklevel=2)
+            out = out / "final"
+        out = export_run(run_dir, out, params=self._policy)
+        if self.args.push_to_hub:
+            self._hub().upload(out, "Model save")
+        return out
+
+    def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True,
+                    token: str | None = None, revision: str | None = None, private: bool | None = None, **kwargs):
+        """transformers' ``Trainer.push_to_hub``: the trained policy (as ``save_model`` writes it) uploaded to the
+        repo ``args.hub_model_id`` (created if need be; ``token`` and ``private`` replace ``hub_token`` and
+        ``hub_private_repo``, ``revision`` ``hub_revision``); returns huggingface_hub's ``CommitInfo``. The upload
+        completes before it returns (``blocking`` is always so); the model-card arguments transformers takes
+        (``dataset_name``, ``tags``, ...) are accepted and unused: jodpo writes no model card."""
+        return self._hub(token, private).push_policy(Path(self.args.output_dir), commit_message or "End of training",
+                                                     params=self._policy, revision=revision)
+
+    def _hub(self, token: str | None = None, private: bool | None = None):
+        from jodpo.program.hub import Hub
+
+        return Hub(self.args, token, private)
 
 
 class _Callbacks(loop.Events):
     """The loop's events as TRL's trainer calls its callbacks: transformers' ``TrainerState`` and ``TrainerControl``
     (importable without torch), the same keyword arguments (no torch model, optimizer or data loaders: None)."""
+
+    wants_policy = True  # save_model() exports it when no checkpoint holds it (save_strategy="no")
 
     def __init__(self, trainer: OnlineDPOTrainer, args: TrainConfig):
         from transformers.trainer_callback import TrainerControl, TrainerState
@@ -247,7 +259,8 @@ class _Callbacks(loop.Events):
         s, cfg = self.state, run.cfg
         s.global_step, s.max_steps, s.epoch = start, run.total_steps, start / run.steps_per_epoch
         s.num_train_epochs = -(-run.total_steps // run.steps_per_epoch)
-        s.logging_steps, s.save_steps, s.eval_steps = cfg.logging_steps, run.save_every, cfg.eval_steps or 0
+        s.logging_steps, s.save_steps = cfg.logging_steps, run.schedule.save_every
+        s.eval_steps = run.schedule.eval_every if cfg.eval_strategy == "steps" else 0
         s.train_batch_size = cfg.per_device_train_batch_size
         self.first_step, self.prompts_per_step = start, run.global_batch
         self.control.should_training_stop = False
@@ -270,6 +283,9 @@ class _Callbacks(loop.Events):
 
     def train_end(self, step: int) -> None:
         self._call("on_train_end")
+
+    def trained(self, params) -> None:
+        self.trainer._policy = params
 
     def should_stop(self) -> bool:
         return bool(self.control.should_training_stop)
