@@ -2,7 +2,8 @@
 recurrent state, exactly as transformers' ``Qwen3_5GatedDeltaNet``. Its functions are the ones every mixer kind offers
 the decoder (``jodpo.models.attention_mixer`` lists them).
 
-A layer, per token: the hidden states of padding zeroed; q, k ([Hk, Dk] heads), v, z ([Hv, Dv] heads) and b, a
+A layer, per token: the hidden states of padding zeroed (and there g = beta = 0, and the convolution's window skips
+it: padding leaves the state as it was); q, k ([Hk, Dk] heads), v, z ([Hv, Dv] heads) and b, a
 ([Hv]) projected; q, k, v through a causal depthwise convolution of width ``conv_kernel`` and SiLU; q and k
 L2-normalised in float32, q scaled by Dk**-0.5; beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias) in
 float32; the gated delta rule (``jodpo.models.delta_rule``) with value head h reading key head h // (Hv / Hk); a
@@ -61,15 +62,23 @@ def init_state(model: Model, batch: int, length: int, dtype) -> dict:
             "rec": jnp.zeros((batch, d.num_v_heads, d.k_head_dim, d.v_head_dim), jnp.float32)}
 
 
-def _conv(x_BLHD, window_BWHD, w_KHD):
+def _conv(x_BLHD, window_BWHD, w_KHD, last_BW):
     """The causal depthwise convolution and SiLU over ``window`` (the inputs before) and ``x``, as transformers'
     ``causal_conv1d_fn``/``_update`` (the sum in float32, the result rounded to the compute dtype, then SiLU);
-    returns the outputs and the new window."""
+    returns the outputs and the new window: the inputs at ``last`` (``_window_slots``: the last real ones)."""
     dt, W, L = x_BLHD.dtype, w_KHD.shape[0], x_BLHD.shape[1]
     xw = jnp.concatenate([window_BWHD.astype(dt), x_BLHD], 1)  # [B, W - 1 + L, H, D]
     y = sum(xw[:, j:j + L].astype(jnp.float32) * w_KHD[j].astype(dt).astype(jnp.float32) for j in range(W))
     y = jax.nn.silu(y.astype(dt).astype(jnp.float32)).astype(dt)
-    return y, xw[:, xw.shape[1] - (W - 1):]
+    return y, jnp.take_along_axis(xw, last_BW[:, :, None, None], 1)
+
+
+def _window_slots(mask_BL, W: int):
+    """Where the convolution's next window comes from in ``concatenate([window, x])``: its last ``W - 1`` real
+    inputs (the old window's count as real), so padding never enters it and a step on padding leaves it as it was."""
+    real = jnp.concatenate([jnp.ones((mask_BL.shape[0], W - 1), bool), mask_BL.astype(bool)], 1)
+    at = jnp.where(real, jnp.arange(real.shape[1], dtype=jnp.int32), -1)
+    return jnp.sort(at, axis=1)[:, real.shape[1] - (W - 1):]
 
 
 def _l2norm(x):
@@ -93,12 +102,16 @@ def _run(model: Model, p: Params, x_BLD, mask_BL, state: dict) -> tuple[jax.Arra
     x = x_BLD * mask_BL[..., None].astype(dt)  # padding contributes nothing (transformers' apply_mask_to_padding)
     proj = lambda name, spec: einsum(model, spec, x, p[name].astype(dt))  # noqa: E731
     qkv, new = {}, {}
+    last = _window_slots(mask_BL, model.deltanet.conv_kernel)
     for key, w_in, w_conv in _CONV:
-        qkv[key], new[w_conv] = _conv(proj(w_in, "bld,dhk->blhk"), state[w_conv], p[w_conv])
+        qkv[key], new[w_conv] = _conv(proj(w_in, "bld,dhk->blhk"), state[w_conv], p[w_conv], last)
     z = proj("in_z", "bld,dhk->blhk")
-    beta = jax.nn.sigmoid(proj("in_b", "bld,dh->blh"))
+    # Padding is inert: no decay (g = 0) and no write (beta = 0), so the state after [x1 .. x5, pad, x6] is the state
+    # after [x1 .. x6] (transformers runs sigmoid(0) and softplus(dt_bias) there: harmless only where the pads lead)
+    real = mask_BL.astype(jnp.float32)[..., None]
+    beta = jax.nn.sigmoid(proj("in_b", "bld,dh->blh")) * real.astype(dt)
     g = -jnp.exp(p["a_log"].astype(dt).astype(jnp.float32)) * jax.nn.softplus(
-        proj("in_a", "bld,dh->blh").astype(jnp.float32) + p["dt_bias"].astype(dt).astype(jnp.float32))
+        proj("in_a", "bld,dh->blh").astype(jnp.float32) + p["dt_bias"].astype(dt).astype(jnp.float32)) * real
     q = _l2norm(qkv["q"]) * model.deltanet.k_head_dim ** -0.5
     rule = recurrent_delta_rule if x.shape[1] == 1 else chunked_delta_rule  # one decode step: no chunk to solve
     o, new["rec"] = rule(q, _l2norm(qkv["k"]), qkv["v"], g, beta, state["rec"], precision=model.precision)
