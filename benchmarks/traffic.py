@@ -65,6 +65,8 @@ def ideal_decode_bytes(model, sampler_params, cache, rows: int, filled: float) -
         weights += rows * embed.shape[1] * embed.dtype.itemsize
     read = write = 0
     for state in cache["state"]:
+        if state is None:  # a KV-sharing layer reads another's keys and values: no state of its own
+            continue
         if "k" in state:  # attention: [B, K, S, Dh] slabs
             per_slot = 2 * state["k"].shape[0] * state["k"].shape[1] * state["k"].shape[3] * state["k"].dtype.itemsize
             read += filled * per_slot

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jodpo.models.decoder import Cache, Model, Params, hidden_states, init_cache
+from jodpo.models.decoder import Cache, Model, Params, hidden_states, init_cache, split_cache
 from jodpo.models.params import compute_params, split_layers
 from jodpo.models.heads import lm_head
 
@@ -170,9 +170,9 @@ def _emit(cfg: SamplingConfig, rng: jax.Array, state: _State, logits_BV: jax.Arr
 
 
 def sampler_params(model: Model, params: Params) -> Params:
-    """``params`` as the sampler holds them for a call: split per layer (a decode step then slices no weights), any
-    LoRA adapters merged, in the compute dtype (float32 master weights of a bf16 run converted once, not on every
-    step). They go with a per-layer cache, ``init_cache(..., per_layer=True)``."""
+    """``params`` as the decode steps read them: split per layer (a decode step then slices no weights), any LoRA
+    adapters merged, in the compute dtype (float32 master weights of a bf16 run converted once, not on every step).
+    They go with a per-layer cache (``decoder.split_cache``)."""
     return compute_params(model, split_layers(model, params))
 
 
@@ -213,18 +213,19 @@ def _decode_step(model: Model, decoders: tuple[_Decoder, ...], combine, cfg: Sam
 
 
 def _prefill(model: Model, params: Params, prompt_ids: jax.Array, prompt_mask: jax.Array, length: int, copies: int):
-    """One model's prefill over the B prompts: its parameters as the decode steps read them, its cache of ``length``
-    slots copied for ``copies`` blocks of rows, and the logits of token 0 likewise."""
+    """One model's prefill over the B prompts, through the decoder's scans over its layers (one compiled body per
+    repeating period of layers, whatever the depth), its cache then split per layer for the unrolled decode steps
+    (which slice no weights and no cache state, step after step): the decode steps' parameters, the cache of
+    ``length`` slots copied for ``copies`` blocks of rows, and the logits of token 0 likewise."""
     B, P = prompt_ids.shape
-    cache = init_cache(model, B, length, per_layer=True)
-    params = sampler_params(model, params)  # once per call, not on every decode step
-    h, cache = hidden_states(model, params, prompt_ids, prompt_mask, cache, empty_cache=True)
+    h, cache = hidden_states(model, params, prompt_ids, prompt_mask, init_cache(model, B, length), empty_cache=True)
     logits = lm_head(model, params, h[:, -1])
+    cache = split_cache(model, cache)
     if copies > 1:  # the prompt's cache (and first logits) for every block: one prefill, not ``copies``
         tile = lambda x: jnp.concatenate([x] * copies, 0)  # noqa: E731
         cache = {"state": jax.tree.map(tile, cache["state"]), "mask": tile(cache["mask"]), "index": cache["index"]}
         logits = tile(logits)
-    return params, cache, logits
+    return sampler_params(model, params), cache, logits  # the weights as the decode steps read them, once a call
 
 
 def _sample(model: Model, sources: tuple[tuple[Params, int, int], ...], combine, prompt_ids: jax.Array,

@@ -191,6 +191,19 @@ def init_cache(model: Model, batch: int, length: int, dtype=None, per_layer: boo
     return {"state": state, "mask": jnp.zeros((batch, length), bool), "index": jnp.zeros((), jnp.int32)}
 
 
+def split_cache(model: Model, cache: Cache) -> Cache:
+    """A stacked cache (``init_cache(...)``, filled by a scanned prefill) as per-layer states, to go on with
+    ``split_layers`` params (an unrolled decode): each layer's state out of its kind's stack (one copy), None for a
+    layer that reads another's keys and values."""
+    def mine(i, kind):
+        if kind in READS:
+            return None
+        j = model.layers_of(kind).index(i)
+        return jax.tree.map(lambda a: a[j], cache["state"][kind])
+
+    return {**cache, "state": tuple(mine(i, k) for i, k in enumerate(model.kinds))}
+
+
 def hidden_states(model: Model, params: Params, tokens_BL: jax.Array, mask_BL: jax.Array,
                   cache: Cache | None = None, *, empty_cache: bool = False) -> tuple[jax.Array, Cache | None]:
     """Final-normed hidden states ``[B, L, D]`` (compute dtype) and the updated cache.
