@@ -153,7 +153,9 @@ def _assert_same_run(a: Path, b: Path, whole_arrays: bool = False) -> None:
         if whole_arrays:
             assert np.linalg.norm(np.asarray(y) - np.asarray(x)) <= 1e-4 * np.linalg.norm(np.asarray(x)), path
         else:
-            np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-6)
+            # Each Adam step moves an entry by at most lr (1e-3); where an entry's gradient is near cancellation, the
+            # layouts' float noise changes its step by a few percent of that (1.2e-5 seen on a LoRA factor): 5% of lr.
+            np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=5e-5, err_msg=str(path))
 
 
 def _run_8_devices(jobs: list[tuple[list[str], Path | None, Path | None]]) -> tuple[list[bool], list[list]]:
