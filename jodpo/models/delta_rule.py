@@ -125,46 +125,67 @@ def _unit_lower_inverse(A_NCC: jax.Array, precision) -> jax.Array:
     return X.reshape(batch + (P, P))[..., :C, :C]
 
 
-def _chunk_step(S_BHGKV, x, precision):
-    """One chunk of C tokens from the state before it: the state after it and the chunk's outputs
-    ``[B, C, Hk, G, Dv]``, equal to C steps of ``_token_step``.
+# The chunks' terms, written for any leading axes: all N chunks at once (``[N, B, ...]``, batched matmuls before the
+# sequential scan) or one chunk inside a scan (``[B, ...]``). A chunk's inputs as ``_chunked_inputs`` lays them out:
+# q, k ``[..., C, Hk, Dk]``, v ``[..., C, Hk, G, Dv]``, g, beta ``[..., C, Hk, G]``.
 
-    With gamma_i the cumulative log-decay up to position i of the chunk and D_ij = exp(gamma_i - gamma_j) (i >= j),
-    the C writes of the chunk are ``U - W S`` for the state S before it, where (I + A) [U W] = [beta v, beta k e^gamma]
-    and A_ij = beta_i (k_i . k_j) D_ij below the diagonal (the UT transform: each write corrects for the earlier
-    writes of the same chunk that its key reads back). The unit lower triangular system is solved by its inverse.
-    """
-    q_BCHK, k_BCHK, v_BCHGV, g_BCHG, beta_BCHG = x
-    C = k_BCHK.shape[1]
-    gamma_BHGC = jnp.moveaxis(jnp.cumsum(g_BCHG, axis=1), 1, -1)
-    beta_BHGC = jnp.moveaxis(beta_BCHG, 1, -1)
+
+def _decays(g):
+    """gamma ``[..., Hk, G, C]``, the cumulative log-decay up to each position of the chunk, and the decays between
+    positions D_ij = exp(gamma_i - gamma_j) (i >= j; 0 above the diagonal) ``[..., Hk, G, C, C]``."""
+    C = g.shape[-3]
+    gamma = jnp.moveaxis(jnp.cumsum(g, axis=-3), -3, -1)
     row, col = jnp.arange(C)[:, None], jnp.arange(C)[None, :]
     # Above the diagonal gamma_i - gamma_j > 0 and its exp could overflow: masked before the exp, not after.
-    decay_BHGCC = jnp.exp(jnp.where(row >= col, gamma_BHGC[..., :, None] - gamma_BHGC[..., None, :], -jnp.inf))
+    return gamma, jnp.exp(jnp.where(row >= col, gamma[..., :, None] - gamma[..., None, :], -jnp.inf))
 
-    kk_BHCC = _dot("bihk,bjhk->bhij", k_BCHK, k_BCHK, precision=precision)  # once per key head, shared by its G value heads
-    A_BHGCC = jnp.where(row > col, beta_BHGC[..., :, None] * kk_BHCC[:, :, None] * decay_BHGCC, 0.0)
-    Dv = v_BCHGV.shape[-1]
-    rhs = jnp.concatenate([jnp.einsum("bchgv->bhgcv", v_BCHGV) * beta_BHGC[..., None],
-                           jnp.einsum("bchk->bhck", k_BCHK)[:, :, None] * (beta_BHGC * jnp.exp(gamma_BHGC))[..., None]],
-                          axis=-1)  # one product for both right-hand sides
-    UW = _dot("bhgij,bhgjd->bhgid", _unit_lower_inverse(A_BHGCC, precision), rhs, precision=precision)
-    U_BHGCV, W_BHGCK = UW[..., :Dv], UW[..., Dv:]
 
-    new_BHGCV = U_BHGCV - _dot("bhgck,bhgkv->bhgcv", W_BHGCK, S_BHGKV, precision=precision)  # the chunk's writes given the state before
-    qk_BHCC = _dot("bihk,bjhk->bhij", q_BCHK, k_BCHK, precision=precision)
-    inter_BCHGV = _dot("bchk,bhgkv->bchgv", q_BCHK, S_BHGKV, precision=precision) * jnp.einsum("bhgc->bchg", jnp.exp(gamma_BHGC))[..., None]
-    intra_BCHGV = _dot("bhgij,bhgjv->bihgv", qk_BHCC[:, :, None] * decay_BHGCC, new_BHGCV, precision=precision)
-    # Each write decays from its position to the chunk's end; the old state by the whole chunk's decay.
-    tail_BHGC = jnp.exp(gamma_BHGC[..., -1:] - gamma_BHGC)
-    S_BHGKV = (S_BHGKV * jnp.exp(gamma_BHGC[..., -1])[..., None, None]
+def _system(k, g, beta, precision):
+    """The strictly lower triangular A of the chunk's unit lower triangular system (I + A):
+    A_ij = beta_i (k_i . k_j) D_ij below the diagonal (the UT transform: each write corrects for the earlier writes of
+    the chunk that its key reads back)."""
+    C = k.shape[-3]
+    _, decay = _decays(g)
+    kk = _dot("...ihk,...jhk->...hij", k, k, precision=precision)  # once per key head, shared by its G value heads
+    beta_c = jnp.moveaxis(beta, -3, -1)
+    row, col = jnp.arange(C)[:, None], jnp.arange(C)[None, :]
+    return jnp.where(row > col, beta_c[..., :, None] * kk[..., None, :, :] * decay, 0.0)
+
+
+def _terms(q, k, v, g, beta, inverse, precision):
+    """What the chunk's scan step reads, from its inputs and ``(I + A)^-1``:
+      U, W   the chunk's writes are ``U - W S`` for the state S before it: (I + A) [U W] = [beta v, beta k e^gamma];
+      P      ``(q_i . k_j) D_ij``: how each position reads the chunk's own writes;
+      q, eg  the queries and ``e^gamma``: how each position reads the state before the chunk;
+      k, tail  the keys and each write's decay to the chunk's end, ``e^(gamma_C - gamma_i)`` (1 at the chunk's end:
+             the whole chunk's decay of the state before it is ``eg``'s last)."""
+    gamma, decay = _decays(g)
+    beta_c, eg = jnp.moveaxis(beta, -3, -1), jnp.exp(gamma)
+    k_hc = jnp.moveaxis(k, -3, -2)  # [..., Hk, C, Dk]
+    rhs = jnp.concatenate([jnp.moveaxis(v, -4, -2) * beta_c[..., None],
+                           k_hc[..., None, :, :] * (beta_c * eg)[..., None]], axis=-1)  # both right-hand sides
+    UW = _dot("...ij,...jd->...id", inverse, rhs, precision=precision)
+    Dv = v.shape[-1]
+    P = _dot("...ihk,...jhk->...hij", q, k, precision=precision)[..., None, :, :] * decay
+    return UW[..., :Dv], UW[..., Dv:], P, q, k, eg, jnp.exp(gamma[..., -1:] - gamma)
+
+
+def _chunk_step(S_BHGKV, x, precision):
+    """One chunk of C tokens from the state before it (its ``_terms``): the state after it and the chunk's outputs
+    ``[B, C, Hk, G, Dv]``, equal to C steps of ``_token_step``. Only what reads or writes the state: four dots."""
+    U, W, P, q_BCHK, k_BCHK, eg_BHGC, tail_BHGC = x
+    new_BHGCV = U - _dot("bhgck,bhgkv->bhgcv", W, S_BHGKV, precision=precision)  # the chunk's writes
+    inter_BCHGV = (_dot("bchk,bhgkv->bchgv", q_BCHK, S_BHGKV, precision=precision)
+                   * jnp.einsum("bhgc->bchg", eg_BHGC)[..., None])  # the state before, decayed to each position
+    intra_BCHGV = _dot("bhgij,bhgjv->bihgv", P, new_BHGCV, precision=precision)  # the chunk's own writes, read
+    S_BHGKV = (S_BHGKV * eg_BHGC[..., -1, None, None]  # each write decays from its position to the chunk's end
                + _dot("bchk,bhgcv->bhgkv", k_BCHK, new_BHGCV * tail_BHGC[..., None], precision=precision))
     return S_BHGKV, inter_BCHGV + intra_BCHGV
 
 
 def _chunked_inputs(q, k, v, g, beta, chunk: int):
     """The grouped float32 inputs padded to whole chunks (k = v = q = 0, beta = g = 0: no write, no decay) and laid
-    out chunk-major for the scan: ``[N, B, C, ...]``."""
+    out chunk-major: ``[N, B, C, ...]``."""
     T = k.shape[1]
     N = -(-T // chunk)
     out = []
@@ -174,44 +195,60 @@ def _chunked_inputs(q, k, v, g, beta, chunk: int):
     return out
 
 
-def _scan_chunks(xs, S, precision):
-    S, out_NBCHGV = jax.lax.scan(functools.partial(_chunk_step, precision=precision), S, xs)
-    return out_NBCHGV, S
+def _forward(xs, S, precision):
+    """The chunks' inverses and terms for all chunks at once, then the scan over them: (outputs, state, inverses)."""
+    q, k, v, g, beta = xs
+    inverse = _unit_lower_inverse(_system(k, g, beta, precision), precision)
+    S, out_NBCHGV = jax.lax.scan(functools.partial(_chunk_step, precision=precision), S,
+                                 _terms(*xs, inverse, precision=precision))
+    return out_NBCHGV, S, inverse
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
 def _chunked_recomputing(q, k, v, g, beta, S, chunk, precision):
-    return _scan_chunks(_chunked_inputs(q, k, v, g, beta, chunk), S, precision)
+    return _forward(_chunked_inputs(q, k, v, g, beta, chunk), S, precision)[:2]
 
 
 def _chunked_fwd(q, k, v, g, beta, S, chunk, precision):
-    # Only the inputs (in their own dtype) and the initial state cross to the backward, never a state per chunk.
-    return _chunked_recomputing(q, k, v, g, beta, S, chunk, precision), (q, k, v, g, beta, S)
+    # The inputs (in their own dtype), the initial state and each chunk's (I + A)^-1 cross to the backward, never a
+    # state per chunk: the backward inverts nothing again
+    out, S_last, inverse = _forward(_chunked_inputs(q, k, v, g, beta, chunk), S, precision)
+    return (out, S_last), (q, k, v, g, beta, S, inverse)
 
 
 def _chunked_bwd(chunk, precision, res, cts):
-    *inputs, S0 = res
+    *inputs, S0, inverse = res
     d_out_NBCHGV, d_S = cts
     xs, inputs_vjp = jax.vjp(functools.partial(_chunked_inputs, chunk=chunk), *inputs)
 
-    # The states entering each chunk, recomputed (the outputs are not needed here and are not computed).
+    # The states entering each chunk, from its inputs and inverse (a chunk's terms at a time: none kept for all)
+    def state_after(S, item):
+        x, X = item
+        U, W, _, _, k, eg, tail = _terms(*x, X, precision=precision)
+        new = U - _dot("bhgck,bhgkv->bhgcv", W, S, precision=precision)
+        return S * eg[..., -1, None, None] + _dot("bchk,bhgcv->bhgkv", k, new * tail[..., None],
+                                                  precision=precision), S
+
+    _, S_before_N = jax.lax.scan(state_after, S0, (xs, inverse))
+
+    # Backward through the chunks, last first, each from the state before it and its inverse: the chunk's terms and
+    # step differentiated together (their intermediates live for one iteration), then through the inverse
+    # (d(I + A) = -X^T dX X^T for X its inverse) and the system's A.
     step = functools.partial(_chunk_step, precision=precision)
 
-    def state_before(S, x):
-        return step(S, x)[0], S
-
-    _, S_before_N = jax.lax.scan(state_before, S0, xs)
-
-    # Backward through the chunks, last first: each chunk's vjp from the state before it (its intermediates live
-    # for one iteration only).
     def chunk_back(d_S, item):
-        x, S, d_out = item
-        _, vjp = jax.vjp(step, S, x)
-        d_S_before, d_x = vjp((d_S, d_out))
-        return d_S_before, d_x
+        x, X, S, d_out = item
+        _, vjp = jax.vjp(lambda S, x, X: step(S, _terms(*x, X, precision=precision)), S, x, X)
+        d_S_before, d_x, d_X = vjp((d_S, d_out))
+        d_A = -_dot("...ji,...jk,...lk->...il", X, d_X, X, precision=precision)
+        q, k, v, g, beta = x
+        _, system_vjp = jax.vjp(lambda k, g, beta: _system(k, g, beta, precision), k, g, beta)
+        d_k, d_g, d_beta = system_vjp(d_A)
+        d_q, d_k2, d_v, d_g2, d_beta2 = d_x
+        return d_S_before, (d_q, d_k + d_k2, d_v, d_g + d_g2, d_beta + d_beta2)
 
-    d_S0, d_xs = jax.lax.scan(chunk_back, d_S, (xs, S_before_N, d_out_NBCHGV), reverse=True)
-    return (*inputs_vjp(d_xs), d_S0)
+    d_S0, d_xs = jax.lax.scan(chunk_back, d_S, (xs, inverse, S_before_N, d_out_NBCHGV), reverse=True)
+    return (*inputs_vjp(list(d_xs)), d_S0)
 
 
 _chunked_recomputing.defvjp(_chunked_fwd, _chunked_bwd)
@@ -227,7 +264,7 @@ def _chunked(q, k, v, g, beta, state, chunk: int, recompute: bool, precision: st
     if recompute:
         out_NBCHGV, S = _chunked_recomputing(q, k, v, g, beta, S, chunk, precision)
     else:
-        out_NBCHGV, S = _scan_chunks(_chunked_inputs(q, k, v, g, beta, chunk), S, precision)
+        out_NBCHGV, S, _ = _forward(_chunked_inputs(q, k, v, g, beta, chunk), S, precision)
     N = out_NBCHGV.shape[0]
     out_BTVD = jnp.moveaxis(out_NBCHGV, 0, 1).reshape(B, N * chunk, Hv, Dv)[:, :T]
     return out_BTVD, S.reshape(B, Hv, Dk, Dv)
