@@ -44,14 +44,14 @@ def build_tokenizer(out: Path):
 
 
 FAMILIES = ("neox", "neox_seq", "llama", "llama_tied", "mistral", "qwen2", "qwen3", "qwen3_5", "gemma2",
-            "gemma3", "smollm3", "olmo2", "olmo3", "gemma4")  # family_configs' keys, in order
+            "gemma3", "smollm3", "olmo2", "olmo3", "gemma4", "qwen3_moe", "olmoe")  # family_configs' keys, in order
 
 
 def family_configs(pad_id: int, eos_id: int) -> dict:
     """transformers configs of the tiny variants, keyed by fixture name."""
     from transformers import (Gemma2Config, Gemma3TextConfig, Gemma4TextConfig, GPTNeoXConfig, LlamaConfig,
-                              MistralConfig, Olmo2Config, Olmo3Config, Qwen2Config, Qwen3_5TextConfig, Qwen3Config,
-                              SmolLM3Config)
+                              MistralConfig, Olmo2Config, Olmo3Config, OlmoeConfig, Qwen2Config, Qwen3_5TextConfig,
+                              Qwen3Config, Qwen3MoeConfig, SmolLM3Config)
 
     common = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                   intermediate_size=128, max_position_embeddings=128, pad_token_id=pad_id, eos_token_id=eos_id,
@@ -107,6 +107,13 @@ def family_configs(pad_id: int, eos_id: int) -> dict:
                                    hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB,
                                    use_double_wide_mlp=True, final_logit_softcapping=5.0,
                                    **{**common, "num_hidden_layers": 4}),
+        # mixtures of experts: 4 experts of width 32, two a token, renormalised; OLMoE's 6 of width 32, three a token,
+        # not renormalised, with its q/k norms over the whole projections
+        "qwen3_moe": Qwen3MoeConfig(num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                    moe_intermediate_size=32, norm_topk_prob=True, tie_word_embeddings=False,
+                                    **common),
+        "olmoe": OlmoeConfig(num_key_value_heads=2, num_experts=6, num_experts_per_tok=3,
+                             **{**common, "intermediate_size": 32}),
     }
 
 
@@ -127,7 +134,22 @@ def _register_gemma4_classifier():
     AutoModelForSequenceClassification.register(Gemma4TextConfig, Gemma4ForSequenceClassification, exist_ok=True)
 
 
+def _register_olmoe_classifier():
+    """transformers has no OLMoE sequence classifier either: the tests' is its generic one over OlmoeModel, as
+    Qwen3MoeForSequenceClassification is Qwen3-MoE's."""
+    from transformers import AutoModelForSequenceClassification, OlmoeConfig
+    from transformers.modeling_layers import GenericForSequenceClassification
+    from transformers.models.olmoe.modeling_olmoe import OlmoePreTrainedModel
+
+    class OlmoeForSequenceClassification(GenericForSequenceClassification, OlmoePreTrainedModel):
+        config_class = OlmoeConfig
+        _can_set_experts_implementation_cached_value = True
+
+    AutoModelForSequenceClassification.register(OlmoeConfig, OlmoeForSequenceClassification, exist_ok=True)
+
+
 try:
+    _register_olmoe_classifier()
     _register_gemma4_classifier()
 except ImportError:  # no torch (a subprocess without it)
     pass

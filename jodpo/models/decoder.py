@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jodpo.models import moe
 from jodpo.models.layers import (FULL_WINDOW, Context, Site, embed, mlp, norm, per_layer_block, per_layer_inputs,
                                  rope_tables)
 from jodpo.models.layout import (KEYS, KIND_OF_KEY, MIXERS, SUBTREES, Run, groups, layer_params, layer_runs,  # noqa: F401
@@ -78,24 +79,33 @@ def _layer(model: Model, kind: str, p: Params, xs: tuple, site: Site, mix, state
     its rematerialisation: no merged copy of the model)."""
     p = merge_adapters(model, p)
     pre = (lambda name, x: norm(model, p[name], x)) if model.norms.pre else (lambda name, x: x)  # noqa: E731
-    ffn = p["mlp_wide"] if "mlp_wide" in p else p["mlp"]  # a KV-sharing layer's double-wide MLP (Gemma 4)
     outs, state = mix(kind, p, tuple(pre("ln1", x) for x in xs), site, state, j)
-    new = []
+    new, routers = [], []
     for g, (x, a) in enumerate(zip(xs, outs)):
         if model.norms.post:  # Gemma, OLMo 2: the mixer's output is normed before the residual
             a = norm(model, p["post_attn"], a)
         if model.parallel_residual:
-            x = x + a + mlp(model, ffn, pre("ln2", x))
+            out, router = _feed_forward(model, p, pre("ln2", x))
+            x = x + a + out
         else:
             x = x + a
-            out = mlp(model, ffn, pre("ln2", x))
+            out, router = _feed_forward(model, p, pre("ln2", x))
             x = x + (norm(model, p["post_mlp"], out) if model.norms.post else out)
+        routers.append(router)
         if model.per_layer_embeddings is not None:
             x = per_layer_block(model, p, x, extra[g])
         if model.layer_scalar:  # a buffer in transformers: never trained (params.buffers)
             x = x * jax.lax.stop_gradient(p["scalar"]).astype(x.dtype)
         new.append(x)
-    return tuple(new), state
+    return tuple(new), state, (None if model.moe is None else tuple(routers))
+
+
+def _feed_forward(model: Model, p: Params, x_BLD: jax.Array):
+    """The layer's feed-forward kind on its normed input: the MoE block (``Model.moe``: its output and router logits)
+    or the dense MLP (a KV-sharing layer's double-wide one in Gemma 4; no router logits)."""
+    if model.moe is not None:
+        return moe.block(model, p["moe"], x_BLD)
+    return mlp(model, p["mlp_wide"] if "mlp_wide" in p else p["mlp"], x_BLD), None
 
 
 _REMAT_POLICIES = {
@@ -111,8 +121,11 @@ def _stack(model: Model, params: Params, xs: tuple, mix, states=None, remat: boo
     ``states``: what the mixers read and write, by kind: the cache's states (each kind's stacked over its layers: a
     layer's at its index among them), or in the cache-free forwards KV sharing's slots (``attention_mixer``); the scans
     carry them (updated in place). ``extra``: each group's per-layer inputs ``[N, ...]`` (Gemma 4), scanned with the
-    layers. ``remat``: each layer rematerialised as ``model.remat`` says (the forwards that are differentiated)."""
+    layers. ``remat``: each layer rematerialised as ``model.remat`` says (the forwards that are differentiated).
+    Returns the token groups, the states and, in a MoE model, every layer's router logits per group (a tuple of
+    ``[N, B_i, L_i, E]``; None otherwise)."""
     all_sites = sites(model)
+    routers = []
     for run in layer_runs(model.kinds):
         period, n = run.period, len(run.period)
         lo = {k: len([i for i in model.layers_of(k) if i < run.start]) for k in set(period)}
@@ -123,14 +136,15 @@ def _stack(model: Model, params: Params, xs: tuple, mix, states=None, remat: boo
         def body(carry, scanned, period=period, lo=lo):
             x, states = carry
             p_run, site_run, rep, extra_run = scanned
+            ys = []
             for q, kind, count in groups(period):
                 src, j = _source(model, kind, lo[kind] + rep * period.count(kind) + period[:q].count(kind))
 
                 def one(carry, layer, kind=kind, src=src):
                     (x, states), (p, site, extra, j) = carry, layer
                     mine = None if states is None else states.get(src)
-                    x, mine = _layer(model, kind, p, x, site, mix, mine, j, extra)
-                    return (x, states if states is None or src not in states else {**states, src: mine}), None
+                    x, mine, router = _layer(model, kind, p, x, site, mix, mine, j, extra)
+                    return (x, states if states is None or src not in states else {**states, src: mine}), router
 
                 if remat and model.remat != "none":
                     # A scan's body is rematerialised as is; a layer beside others in straight-line code needs its
@@ -141,18 +155,21 @@ def _stack(model: Model, params: Params, xs: tuple, mix, states=None, remat: boo
                 if count == 1:
                     layer = (p, Site(*(a[q] for a in site_run)),
                              None if extra_run is None else tuple(e[q] for e in extra_run), j)
-                    (x, states), _ = one((x, states), layer)
+                    (x, states), y = one((x, states), layer)
+                    ys.append(jax.tree.map(lambda a: a[None], y))
                     continue
                 # a KV-sharing group's layers all read the one state of their source (_source)
                 js = j + (jnp.arange(count, dtype=jnp.int32) if src == kind else jnp.zeros(count, jnp.int32))
                 layers = slice(q, q + count)
                 layer = (p, Site(*(a[layers] for a in site_run)),
                          None if extra_run is None else tuple(e[layers] for e in extra_run), js)
-                (x, states), _ = jax.lax.scan(one, (x, states), layer)
-            return (x, states), None
+                (x, states), y = jax.lax.scan(one, (x, states), layer)
+                ys.append(y)
+            return (x, states), jax.tree.map(lambda *a: jnp.concatenate(a), *ys)
 
-        (xs, states), _ = jax.lax.scan(body, (xs, states), scanned)
-    return xs, states
+        (xs, states), ys = jax.lax.scan(body, (xs, states), scanned)
+        routers.append(jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), ys))  # [reps, period, ...] -> layers
+    return xs, states, (None if model.moe is None else jax.tree.map(lambda *a: jnp.concatenate(a), *routers))
 
 
 def _shared_slots(model: Model, xs: tuple):
@@ -205,8 +222,9 @@ def split_cache(model: Model, cache: Cache) -> Cache:
 
 
 def hidden_states(model: Model, params: Params, tokens_BL: jax.Array, mask_BL: jax.Array,
-                  cache: Cache | None = None, *, empty_cache: bool = False) -> tuple[jax.Array, Cache | None]:
-    """Final-normed hidden states ``[B, L, D]`` (compute dtype) and the updated cache.
+                  cache: Cache | None = None, *, empty_cache: bool = False, with_router: bool = False):
+    """Final-normed hidden states ``[B, L, D]`` (compute dtype) and the updated cache; ``with_router`` (without a
+    cache, in a MoE model): a third output, every layer's router logits ``[N, B, L, E]`` (``moe.load_balancing_loss``).
 
     ``mask_BL`` marks real tokens (1) and padding (0). With ``cache``, the tokens follow what it holds: attention
     layers write their keys and values at ``cache["index"]`` and attend to every earlier real slot (positions continue
@@ -231,8 +249,9 @@ def hidden_states(model: Model, params: Params, tokens_BL: jax.Array, mask_BL: j
             y, kv = MIXERS[kind].full(model, p[KEYS[kind]], normed[0], ctx, site, kv)
             return (y,), kv
 
-        (x,), _ = _stack(model, params, (x,), mix, _shared_slots(model, (x,)), remat=True, extra=extra)
-        return norm(model, params["final_norm"], x), None
+        (x,), _, routers = _stack(model, params, (x,), mix, _shared_slots(model, (x,)), remat=True, extra=extra)
+        h = norm(model, params["final_norm"], x)
+        return (h, None, routers[0]) if with_router else (h, None)
 
     start = cache["index"]
     kv_mask_BS = jax.lax.dynamic_update_slice(cache["mask"], mask_BL, (0, start))
@@ -254,22 +273,23 @@ def hidden_states(model: Model, params: Params, tokens_BL: jax.Array, mask_BL: j
             kind = model.kinds[i]
             src = i if kind not in READS else model.layers_of(READS[kind])[-1]
             site = Site(*(int(a[i]) for a in all_sites))
-            (x,), states[src] = _layer(model, kind, p, (x,), site, mix, states[src], None,
-                                       None if extra is None else (extra[0][i],))
+            (x,), states[src], _ = _layer(model, kind, p, (x,), site, mix, states[src], None,
+                                          None if extra is None else (extra[0][i],))
         states = tuple(states)
     else:
-        (x,), states = _stack(model, params, (x,), mix, states=cache["state"], extra=extra)
+        (x,), states, _ = _stack(model, params, (x,), mix, states=cache["state"], extra=extra)
     x = norm(model, params["final_norm"], x)
     return x, {"state": states, "mask": kv_mask_BS, "index": start + L}
 
 
 def prefixed_hidden_states(model: Model, params: Params, prefix_ids_BP: jax.Array, prefix_mask_BP: jax.Array,
-                           suffix_ids_NC: jax.Array, suffix_mask_NC: jax.Array) -> jax.Array:
+                           suffix_ids_NC: jax.Array, suffix_mask_NC: jax.Array, *, with_router: bool = False):
     """``hidden_states`` of ``concatenate([tile(prefix), suffix], 1)``, ``[N, P + C, D]``, computing every
     prefix once instead of once per suffix: N = n x B suffix rows in block layout (row r continues prefix
     ``r % B``). The suffix tokens attend to the prefix's keys and values, or continue its DeltaNet states (shared,
     so their gradients add up); the result equals the plain forward of the concatenated rows up to float rounding.
-    Online DPO's two completions of a prompt share its forward this way (policy, reference and reward model)."""
+    Online DPO's two completions of a prompt share its forward this way (policy, reference and reward model).
+    ``with_router`` (a MoE model): also every layer's router logits of those rows, ``[N layers, N, P + C, E]``."""
     (B, P), (N, C) = prefix_ids_BP.shape, suffix_ids_NC.shape
     if N % B:
         raise ValueError(f"{N} suffix rows do not continue {B} prefixes in block layout (need a multiple of {B})")
@@ -289,7 +309,12 @@ def prefixed_hidden_states(model: Model, params: Params, prefix_ids_BP: jax.Arra
 
     (xp, ep), (xs, es) = _embed(model, params, prefix_ids_BP), _embed(model, params, suffix_ids_NC)
     x = (xp, xs)
-    (h_prefix, h_suffix), _ = _stack(model, params, x, mix, _shared_slots(model, x), remat=True,
-                                     extra=None if ep is None else (ep, es))
+    (h_prefix, h_suffix), _, routers = _stack(model, params, x, mix, _shared_slots(model, x), remat=True,
+                                              extra=None if ep is None else (ep, es))
     h_prefix, h_suffix = norm(model, params["final_norm"], h_prefix), norm(model, params["final_norm"], h_suffix)
-    return jnp.concatenate([tile(h_prefix), h_suffix], 1)
+    h = jnp.concatenate([tile(h_prefix), h_suffix], 1)
+    if not with_router:
+        return h
+    # the router logits of the concatenated rows, as a plain forward of them has them: [N layers, N, P + C, E]
+    prefix_logits = jnp.concatenate([routers[0]] * (N // B), 1)
+    return h, jnp.concatenate([prefix_logits, routers[1]], 2)

@@ -184,3 +184,44 @@ def rope_attention_factor(rope: dict) -> float:
     if rope.get("mscale") and rope.get("mscale_all_dim"):
         return float(mscale(factor, rope["mscale"]) / mscale(factor, rope["mscale_all_dim"]))
     return float(mscale(factor))
+
+
+def expert_rules(model: Model, prefix: str) -> list[Rule]:
+    """A MoE block's tensors (``Model.moe``) under ``prefix`` (``"model.layers.{i}.mlp."``), in the layout transformers
+    5.24 saves for Qwen3-MoE, OLMoE and Qwen3.5-MoE: the router ``gate.weight`` [E, D], each expert's
+    ``experts.{e}.gate_proj``/``up_proj`` [F, D] and ``down_proj`` [D, F] (the fused ``experts.gate_up_proj`` of other
+    checkpoints is split when loading: ``loading``), and a shared expert with its gate where there is one."""
+    path, E = ("layers", "moe"), model.moe.num_experts
+
+    def experts(ours, theirs):
+        names = tuple(f"{prefix}experts.{e}.{theirs}.weight" for e in range(E))
+        return Rule(names, (path + (ours,),), lambda *ws: (np.stack([w.T for w in ws]),),
+                    lambda w: tuple(we.T for we in w))
+
+    out = [linear(path + ("router",), prefix + "gate.weight"), experts("gate", "gate_proj"),
+           experts("up", "up_proj"), experts("down", "down_proj")]
+    if model.moe.shared_dim:
+        out += [linear(path + ("shared", w), f"{prefix}shared_expert.{w}_proj.weight") for w in ("gate", "up", "down")]
+        out.append(linear(path + ("shared_gate",), prefix + "shared_expert_gate.weight"))
+    return out
+
+
+def moe_of(cfg, norm_topk_prob: bool | None = None, shared_dim: int = 0):
+    """The ``MoE`` of a transformers config whose every layer is sparse (``num_experts``, ``num_experts_per_tok``,
+    ``moe_intermediate_size``, ``norm_topk_prob``), refusing in one line what jodpo cannot honour: dense layers among
+    the sparse ones (``mlp_only_layers``, ``decoder_sparse_step``)."""
+    from jodpo.models.model import MoE
+
+    if getattr(cfg, "mlp_only_layers", None):
+        raise UnsupportedModelError(f"mlp_only_layers={list(cfg.mlp_only_layers)}: dense layers among the MoE layers "
+                                    "are not supported (every layer must be sparse: mlp_only_layers=[])")
+    step = getattr(cfg, "decoder_sparse_step", 1)
+    if step != 1 and cfg.num_hidden_layers > 1:
+        raise UnsupportedModelError(f"decoder_sparse_step={step}: dense layers between the MoE layers are not "
+                                    "supported (every layer must be sparse: decoder_sparse_step=1)")
+    k, E = cfg.num_experts_per_tok, cfg.num_experts
+    if not 0 < k <= E:
+        raise UnsupportedModelError(f"num_experts_per_tok={k} must be between 1 and num_experts={E}")
+    width = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
+    norm = getattr(cfg, "norm_topk_prob", False) if norm_topk_prob is None else norm_topk_prob
+    return MoE(num_experts=E, top_k=k, expert_dim=width, norm_topk_prob=bool(norm), shared_dim=shared_dim)

@@ -235,6 +235,24 @@ def _object_tensors(obj) -> Iterator[tuple[str, np.ndarray]]:
         yield name, t.detach().to("cpu").float().numpy()
 
 
+def _per_expert(tensors: Iterator[tuple[str, np.ndarray]]) -> Iterator[tuple[str, np.ndarray]]:
+    """The tensors with fused experts (transformers 5's in-memory layout, and some hub checkpoints':
+    ``experts.gate_up_proj`` [E, 2F, D], ``experts.down_proj`` [E, D, F]) as the per-expert tensors that
+    ``hf_mapping.expert_rules`` names (``experts.{e}.gate_proj.weight`` [F, D], ...)."""
+    for name, tensor in tensors:
+        stem, _, last = name.rpartition(".")
+        if stem.endswith("experts") and last in ("gate_up_proj", "down_proj") and tensor.ndim == 3:
+            for e, w in enumerate(tensor):
+                if last == "down_proj":
+                    yield f"{stem}.{e}.down_proj.weight", w
+                else:
+                    gate, up = np.split(w, 2, 0)
+                    yield f"{stem}.{e}.gate_proj.weight", gate
+                    yield f"{stem}.{e}.up_proj.weight", up
+            continue
+        yield name, tensor
+
+
 def load_params(model: Model, path: Path, dtype=jnp.float32, place=None, tensors=None) -> Params:
     """Stream the checkpoint's tensors into layer-stacked host arrays; each leaf goes to the device (and
     its host copy is freed) as soon as all its layers are in, so the peak stays near twice the model.
@@ -257,7 +275,7 @@ def load_params(model: Model, path: Path, dtype=jnp.float32, place=None, tensors
     seen: set[str] = set()
     skipped: dict[str, int] = {}
     left_out = families.family_of(model).skipped
-    for name, tensor in iter_tensors(path) if tensors is None else tensors:
+    for name, tensor in _per_expert(iter_tensors(path) if tensors is None else tensors):
         part = next((what for prefix, what in left_out.items() if name.startswith(prefix)), None)
         if part is not None:
             skipped[part] = skipped.get(part, 0) + 1

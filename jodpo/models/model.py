@@ -133,6 +133,26 @@ class DeltaNet:
 
 
 @dataclasses.dataclass(frozen=True)
+class MoE:
+    """A mixture-of-experts feed-forward (``Model.moe``), the kind every layer of the model has in place of the dense
+    MLP (``jodpo.models.moe``): a router over ``num_experts`` SwiGLU experts of width ``expert_dim`` (the dense MLP's
+    activation), of which each token takes the ``top_k`` most probable (softmax in float32), their probabilities
+    renormalised to sum to 1 where ``norm_topk_prob``; beside them, where ``shared_dim``, a shared expert of that width
+    whose output is times sigmoid of a learned gate (Qwen3.5-MoE, Qwen3-Next)."""
+
+    num_experts: int
+    top_k: int
+    expert_dim: int
+    norm_topk_prob: bool
+    shared_dim: int = 0
+
+    def __post_init__(self):
+        if not 0 < self.top_k <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok ({self.top_k}) must be between 1 and num_experts "
+                             f"({self.num_experts})")
+
+
+@dataclasses.dataclass(frozen=True)
 class Model:
     """Static architecture of a decoder (and its head). Hashable; holds no arrays."""
 
@@ -185,6 +205,9 @@ class Model:
     per_layer_embeddings: PerLayerEmbeddings | None = None
     layer_scalar: bool = False
     wide_mlp: bool = False
+    # Mixture of experts: every layer's feed-forward is this MoE block instead of the dense MLP (whose activation its
+    # experts use); None: the dense MLP (mlp_dim, activation, gated_mlp, mlp_bias)
+    moe: MoE | None = None
     # The source config.json (for export); not part of the identity of the compiled function.
     hf_config: str = dataclasses.field(default="{}", compare=False, repr=False)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jodpo.models import moe
 from jodpo.models.decoder import KEYS, KIND_OF_KEY, MIXERS, Model, Params, layer_params, merge_adapters
 from jodpo.models.layout import subtree_layers
 
@@ -43,7 +44,10 @@ def param_specs(model: Model) -> dict:
     final = {k: (shape[1:], axes[1:]) for k, (shape, axes) in norm().items()}
     layers = {"ln1": norm(), "ln2": norm()} if model.norms.pre else {}
     layers |= {KEYS[k]: m.specs(model, len(model.layers_of(k))) for k, m in MIXERS.items() if model.layers_of(k)}
-    layers["mlp"] = over("mlp", mlp)
+    if model.moe is not None:  # every layer's feed-forward is the MoE block (jodpo.models.moe)
+        layers["moe"] = moe.specs(model, N)
+    else:
+        layers["mlp"] = over("mlp", mlp)
     if model.wide_kinds:  # Gemma 4's KV-sharing layers: twice the MLP width
         layers["mlp_wide"] = over("mlp_wide", jax.tree.map(
             lambda s: (tuple(2 * F if ax == "mlp" else d for d, ax in zip(*s)), s[1]), mlp, is_leaf=_is_spec))

@@ -31,7 +31,7 @@ BATCH = ("data", "fsdp")  # the mesh axes that split a batch
 # logical parameter axis -> mesh axis (None: never split)
 RULES: dict[str | None, str | None] = {
     "vocab": "tensor", "embed": "fsdp", "heads": "tensor", "kv_heads": "tensor", "mlp": "tensor",
-    "layers": None, "head_dim": None, None: None,
+    "layers": None, "head_dim": None, "expert": None, None: None,  # experts replicated (no expert axis yet)
 }
 
 

@@ -1,6 +1,6 @@
 """Every family jodpo implements, one module each (``gpt_neox``, ``llama``, ``qwen2``, ``qwen3``, ``qwen3_5``,
-``gemma2``, ``gemma3``, ``gemma4``, ``olmo2``, ``smollm3``): a transformers config -> ``Model``, and HF tensor names
-<-> jodpo parameters (``jodpo.models.hf_mapping``).
+``gemma2``, ``gemma3``, ``gemma4``, ``olmo2``, ``smollm3``; the mixtures of experts ``qwen3_moe``, ``olmoe``): a
+transformers config -> ``Model``, and HF tensor names <-> jodpo parameters (``jodpo.models.hf_mapping``).
 
 A new family is a new module here defining ``FAMILY`` (a ``Family``) and one line in ``FAMILIES``; where its
 forward differs from the shared decoder, a field of ``Model`` says so (``jodpo.models.decoder``).
@@ -10,14 +10,15 @@ from __future__ import annotations
 import json
 
 from jodpo.errors import UnsupportedModelError
-from jodpo.models.families import gemma2, gemma3, gemma4, gpt_neox, llama, olmo2, qwen2, qwen3, qwen3_5, smollm3
+from jodpo.models.families import (gemma2, gemma3, gemma4, gpt_neox, llama, olmo2, olmoe, qwen2, qwen3, qwen3_5,
+                                   qwen3_moe, smollm3)
 from jodpo.models.hf_mapping import Family, Rule, rope_of
 from jodpo.models.layers import ACTIVATIONS
 from jodpo.models.model import Model
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (gpt_neox.FAMILY, llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY,
                                                    qwen3_5.FAMILY, gemma2.FAMILY, gemma3.FAMILY, gemma4.FAMILY,
-                                                   olmo2.FAMILY, smollm3.FAMILY)}
+                                                   olmo2.FAMILY, smollm3.FAMILY, qwen3_moe.FAMILY, olmoe.FAMILY)}
 # HF model_type -> the family that implements it
 MODEL_TYPES = {model_type: f.name for f in FAMILIES.values() for model_type in f.classes}
 # architecture name in config.json -> (family, task)
@@ -25,9 +26,9 @@ ARCHITECTURES = {prefix + suffix: (f.name, task) for f in FAMILIES.values() for 
                  for suffix, task in (("ForCausalLM", "causal_lm"), ("ForSequenceClassification", "reward"))}
 ARCHITECTURES |= {name: (f.name, task) for f in FAMILIES.values() for name, task in f.more_classes.items()}
 SUPPORTED = ("GPT-NeoX/Pythia (gpt_neox), Llama 2/3, Mistral, SmolLM, TinyLlama (llama, mistral), Qwen2 (qwen2), "
-             "Qwen3 (qwen3), Qwen3.5/3.6 dense (qwen3_5_text, and qwen3_5's language model), Gemma 2 (gemma2), "
+             "Qwen3 (qwen3), Qwen3-MoE (qwen3_moe), Qwen3.5/3.6 dense (qwen3_5_text, and qwen3_5's language model), Gemma 2 (gemma2), "
              "Gemma 3 (gemma3_text, and gemma3's language model), Gemma 4 dense (gemma4_text, and gemma4's language "
-             "model), OLMo 2 and 3 (olmo2, olmo3), SmolLM3 (smollm3)")
+             "model), OLMo 2 and 3 (olmo2, olmo3), OLMoE (olmoe), SmolLM3 (smollm3)")
 # HF tensors that carry no parameters (buffers some checkpoints include).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "attention.bias", "attention.masked_bias")
 

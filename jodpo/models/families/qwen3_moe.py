@@ -1,0 +1,29 @@
+"""Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B; ``qwen3_moe``): Qwen3's attention (an RMSNorm over each head's queries
+and keys) with a mixture-of-experts block in every layer (``jodpo.models.moe``): ``num_experts`` SwiGLU experts of
+width ``moe_intermediate_size``, ``num_experts_per_tok`` of them a token, renormalised where ``norm_topk_prob`` (true
+in the released models). Dense layers among the sparse ones (``mlp_only_layers``, ``decoder_sparse_step`` above 1: in
+no released model) are refused in one line. ``Qwen3MoeForSequenceClassification`` is the reward head."""
+from __future__ import annotations
+
+from jodpo.models.families import llama
+from jodpo.models.hf_mapping import Family, Rule, expert_rules, moe_of
+from jodpo.models.model import AttentionOptions, Model
+
+
+def model_fields(cfg) -> dict:
+    return llama.model_fields(cfg) | dict(attn_options=AttentionOptions(qk_norm="head"), moe=moe_of(cfg))
+
+
+def rules(model: Model) -> list[Rule]:
+    """Llama's rules (with the q/k norms), the dense MLP's replaced by the MoE block's."""
+    dense = [r for r in llama.rules(model) if r.jodpo[0][:2] != ("layers", "mlp")]
+    return dense + expert_rules(model, "model.layers.{i}.mlp.")
+
+
+LORA_MODULES = {k: v for k, v in llama.LORA_MODULES.items() if k not in ("gate_proj", "up_proj", "down_proj")}
+LORA_PATHS = {k: v for k, v in llama.LORA_PATHS.items() if k in LORA_MODULES}
+
+FAMILY = Family(
+    name="qwen3_moe", module="qwen3_moe", classes={"qwen3_moe": "Qwen3Moe"}, model_fields=model_fields, rules=rules,
+    lora_modules=LORA_MODULES, lora_defaults=("q_proj", "v_proj"), prefix="model.", lora_paths=LORA_PATHS,
+)

@@ -1,0 +1,163 @@
+"""The mixture-of-experts feed-forward kind (``Model.moe``): its parameters, its router, its experts and the
+load-balancing loss, exactly as transformers 5.24 computes the sparse blocks of Qwen3-MoE, OLMoE and Qwen3.5-MoE.
+
+Routing: the router's logits ``x . router`` in the compute dtype, a softmax over the experts in float32, the ``top_k``
+most probable experts (ties to the lower index), their probabilities renormalised to sum to 1 where
+``MoE.norm_topk_prob`` says, then cast to the compute dtype. Each expert is a SwiGLU-style MLP of the model's
+activation. Beside them, where ``MoE.shared_dim``, a shared expert every token takes, times sigmoid of its gate.
+
+The experts are dropless: every token reaches each of its k experts (no capacity, nothing dropped, so the numbers are
+transformers'). The k copies of the tokens are sorted by expert, so that each expert's rows are contiguous, and run
+through grouped matmuls, then unsorted and summed, weighted by their routing probabilities (``sorted_experts``). On a
+GPU or a TPU the grouped matmuls are ``jax.lax.ragged_dot``; on a CPU, whose ``ragged_dot`` multiplies every row by
+every expert's weights, a scan over tiles of rows, each tile one expert's (``_tiled``), which skips the tiles no row
+fills, so a decode step reads only the chosen experts' weights. ``dense_experts`` is the one-hot reference: every
+token through every expert, the outputs weighted by the routing (tests, and ``bench.py moe``).
+
+Parameters, stacked over the layers (``params["layers"]["moe"]``): ``router`` ``[D, E]``; ``gate``, ``up``
+``[E, D, F]``; ``down`` ``[E, F, D]``; with a shared expert ``shared`` (``gate``, ``up`` ``[D, Fs]``, ``down``
+``[Fs, D]``) and ``shared_gate`` ``[D, 1]``.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jodpo.models.layers import _ACTIVATIONS, recomputed
+from jodpo.models.model import Model, MoE, Params, einsum
+
+WEIGHTS = ("router", "gate", "up", "down", "shared_gate")
+
+
+def specs(model: Model, n: int) -> dict:
+    """The parameters of ``n`` layers' MoE blocks, ``(shape, logical_axes)`` stacked on a ``layers`` axis."""
+    m, D = model.moe, model.hidden_size
+    E, F = m.num_experts, m.expert_dim
+    out = {"router": ((n, D, E), ("layers", "embed", None)),
+           "gate": ((n, E, D, F), ("layers", "expert", "embed", "mlp")),
+           "up": ((n, E, D, F), ("layers", "expert", "embed", "mlp")),
+           "down": ((n, E, F, D), ("layers", "expert", "mlp", "embed"))}
+    if m.shared_dim:
+        Fs = m.shared_dim
+        out["shared"] = {"gate": ((n, D, Fs), ("layers", "embed", "mlp")),
+                         "up": ((n, D, Fs), ("layers", "embed", "mlp")),
+                         "down": ((n, Fs, D), ("layers", "mlp", "embed"))}
+        out["shared_gate"] = ((n, D, 1), ("layers", "embed", None))
+    return out
+
+
+def route(model: Model, router_DE: jax.Array, x_TD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(logits [T, E] in the compute dtype, weights [T, k] in the compute dtype, experts [T, k])`` of each token, as
+    transformers' ``TopKRouter``."""
+    m = model.moe
+    logits = einsum(model, "td,de->te", x_TD, router_DE.astype(x_TD.dtype))
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    top, experts = jax.lax.top_k(probs, m.top_k)
+    if m.norm_topk_prob:
+        top = top / jnp.sum(top, -1, keepdims=True)
+    return logits, top.astype(x_TD.dtype), experts.astype(jnp.int32)
+
+
+def _swiglu(model: Model, x, w_gate, w_up, w_down, spec_in: str = "td,df->tf", spec_out: str = "tf,fd->td"):
+    act = _ACTIVATIONS[model.activation]
+
+    def down(gate, up, w):  # the backward keeps the projections' outputs and recomputes the activation
+        return einsum(model, spec_out, act(gate) * up, w)
+
+    gate = einsum(model, spec_in, x, w_gate.astype(x.dtype))
+    up = einsum(model, spec_in, x, w_up.astype(x.dtype))
+    return recomputed(down)(gate, up, w_down.astype(x.dtype))
+
+
+def _tile(rows: int, experts: int) -> int:
+    """The CPU's tile of rows: about what one expert gets (``rows / experts``), a power of two from 8 to 128."""
+    t = 8
+    while t < 128 and t < rows // experts:
+        t *= 2
+    return t
+
+
+def _tiled(model: Model, p: Params, x_MD: jax.Array, sizes_E: jax.Array) -> jax.Array:
+    """The experts on rows sorted by expert (``sizes_E`` rows each, in order), one tile of rows at a time: each
+    expert's rows padded to whole tiles, a ``lax.scan`` over the tiles, each through its expert's weights (the tiles
+    past the last filled one run nothing and read no weights)."""
+    (M, D), E = x_MD.shape, sizes_E.shape[0]
+    t = _tile(M, E)
+    n = -(-(M + E * (t - 1)) // t)  # enough tiles for any split of M rows over E experts
+    padded = (sizes_E + t - 1) // t * t
+    ends = jnp.cumsum(padded)
+    group = jnp.repeat(jnp.arange(E, dtype=jnp.int32), sizes_E, total_repeat_length=M)
+    dest = (ends - padded)[group] + jnp.arange(M, dtype=jnp.int32) - (jnp.cumsum(sizes_E) - sizes_E)[group]
+    tiles = jnp.zeros((n * t, D), x_MD.dtype).at[dest].set(x_MD).reshape(n, t, D)
+    expert = jnp.searchsorted(ends, jnp.arange(n, dtype=jnp.int32) * t, side="right")  # E: a tile past the rows
+
+    def body(_, tile):
+        x_tD, e = tile
+        run = lambda x, e: _swiglu(model, x, p["gate"][e], p["up"][e], p["down"][e])  # noqa: E731
+        return None, jax.lax.cond(e < E, run, lambda x, e: jnp.zeros_like(x), x_tD, jnp.minimum(e, E - 1))
+
+    _, out = jax.lax.scan(body, None, (tiles, expert))
+    return out.reshape(n * t, D)[dest]
+
+
+def _ragged(model: Model, p: Params, x_MD: jax.Array, sizes_E: jax.Array) -> jax.Array:
+    """The experts on rows sorted by expert through ``jax.lax.ragged_dot`` (grouped matmuls: GPUs, TPUs)."""
+    dt = x_MD.dtype
+    precision = jax.lax.Precision(model.precision) if dt == jnp.float32 else None
+    dot = lambda x, w: jax.lax.ragged_dot(x, w.astype(dt), sizes_E, precision=precision)  # noqa: E731
+    act = _ACTIVATIONS[model.activation]
+    down = recomputed(lambda gate, up, w: dot(act(gate) * up, w))
+    return down(dot(x_MD, p["gate"]), dot(x_MD, p["up"]), p["down"])
+
+
+def sorted_experts(model: Model, p: Params, x_TD: jax.Array, experts_TK: jax.Array, weights_TK: jax.Array):
+    """The routed experts' weighted sum ``[T, D]``, dropless: the tokens' k copies sorted by expert, through the
+    grouped matmuls (``ragged_dot``; the CPU's tiles), unsorted, times their weights, summed."""
+    (T, K), E = experts_TK.shape, model.moe.num_experts
+    flat = experts_TK.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+    x_MD = x_TD[order // K]
+    y_MD = jax.lax.platform_dependent(p, x_MD, sizes, cpu=functools.partial(_tiled, model),
+                                      default=functools.partial(_ragged, model))
+    y_TKD = jnp.zeros_like(y_MD).at[order].set(y_MD).reshape(T, K, -1)
+    return jnp.sum(y_TKD * weights_TK[..., None], axis=1)
+
+
+def dense_experts(model: Model, p: Params, x_TD: jax.Array, experts_TK: jax.Array, weights_TK: jax.Array):
+    """The one-hot reference of ``sorted_experts``: every token through every expert, the outputs summed with the
+    routing weights (zero for the experts a token did not choose)."""
+    E = model.moe.num_experts
+    y_TED = _swiglu(model, x_TD, p["gate"], p["up"], p["down"], "td,edf->tef", "tef,efd->ted")
+    w_TE = jnp.sum(jax.nn.one_hot(experts_TK, E, dtype=weights_TK.dtype) * weights_TK[..., None], axis=1)
+    return jnp.sum(y_TED * w_TE[..., None], axis=1)
+
+
+def block(model: Model, p: Params, x_BLD: jax.Array, experts=sorted_experts) -> tuple[jax.Array, jax.Array]:
+    """The MoE feed-forward of normed hidden states: ``(output [B, L, D], router logits [B, L, E])``. ``experts``:
+    ``sorted_experts`` (dropless grouped matmuls) or ``dense_experts`` (the reference)."""
+    B, L, D = x_BLD.shape
+    x_TD = x_BLD.reshape(B * L, D)
+    logits, weights, chosen = route(model, p["router"], x_TD)
+    out = experts(model, p, x_TD, chosen, weights)
+    if model.moe.shared_dim:  # Qwen3.5-MoE, Qwen3-Next: a shared expert times sigmoid(its gate), added
+        s = p["shared"]
+        shared = _swiglu(model, x_TD, s["gate"], s["up"], s["down"])
+        out = out + jax.nn.sigmoid(einsum(model, "td,dk->tk", x_TD, p["shared_gate"].astype(x_TD.dtype))) * shared
+    return out.reshape(B, L, D), logits.reshape(B, L, -1)
+
+
+def load_balancing_loss(moe: MoE, logits_NBLE: jax.Array, mask_BL: jax.Array) -> jax.Array:
+    """transformers' ``load_balancing_loss_func`` (Switch Transformer's): over every MoE layer's router logits
+    ``[N, B, L, E]`` and the real tokens of ``mask``, the fraction of top-k assignments each expert got times its mean
+    routing probability, summed over the experts, times their number. A float32 scalar."""
+    E = moe.num_experts
+    probs = jax.nn.softmax(logits_NBLE.astype(jnp.float32), axis=-1)
+    _, chosen = jax.lax.top_k(probs, moe.top_k)
+    m = mask_BL.astype(jnp.float32)[None, :, :, None]
+    counts = jnp.sum(jax.nn.one_hot(chosen, E, dtype=jnp.float32).sum(-2) * m, axis=(0, 1, 2))
+    prob_sums = jnp.sum(probs * m, axis=(0, 1, 2))
+    rows = logits_NBLE.shape[0] * jnp.sum(mask_BL.astype(jnp.float32))
+    return jnp.sum((counts / rows) * (prob_sums / rows)) * E
