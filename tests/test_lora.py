@@ -26,7 +26,7 @@ LLAMA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                             ("qwen3_5", ["all-linear"]),
                                             ("gemma2", ["all-linear"]), ("gemma3", None),
                                             ("smollm3", ["q_proj", "v_proj"]), ("olmo3", ["all-linear"]),
-                                            ("gemma4", None), ("gemma4", ["all-linear"])])
+                                            ("gemma4", None), ("gemma4", ["all-linear"]), ("qwen3_moe", ["all-linear"])])
 def test_adapters_are_the_base_at_start_and_equal_peft(checkpoints, tmp_path, family, targets):
     path = checkpoints[family]["causal_lm"]
     base_model, base = jodpo.load_model(str(path))

@@ -2,7 +2,9 @@
 and keys) with a mixture-of-experts block in every layer (``jodpo.models.moe``): ``num_experts`` SwiGLU experts of
 width ``moe_intermediate_size``, ``num_experts_per_tok`` of them a token, renormalised where ``norm_topk_prob`` (true
 in the released models). Dense layers among the sparse ones (``mlp_only_layers``, ``decoder_sparse_step`` above 1: in
-no released model) are refused in one line. ``Qwen3MoeForSequenceClassification`` is the reward head."""
+no released model) are refused in one line. ``Qwen3MoeForSequenceClassification`` is the reward head. LoRA adapts the
+attention's projections (transformers 5 holds the experts as stacked parameters, not the ``nn.Linear`` modules PEFT
+adapts); PEFT has no default target modules for Qwen3-MoE: LoRA needs ``lora_target_modules``, as PEFT does."""
 from __future__ import annotations
 
 from jodpo.models.families import llama
@@ -25,5 +27,5 @@ LORA_PATHS = {k: v for k, v in llama.LORA_PATHS.items() if k in LORA_MODULES}
 
 FAMILY = Family(
     name="qwen3_moe", module="qwen3_moe", classes={"qwen3_moe": "Qwen3Moe"}, model_fields=model_fields, rules=rules,
-    lora_modules=LORA_MODULES, lora_defaults=("q_proj", "v_proj"), prefix="model.", lora_paths=LORA_PATHS,
+    lora_modules=LORA_MODULES, lora_defaults=(), prefix="model.", lora_paths=LORA_PATHS,
 )

@@ -1,0 +1,132 @@
+"""The mixture-of-experts feed-forward (jodpo.models.moe) against transformers: each layer's router and chosen experts,
+the load-balancing loss, the grouped (dropless) experts against the one-hot reference, values and gradients, the fused
+hub layout, and the settings jodpo refuses. The tiny Qwen3-MoE and OLMoE of tests/hf_fixtures.py; their logits,
+reward heads, decoding and exports are in the family-parametrized tests."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import jodpo
+from jodpo.errors import CheckpointError
+from jodpo.models import decoder, moe
+from jodpo.models.model import MoE
+from tests import hf_fixtures
+
+MOE_FAMILIES = ("qwen3_moe", "olmoe")
+
+
+def _hf(path, **config):
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager",
+                                                **config).eval()
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_every_layer_routes_as_transformers_and_the_aux_loss_equals_theirs(checkpoints, family):
+    path = checkpoints[family]["causal_lm"]
+    model, params = jodpo.load_model(str(path))
+    ids, mask = hf_fixtures.padded_batch(np.random.default_rng(3), [11, 4, 8], model.pad_token_id, "left")
+    _, _, ours = jax.jit(decoder.hidden_states, static_argnums=0, static_argnames="with_router")(
+        model, params, ids, mask, with_router=True)
+    ours = np.asarray(ours)  # [N, B, L, E]
+    aux = float(moe.load_balancing_loss(model.moe, jnp.asarray(ours), mask))
+    hf = _hf(path, output_router_logits=True, router_aux_loss_coef=0.5)
+    with torch.no_grad():
+        out = hf(input_ids=torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask),
+                 position_ids=torch.tensor(np.maximum(np.cumsum(mask, -1) - 1, 0), dtype=torch.long))
+    theirs = np.stack([r.numpy().reshape(ours.shape[1:]) for r in out.router_logits])
+    real = mask.astype(bool)
+    np.testing.assert_allclose(ours[:, real], theirs[:, real], rtol=1e-4, atol=1e-4 * np.abs(theirs).max())
+    k = model.moe.top_k
+    chosen = lambda logits: np.sort(np.argsort(-logits, -1, kind="stable")[..., :k], -1)  # noqa: E731
+    np.testing.assert_array_equal(chosen(ours[:, real]), chosen(theirs[:, real]))
+    np.testing.assert_allclose(aux, float(out.aux_loss), rtol=1e-5)
+    assert aux > 1.0  # E * sum(f p) is 1 when balanced; a real number, not a zero from an empty mask
+
+
+def _tiny_block(E=5, k=2, D=8, F=6, shared=0, norm=True):
+    m = MoE(num_experts=E, top_k=k, expert_dim=F, norm_topk_prob=norm, shared_dim=shared)
+    model = decoder.Model(family="qwen3_moe", task="causal_lm", vocab_size=8, hidden_size=D, num_layers=1,
+                          num_heads=1, num_kv_heads=1, head_dim=D, mlp_dim=F, norms=decoder.Norms("rmsnorm", 1e-6),
+                          activation="silu", gated_mlp=True, mlp_bias=False, qkv_bias=False, out_bias=False,
+                          parallel_residual=False, rope=decoder.Rope(D, (1.0,) * (D // 2)), tie_embeddings=False,
+                          moe=m)
+    params = jodpo.init_params(model, jax.random.key(0), std=0.5)
+    p = jax.tree.map(lambda a: a[0], params["layers"]["moe"])
+    return model, p
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 40])
+def test_grouped_experts_equal_the_one_hot_reference_values_and_gradients(tokens):
+    """The CPU's tiles (one row a tile at 1 token, experts left empty, several tiles for one expert at 40 tokens) and
+    ragged_dot (GPUs', TPUs': jax's CPU version is slow but exact) against every token through every expert."""
+    model, p = _tiny_block(shared=4)
+    x = jax.random.normal(jax.random.key(1), (1, tokens, model.hidden_size))
+
+    def loss(experts, p, x):
+        y, _ = moe.block(model, p, x, experts)
+        return jnp.sum(jnp.sin(y)), y
+
+    def ragged(model, p, x_TD, chosen, weights):  # sorted_experts through _ragged on any platform
+        T, K = chosen.shape
+        order = jnp.argsort(chosen.reshape(-1), stable=True)
+        sizes = jnp.bincount(chosen.reshape(-1), length=model.moe.num_experts).astype(jnp.int32)
+        y = moe._ragged(model, p, x_TD[order // K], sizes)
+        return jnp.sum(jnp.zeros_like(y).at[order].set(y).reshape(T, K, -1) * weights[..., None], 1)
+
+    (_, want), want_grads = jax.value_and_grad(loss, argnums=(1, 2), has_aux=True)(moe.dense_experts, p, x)
+    for experts in (moe.sorted_experts, ragged):
+        (_, got), grads = jax.jit(jax.value_and_grad(loss, argnums=(1, 2), has_aux=True), static_argnums=0)(
+            experts, p, x)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+        for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_a_decode_step_runs_only_the_tiles_of_the_chosen_experts():
+    """Eight tokens choosing 2 of 64 experts: at most 16 of the tiles hold rows (8 rows a tile); the others skip their
+    expert (lax.cond), so the step reads only the chosen experts' weights."""
+    model, p = _tiny_block(E=64, k=2)
+    M, E = 16, 64
+    sizes = np.zeros(E, np.int32)
+    sizes[[3, 9, 10, 40]] = [5, 4, 4, 3]
+    ran = []
+    real_swiglu = moe._swiglu
+    try:
+        moe._swiglu = lambda model, x, *w, **kw: (jax.debug.callback(lambda: ran.append(1)),
+                                                  real_swiglu(model, x, *w, **kw))[1]
+        x = jax.random.normal(jax.random.key(2), (M, model.hidden_size))
+        jax.block_until_ready(moe._tiled(model, p, x, jnp.asarray(sizes)))
+    finally:
+        moe._swiglu = real_swiglu
+    assert moe._tile(M, E) == 8 and len(ran) == 4  # one tile for each of the four experts chosen, of 58 tiles
+
+
+def test_fused_expert_tensors_load_as_the_per_expert_ones(checkpoints):
+    """transformers 5 holds experts fused in memory (experts.gate_up_proj [E, 2F, D], experts.down_proj [E, D, F]), as
+    some hub checkpoints store them: a model object loads as its saved directory does."""
+    path = checkpoints["qwen3_moe"]["causal_lm"]
+    hf = _hf(path)
+    assert any(k.endswith("experts.gate_up_proj") for k in hf.state_dict())
+    _, from_dir = jodpo.load_model(str(path))
+    _, from_object = jodpo.load_model(hf)
+    for a, b in zip(jax.tree.leaves(from_dir), jax.tree.leaves(from_object)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("family,change,field", [
+    ("qwen3_moe", dict(mlp_only_layers=[1]), "mlp_only_layers"),
+    ("qwen3_moe", dict(decoder_sparse_step=2), "decoder_sparse_step"),
+    ("qwen3_moe", dict(num_experts_per_tok=9), "num_experts_per_tok"),
+    ("olmoe", dict(clip_qkv=8.0), "clip_qkv"),
+])
+def test_moe_settings_jodpo_cannot_honour_are_refused_naming_the_field(checkpoints, tmp_path, family, change, field):
+    cfg = AutoConfig.from_pretrained(checkpoints[family]["causal_lm"])
+    for key, value in change.items():
+        setattr(cfg, key, value)
+    cfg.save_pretrained(tmp_path)
+    with pytest.raises(CheckpointError, match=field) as e:
+        jodpo.models.loading.describe_model(str(tmp_path))
+    assert "\n" not in str(e.value)
