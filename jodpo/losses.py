@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from jodpo.models.decoder import Model, Params, hidden_states, prefixed_hidden_states
+from jodpo.models.moe import load_balancing_loss
 from jodpo.pair_losses import (LOSSES, REFERENCE_FREE, LossOptions, Pair, check_loss_options,  # noqa: F401 (re-exported)
                                get_loss, needs_reference)
 from jodpo.models.heads import lm_head
@@ -25,7 +26,7 @@ from jodpo.scoring import apply_eos_penalty, contains_eos, pair_indices
 
 def completion_logprobs(model: Model, params: Params, prompt_ids: jax.Array, prompt_mask: jax.Array,
                         completion_ids: jax.Array, completion_mask: jax.Array,
-                        max_length: int | None = None, temperature: float | None = None) -> jax.Array:
+                        max_length: int | None = None, temperature: float | None = None, with_aux: bool = False):
     """f32[N, C]: log p(completion token | everything before it) under ``params``; 0 on padding.
 
     ``prompt_ids`` has a row per completion ``[N, P]``, or ``[B, P]`` shared by N = n x B completions in block
@@ -33,23 +34,32 @@ def completion_logprobs(model: Model, params: Params, prompt_ids: jax.Array, pro
     The LM head runs only at the C positions that predict completion tokens (never over the prompt).
     ``max_length`` left-truncates the prompt for this forward only, as TRL does (at least one prompt
     token is kept). ``temperature``: the logits are divided by ``temperature + 1e-7`` first, as open-instruct's
-    training forward does (TRL and the default use the raw logits).
+    training forward does (TRL and the default use the raw logits). ``with_aux`` (a MoE model): also the forward's
+    load-balancing loss over the real tokens of prompt + completion, as transformers' ``aux_loss`` of those rows.
     """
     P, C = prompt_ids.shape[1], completion_ids.shape[1]
     if max_length is not None and P + C > max_length:
         cut = min(P + C - max_length, P - 1)
         prompt_ids, prompt_mask, P = prompt_ids[:, cut:], prompt_mask[:, cut:], P - cut
-    if prompt_ids.shape[0] == completion_ids.shape[0]:
-        h, _ = hidden_states(model, params, jnp.concatenate([prompt_ids, completion_ids], 1),
-                             jnp.concatenate([prompt_mask, completion_mask], 1))
+    shared = prompt_ids.shape[0] != completion_ids.shape[0]
+    if shared:
+        out = prefixed_hidden_states(model, params, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                                     with_router=with_aux)
+        h, router = out if with_aux else (out, None)
     else:
-        h = prefixed_hidden_states(model, params, prompt_ids, prompt_mask, completion_ids, completion_mask)
+        h, _, *router = hidden_states(model, params, jnp.concatenate([prompt_ids, completion_ids], 1),
+                                      jnp.concatenate([prompt_mask, completion_mask], 1), with_router=with_aux)
+        router = router[0] if with_aux else None
     logits_BCV = lm_head(model, params, h[:, P - 1: P + C - 1])
     if temperature is not None:
         logits_BCV = logits_BCV / (temperature + 1e-7)
     picked = jnp.take_along_axis(logits_BCV, completion_ids[..., None].astype(jnp.int32), -1)[..., 0]
-    logp = picked - jax.nn.logsumexp(logits_BCV, axis=-1)
-    return jnp.where(completion_mask > 0, logp, 0.0)
+    logp = jnp.where(completion_mask > 0, picked - jax.nn.logsumexp(logits_BCV, axis=-1), 0.0)
+    if not with_aux:
+        return logp
+    n = completion_ids.shape[0] // prompt_ids.shape[0]
+    mask = jnp.concatenate([jnp.concatenate([prompt_mask] * n, 0) if shared else prompt_mask, completion_mask], 1)
+    return logp, load_balancing_loss(model.moe, router, mask)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -70,6 +80,9 @@ class LossConfig:
     penalty_reward_value: float | None = None  # replaces it instead (open-instruct's non_eos_penalty)
     eos_token_ids: tuple[int, ...] = ()  # the ids that spare a completion the penalties
     judged: bool = False  # the rewards are a judge's verdicts (``jodpo.judges.pair_scores``): never penalised
+    # a MoE policy's load-balancing loss (transformers' aux_loss of its forward) times this is added to the loss and
+    # logged as ``aux_loss`` (TRL's name); 0: off, as TRL's online trainers (they add none)
+    router_aux_loss_coef: float = 0.0
 
     def scores(self, rewards: jax.Array, completion_ids: jax.Array, completion_mask: jax.Array):
         """``(scores, has_eos)``: f32 rewards after the EOS penalties (a judge's verdicts as they are), which order
@@ -160,15 +173,33 @@ def batch_logprobs(model: Model, params: Params, batch: OnlineBatch, loss: LossC
                                batch.completion_mask, loss.max_length, loss.logprob_temperature)
 
 
+def policy_logprobs(model: Model, params: Params, batch: OnlineBatch, loss: LossConfig):
+    """``batch_logprobs`` under the trained policy and, where ``loss.router_aux_loss_coef`` is on (a MoE policy), the
+    load-balancing loss of the same forward (None otherwise)."""
+    if not (loss.router_aux_loss_coef and model.moe is not None):
+        return batch_logprobs(model, params, batch, loss), None
+    return completion_logprobs(model, params, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
+                               batch.completion_mask, loss.max_length, loss.logprob_temperature, with_aux=True)
+
+
+def with_aux_loss(value: jax.Array, metrics: dict, aux: jax.Array | None, loss: LossConfig):
+    """A loss and its metrics with the policy's load-balancing loss added (``router_aux_loss_coef`` times it, as
+    transformers adds it to its loss; ``metrics["loss"]`` the sum) and logged as ``aux_loss``; as they are without."""
+    if aux is None:
+        return value, metrics
+    value = value + loss.router_aux_loss_coef * aux
+    return value, metrics | {"loss": jax.lax.stop_gradient(value), "aux_loss": jax.lax.stop_gradient(aux)}
+
+
 def _summed_logprobs(model: Model, params: Params, ref_params: Params, batch: OnlineBatch, loss: LossConfig):
     """Summed completion log-probs under the policy (differentiable) and the frozen reference (None, and the
     reference not run, for a reference-free loss), plainly summed and as the loss reads them (with ``ld_alpha``,
-    LD-DPO's weighted sums; else the same arrays)."""
+    LD-DPO's weighted sums; else the same arrays); and the policy's load-balancing loss (``policy_logprobs``)."""
     ref_logprobs, reference = batch.ref_logprobs, needs_reference(loss.loss_type)
     if reference and ref_logprobs is None and ref_params is None:
         raise ValueError(f"loss_type={loss.loss_type!r} compares with a reference: give ref_params (or ref_logprobs); "
                          "only a reference-free loss (REFERENCE_FREE) runs without one")
-    logp = batch_logprobs(model, params, batch, loss)
+    logp, aux = policy_logprobs(model, params, batch, loss)
     S, S_ref = logp.sum(-1), None
     if reference:
         if ref_logprobs is None:
@@ -176,9 +207,9 @@ def _summed_logprobs(model: Model, params: Params, ref_params: Params, batch: On
         ref_logprobs = jax.lax.stop_gradient(ref_logprobs)
         S_ref = ref_logprobs.sum(-1)
     if loss.options.ld_alpha is None:
-        return S, S_ref, S, S_ref
+        return S, S_ref, S, S_ref, aux
     w = ld_weights(batch.completion_mask, loss.options.ld_alpha)
-    return S, S_ref, (logp * w).sum(-1), None if S_ref is None else (ref_logprobs * w).sum(-1)
+    return S, S_ref, (logp * w).sum(-1), None if S_ref is None else (ref_logprobs * w).sum(-1), aux
 
 
 # --------------------------------------------------------------------------------------------------
@@ -221,7 +252,7 @@ def online_batch_loss(model: Model, params: Params, ref_params: Params, batch: O
       reference, ``objective/kl``, ``objective/non_score_reward`` and ``objective/rlhf_reward`` are not logged and
       ``rewards/*``, ``logps/*`` are TRL CPOTrainer's (beta x the average log-prob; the average log-prob).
     """
-    S, S_ref, S_loss, S_ref_loss = _summed_logprobs(model, params, ref_params, batch, loss)
+    S, S_ref, S_loss, S_ref_loss, aux = _summed_logprobs(model, params, ref_params, batch, loss)
     scores, has_eos = loss.scores(batch.rewards, batch.completion_ids, batch.completion_mask)
     chosen, rejected = pair_indices(scores)
     length = batch.completion_mask.sum(-1).astype(jnp.float32)
@@ -229,8 +260,9 @@ def online_batch_loss(model: Model, params: Params, ref_params: Params, batch: O
     weights = jnp.isfinite(p_first).astype(jnp.float32) if loss.judged else None
     if batch.pair_weights is not None:
         weights = batch.pair_weights.astype(jnp.float32) * (1.0 if weights is None else weights)
-    value, metrics = preference_loss(S_loss, S_ref_loss, length, chosen, rejected, beta=beta,
-                                     loss_type=loss.loss_type, options=loss.options, weights=weights)
+    value, metrics = with_aux_loss(*preference_loss(S_loss, S_ref_loss, length, chosen, rejected, beta=beta,
+                                                    loss_type=loss.loss_type, options=loss.options, weights=weights),
+                                   aux, loss)
     S = jax.lax.stop_gradient(S)
     if batch.sample_logprobs is not None:
         sampled = jnp.where(batch.completion_mask > 0, batch.sample_logprobs, 0.0).sum(-1)
@@ -292,7 +324,7 @@ def nash_md_batch_loss(model: Model, params: Params, ref_params: Params, batch: 
     B = batch.completion_ids.shape[0] // 2
     own = OnlineBatch(batch.prompt_ids[:B], batch.prompt_mask[:B], batch.completion_ids[:B],
                       batch.completion_mask[:B])  # prompt rows [:B] whether shared ([B, P]) or per row ([2B, P])
-    logp = batch_logprobs(model, params, own, loss)
+    logp, aux = policy_logprobs(model, params, own, loss)
     ref = batch.ref_logprobs[:B] if batch.ref_logprobs is not None else batch_logprobs(
         model, jax.lax.stop_gradient(ref_params), own, loss)
     ref = jax.lax.stop_gradient(ref)
@@ -318,7 +350,7 @@ def nash_md_batch_loss(model: Model, params: Params, ref_params: Params, batch: 
         metrics["objective/judge_abstained"] = 1.0 - weights.mean()
     else:
         metrics |= {"rewards/chosen": scores[:B].mean(), "rewards/rejected": scores[B:].mean()}
-    return value, jax.tree.map(jax.lax.stop_gradient, metrics)
+    return with_aux_loss(value, jax.tree.map(jax.lax.stop_gradient, metrics), aux, loss)
 
 
 def xpo_batch_loss(model: Model, params: Params, ref_params: Params, batch: OnlineBatch, coefs: Coefficients,
@@ -335,7 +367,7 @@ def xpo_batch_loss(model: Model, params: Params, ref_params: Params, batch: Onli
     policy's mean summed log-prob of the chosen (rejected) completions plus the reference's),
     ``val/model_contain_eos_token``, ``val/ref_contain_eos_token``, ``alpha``, ``beta``."""
     B = batch.completion_ids.shape[0] // 2
-    S, S_ref, S_loss, S_ref_loss = _summed_logprobs(model, params, ref_params, batch, loss)
+    S, S_ref, S_loss, S_ref_loss, aux = _summed_logprobs(model, params, ref_params, batch, loss)
     scores, has_eos = loss.scores(batch.rewards, batch.completion_ids, batch.completion_mask)
     chosen, rejected = pair_indices(scores)
     weights = _verdict_weights(loss, scores, batch)
@@ -357,7 +389,7 @@ def xpo_batch_loss(model: Model, params: Params, ref_params: Params, batch: Onli
     else:
         metrics |= {"objective/model_scores": scores[:B].mean(), "objective/ref_scores": scores[B:].mean(),
                     "objective/scores_margin": (scores[:B] - scores[B:]).mean()}
-    return dpo + xpo, jax.tree.map(jax.lax.stop_gradient, metrics)
+    return with_aux_loss(dpo + xpo, jax.tree.map(jax.lax.stop_gradient, metrics), aux, loss)
 
 
 def _online_dpo_batch_loss(model, params, ref_params, batch: OnlineBatch, coefs: Coefficients, loss: LossConfig):
@@ -407,9 +439,10 @@ def xpo_loss(model: Model, params: Params, ref_params: Params, prompt_ids: jax.A
 def dpo_loss(model: Model, params: Params, ref_params: Params, prompt_ids: jax.Array, prompt_mask: jax.Array,
              chosen_ids: jax.Array, chosen_mask: jax.Array, rejected_ids: jax.Array, rejected_mask: jax.Array, *,
              beta, loss_type: str = "sigmoid", max_length: int | None = None,
-             options: LossOptions = LossOptions()):
+             options: LossOptions = LossOptions(), router_aux_loss_coef: float = 0.0):
     """Offline DPO (TRL's DPOTrainer) on preference data: the same losses, the pairs given by the data
-    (``simpo``: TRL's CPOTrainer, ``ref_params`` None).
+    (``simpo``: TRL's CPOTrainer, ``ref_params`` None). ``router_aux_loss_coef`` (a MoE policy): its load-balancing
+    loss of the chosen and rejected rows' forward, times this, added and logged as ``aux_loss`` (TRL's DPOTrainer).
 
     Args:
       prompt_ids, prompt_mask: i32[B, P], left-padded.
@@ -420,7 +453,8 @@ def dpo_loss(model: Model, params: Params, ref_params: Params, prompt_ids: jax.A
     B = prompt_ids.shape[0]
     batch = OnlineBatch(prompt_ids, prompt_mask, jnp.concatenate([chosen_ids, rejected_ids]),
                         jnp.concatenate([chosen_mask, rejected_mask]))  # rows b and B + b: pair b
-    _, _, S, S_ref = _summed_logprobs(model, params, ref_params, batch, LossConfig(loss_type, options, max_length))
+    loss = LossConfig(loss_type, options, max_length, router_aux_loss_coef=router_aux_loss_coef)
+    _, _, S, S_ref, aux = _summed_logprobs(model, params, ref_params, batch, loss)
     rows = jnp.arange(B, dtype=jnp.int32)
-    return preference_loss(S, S_ref, batch.completion_mask.sum(-1).astype(jnp.float32), rows, rows + B, beta=beta,
-                           loss_type=loss_type, options=options)
+    return with_aux_loss(*preference_loss(S, S_ref, batch.completion_mask.sum(-1).astype(jnp.float32), rows, rows + B,
+                                          beta=beta, loss_type=loss_type, options=options), aux, loss)

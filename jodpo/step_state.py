@@ -50,6 +50,7 @@ class StepConfig:
     alpha: tuple[float, ...] = (OWN_SETTINGS["alpha"][1],)  # XPO's exploration weight, alpha[min(int(epoch), len - 1)]
     mixture_coef: tuple[float, ...] = (OWN_SETTINGS["mixture_coef"][1],)  # Nash-MD's weight of the reference in the
     # mixture, indexed as beta
+    router_aux_loss_coef: float = 0.0  # a MoE policy's load-balancing loss, times this, added (0: off, as TRL's)
 
     @property
     def online_method(self) -> Method:
@@ -74,7 +75,8 @@ class StepConfig:
     def loss(self) -> LossConfig:
         """The loss's settings as ``jodpo.losses`` reads them (its EOS ids: ``penalty_ids``)."""
         return LossConfig(self.loss_type, self.loss_options, self.max_length, self.logprob_temperature,
-                          self.missing_eos_penalty, self.penalty_reward_value, self.penalty_ids, self.judged)
+                          self.missing_eos_penalty, self.penalty_reward_value, self.penalty_ids, self.judged,
+                          self.router_aux_loss_coef)
 
     @property
     def lagging(self) -> bool:

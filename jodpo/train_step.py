@@ -330,7 +330,8 @@ def offline_step(cfg: StepConfig, state: TrainState, ref_params: Params,
     def loss_fn(params, mb: PreferenceBatch):
         return dpo_loss(cfg.model, policy_params(cfg, params, ref_params), ref_params, mb.prompt_ids, mb.prompt_mask,
                         mb.chosen_ids, mb.chosen_mask, mb.rejected_ids, mb.rejected_mask, beta=beta,
-                        loss_type=cfg.loss_type, max_length=cfg.max_length, options=cfg.loss_options)
+                        loss_type=cfg.loss_type, max_length=cfg.max_length, options=cfg.loss_options,
+                        router_aux_loss_coef=cfg.router_aux_loss_coef)
 
     grads, metrics = _accumulate(cfg.model, loss_fn, state.params, batch)
     return apply_gradients(cfg, state, grads, metrics)

@@ -23,10 +23,10 @@ SCRIPT = ROOT / "scripts" / "export_hf.py"
 export_hf = helpers.export_hf
 
 
-def _train(checkpoints, family: str, root: Path, steps: int) -> Path:
+def _train(checkpoints, family: str, root: Path, steps: int, **more) -> Path:
     """``python -m jodpo.train`` (its main, in this process) for ``steps`` steps of a tiny family variant."""
     out = root / "run"
-    fields = dict(model_name_or_path=checkpoints[family]["causal_lm"], reward_model_path=checkpoints[family]["reward"],
+    fields = more | dict(model_name_or_path=checkpoints[family]["causal_lm"], reward_model_path=checkpoints[family]["reward"],
                   dataset_name=hf_fixtures.prompt_dataset(root / "data"), output_dir=out, max_steps=steps,
                   save_steps=1, per_device_train_batch_size=2, max_new_tokens=4, max_length=96,
                   max_prompt_length=64, learning_rate=1e-2, bf16=False, logging_steps=1)
@@ -44,10 +44,14 @@ def neox_run(checkpoints, tmp_path_factory):
 
 
 @pytest.mark.parametrize("family", ["neox", "llama", "llama_tied", "mistral", "qwen2", "qwen3_5", "smollm3", "olmo3",
-                                    "gemma4"])
+                                    "gemma4", "qwen3_moe"])
 def test_trained_policy_exports_to_transformers(checkpoints, tmp_path, family, neox_run):
     steps = 2 if family == "neox" else 3
-    run = neox_run if family == "neox" else _train(checkpoints, family, tmp_path, steps)
+    aux = dict(router_aux_loss_coef=0.01) if family == "qwen3_moe" else {}  # the load-balancing loss on, logged
+    run = neox_run if family == "neox" else _train(checkpoints, family, tmp_path, steps, **aux)
+    if aux:
+        lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        assert all(np.isfinite(m["aux_loss"]) and m["aux_loss"] > 0 for m in lines if "loss" in m)
     out, checks = export_hf.export(str(run), str(tmp_path / "hf"))
     assert "bitwise" in checks[0] and "transformers" in checks[1]
     trained = restore_params(run / "checkpoints" / str(steps))

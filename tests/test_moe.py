@@ -130,3 +130,33 @@ def test_moe_settings_jodpo_cannot_honour_are_refused_naming_the_field(checkpoin
     with pytest.raises(CheckpointError, match=field) as e:
         jodpo.models.loading.describe_model(str(tmp_path))
     assert "\n" not in str(e.value)
+
+
+def test_the_loss_adds_transformers_aux_loss_of_the_policy_forward_times_the_coefficient(checkpoints):
+    """Online DPO's loss with router_aux_loss_coef: the policy's load-balancing loss over the real tokens of every
+    prompt + completion row (each prompt computed once, counted once per row, as transformers' forward of the rows)
+    times the coefficient, logged as aux_loss; its gradient reaches the routers. Off (0), nothing is added or logged."""
+    from jodpo.losses import LossConfig, OnlineBatch, online_batch_loss
+
+    path = checkpoints["qwen3_moe"]["causal_lm"]
+    model, params = jodpo.load_model(str(path))
+    rng = np.random.default_rng(4)
+    prompt, pmask = hf_fixtures.padded_batch(rng, [6, 3], model.pad_token_id, "left")
+    completion, cmask = hf_fixtures.padded_batch(rng, [4, 2, 3, 4], model.pad_token_id, "right")
+    batch = OnlineBatch(*map(jnp.asarray, (prompt, pmask, completion, cmask)), jnp.asarray([1.0, 0.0, 0.5, 2.0]))
+    loss = jax.jit(online_batch_loss, static_argnums=(0, 5))
+    off, m_off = loss(model, params, params, batch, 0.1, LossConfig())
+    on, m_on = loss(model, params, params, batch, 0.1, LossConfig(router_aux_loss_coef=0.25))
+    ids = np.concatenate([np.concatenate([prompt] * 2), completion], 1)
+    mask = np.concatenate([np.concatenate([pmask] * 2), cmask], 1)
+    hf = _hf(path, output_router_logits=True)
+    with torch.no_grad():
+        aux = float(hf(input_ids=torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask),
+                       position_ids=torch.tensor(np.maximum(np.cumsum(mask, -1) - 1, 0))).aux_loss)
+    assert "aux_loss" not in m_off
+    np.testing.assert_allclose(float(m_on["aux_loss"]), aux, rtol=1e-5)
+    np.testing.assert_allclose(float(on), float(off) + 0.25 * aux, rtol=1e-5)
+    np.testing.assert_allclose(float(m_on["loss"]), float(on), rtol=1e-6)
+    grads = jax.grad(lambda p, c: online_batch_loss(model, p, params, batch, 0.1, LossConfig(router_aux_loss_coef=c))[0])
+    router = lambda g: np.asarray(g["layers"]["moe"]["router"])  # noqa: E731
+    assert np.abs(router(grads(params, 0.25)) - router(grads(params, 0.0))).max() > 1e-6

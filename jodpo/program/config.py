@@ -126,6 +126,9 @@ class _Fields:
     alpha: float | tuple[float, ...] = _f(OWN_SETTINGS["alpha"][1], "xpo: weight of the exploration term (the "
                                           "policy's log-prob of the reference's completion); a list is indexed by "
                                           "epoch")
+    router_aux_loss_coef: float = _f(0.0, "a MoE policy's load-balancing loss (transformers' aux_loss) times this is "
+                                          "added to the loss and logged as aux_loss (TRL DPOConfig's name); 0: off, "
+                                          "as TRL's online trainers")
     missing_eos_penalty: float | None = _f(None, "subtracted from the reward of completions without EOS (TRL)")
     non_eos_penalty: bool = _f(False, "replace the reward of completions without EOS by penalty_reward_value")
     penalty_reward_value: float = _f(-1.0, "the reward given by non_eos_penalty (open-instruct)")

@@ -189,6 +189,9 @@ def build(cfg: TrainConfig, given: Given = Given()) -> Run:
     else:  # reference-free (simpo): only the policy, read in param_dtype when the run starts from it (Run.policy)
         model, ref_params = describe_policy(source, cfg.param_dtype, cfg), None
     policy_params, targets = ref_params, ()
+    if cfg.router_aux_loss_coef and model.moe is None:  # as TRL refuses it
+        raise ConfigError(f"router_aux_loss_coef={cfg.router_aux_loss_coef} adds a mixture of experts' load-balancing "
+                          f"loss, and this {model.family} policy has no experts; leave it at 0")
     if cfg.use_peft:  # the policy is the frozen base plus adapters; nothing else is trained or copied
         model = model.replace(lora_rank=cfg.lora_r, lora_alpha=float(cfg.lora_alpha))
         try:
@@ -255,7 +258,8 @@ def build(cfg: TrainConfig, given: Given = Given()) -> Run:
         reward_model=rm if rewards is not None and rewards.on_device else None, judged=judge is not None,
         logprob_temperature=cfg.temperature if cfg.temperature_scaled_logprobs else None, stop_token_ids=stop,
         async_mode=cfg.async_mode, num_generations=cfg.num_generations, pairing=cfg.pairing,
-        sync_steps=cfg.sync_steps, method=cfg.method, alpha=cfg.alpha, mixture_coef=cfg.mixture_coef)
+        sync_steps=cfg.sync_steps, method=cfg.method, alpha=cfg.alpha, mixture_coef=cfg.mixture_coef,
+        router_aux_loss_coef=cfg.router_aux_loss_coef)
     run = Run(cfg, tokenizer, step_cfg, mesh, policy_params, ref_params, rewards, judge, train, evaluation,
               cfg.prompt_buckets or D.default_buckets(cfg.max_prompt_length), global_batch, spe, total,
               Schedule(cfg, total, spe),
