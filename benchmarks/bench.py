@@ -26,6 +26,8 @@ ratios within a run, not seconds across runs). docs/performance.md has the figur
   python benchmarks/bench.py depth [--models qwen3-0.6b qwen3.5-0.8b gemma-3-1b gemma-4-e2b] [--prompts 8]
                                 [--prompt-len 128] [--completion-len 64] [--remat full] [--no-sample] [--out F.json]
                                 (compile time and XLA temporaries per layer at real configs: depth.py)
+  python benchmarks/bench.py moe [--shapes olmoe-1b-7b qwen3-30b-a3b] [--tokens 256] [--decode-tokens 8]
+                              [--repeats 3] [--out F.json]  (one MoE layer: tiles, ragged_dot, dense, transformers)
 
 ``sample``: jodpo's sampler vs transformers' ``generate`` (KV cache on) on the same random
 Pythia-70m-shaped GPT-NeoX (hidden 512, 6 layers, 8 heads, vocab 50304), batch and lengths, fp32 on the
@@ -55,6 +57,10 @@ gradient (deltanet.py).
 ``depth``: what depth costs at real sizes, from ``benchmarks/configs/`` alone: the gradient of a step's log-probs
 (trace+lower+compile seconds, XLA's temporaries with and without rematerialisation) and ``jodpo.sample``'s compile,
 per layer, for several models side by side (a 2026 family beside its dense peer: depth.py).
+
+``moe``: one mixture-of-experts layer forward+backward at OLMoE-1B-7B's and Qwen3-30B-A3B's layer shapes on the CPU:
+jodpo's dropless tiles, ``jax.lax.ragged_dot``, the dense one-hot reference and transformers' own sparse block, and a
+decode step with the experts whose weights it reads (moe.py).
 
 ``device``: the suite's tests that carry weight, then the step and the sampler at a ~1.7B shape in bf16, each phase
 under its own time limit, into one JSON and a table for docs/gpu.md (device.py).
@@ -86,6 +92,7 @@ import depth
 import device
 import device_measure
 import memory
+import moe
 import program
 import real
 import sample
@@ -104,7 +111,7 @@ BENCHMARKS = {"sample": (sample.bench_sample, sample.print_sample), "train": (tr
               "device": (device.bench_device, device.print_device),
               "tpu-grid": (tpu_grid.bench_tpu_grid, tpu_grid.print_tpu_grid),
               "deltanet": (deltanet.bench_deltanet, deltanet.print_deltanet),
-              "depth": (depth.bench_depth, depth.print_depth),
+              "depth": (depth.bench_depth, depth.print_depth), "moe": (moe.bench_moe, moe.print_moe),
               "traffic": (traffic.bench_traffic, traffic.print_traffic)}
 
 
@@ -121,6 +128,7 @@ def parser() -> argparse.ArgumentParser:
     traffic.add_parser(sub, SHAPE)
     deltanet.add_parser(sub)
     depth.add_parser(sub)
+    moe.add_parser(sub)
     return ap
 
 

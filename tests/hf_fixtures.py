@@ -44,14 +44,15 @@ def build_tokenizer(out: Path):
 
 
 FAMILIES = ("neox", "neox_seq", "llama", "llama_tied", "mistral", "qwen2", "qwen3", "qwen3_5", "gemma2",
-            "gemma3", "smollm3", "olmo2", "olmo3", "gemma4", "qwen3_moe", "olmoe")  # family_configs' keys, in order
+            "gemma3", "smollm3", "olmo2", "olmo3", "gemma4", "qwen3_moe", "olmoe", "qwen3_5_moe")  # family_configs'
+# keys, in order
 
 
 def family_configs(pad_id: int, eos_id: int) -> dict:
     """transformers configs of the tiny variants, keyed by fixture name."""
     from transformers import (Gemma2Config, Gemma3TextConfig, Gemma4TextConfig, GPTNeoXConfig, LlamaConfig,
-                              MistralConfig, Olmo2Config, Olmo3Config, OlmoeConfig, Qwen2Config, Qwen3_5TextConfig,
-                              Qwen3Config, Qwen3MoeConfig, SmolLM3Config)
+                              MistralConfig, Olmo2Config, Olmo3Config, OlmoeConfig, Qwen2Config, Qwen3_5MoeTextConfig,
+                              Qwen3_5TextConfig, Qwen3Config, Qwen3MoeConfig, SmolLM3Config)
 
     common = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                   intermediate_size=128, max_position_embeddings=128, pad_token_id=pad_id, eos_token_id=eos_id,
@@ -114,6 +115,14 @@ def family_configs(pad_id: int, eos_id: int) -> dict:
                                     **common),
         "olmoe": OlmoeConfig(num_key_value_heads=2, num_experts=6, num_experts_per_tok=3,
                              **{**common, "intermediate_size": 32}),
+        # Qwen3.5's hybrid (a DeltaNet layer, then gated attention) with 4 experts of 32, two a token, and a shared
+        # expert of 48 behind its sigmoid gate
+        "qwen3_5_moe": Qwen3_5MoeTextConfig(num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
+                                            layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+                                            linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
+                                            linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+                                            moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                            **{k: v for k, v in common.items() if k != "intermediate_size"}),
     }
 
 
@@ -134,22 +143,29 @@ def _register_gemma4_classifier():
     AutoModelForSequenceClassification.register(Gemma4TextConfig, Gemma4ForSequenceClassification, exist_ok=True)
 
 
-def _register_olmoe_classifier():
-    """transformers has no OLMoE sequence classifier either: the tests' is its generic one over OlmoeModel, as
-    Qwen3MoeForSequenceClassification is Qwen3-MoE's."""
-    from transformers import AutoModelForSequenceClassification, OlmoeConfig
+def _register_moe_classifiers():
+    """transformers has no OLMoE or Qwen3.5-MoE sequence classifier either: the tests' are its generic one over their
+    text models, as Qwen3MoeForSequenceClassification is Qwen3-MoE's."""
+    from transformers import AutoModelForSequenceClassification, OlmoeConfig, Qwen3_5MoeTextConfig
     from transformers.modeling_layers import GenericForSequenceClassification
     from transformers.models.olmoe.modeling_olmoe import OlmoePreTrainedModel
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoePreTrainedModel
 
     class OlmoeForSequenceClassification(GenericForSequenceClassification, OlmoePreTrainedModel):
         config_class = OlmoeConfig
         _can_set_experts_implementation_cached_value = True
 
+    class Qwen3_5MoeForSequenceClassification(GenericForSequenceClassification, Qwen3_5MoePreTrainedModel):
+        config_class = Qwen3_5MoeTextConfig
+        _can_set_experts_implementation_cached_value = True
+
     AutoModelForSequenceClassification.register(OlmoeConfig, OlmoeForSequenceClassification, exist_ok=True)
+    AutoModelForSequenceClassification.register(Qwen3_5MoeTextConfig, Qwen3_5MoeForSequenceClassification,
+                                                exist_ok=True)
 
 
 try:
-    _register_olmoe_classifier()
+    _register_moe_classifiers()
     _register_gemma4_classifier()
 except ImportError:  # no torch (a subprocess without it)
     pass

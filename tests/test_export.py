@@ -11,7 +11,8 @@ from tests import hf_fixtures
 
 
 @pytest.mark.parametrize("family", ["neox", "llama", "llama_tied", "mistral", "qwen2", "qwen3", "qwen3_5", "gemma2",
-                                    "gemma3", "smollm3", "olmo2", "olmo3", "gemma4", "qwen3_moe", "olmoe"])
+                                    "gemma3", "smollm3", "olmo2", "olmo3", "gemma4", "qwen3_moe", "olmoe",
+                                    "qwen3_5_moe"])
 @pytest.mark.parametrize("task", ["causal_lm", "reward"])
 def test_round_trip_and_transformers_logits(checkpoints, tmp_path, family, task):
     model, params = jodpo.load_model(str(checkpoints[family][task]), task=task)

@@ -2,6 +2,8 @@
 the load-balancing loss, the grouped (dropless) experts against the one-hot reference, values and gradients, the fused
 hub layout, and the settings jodpo refuses. The tiny Qwen3-MoE and OLMoE of tests/hf_fixtures.py; their logits,
 reward heads, decoding and exports are in the family-parametrized tests."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,7 +17,7 @@ from jodpo.models import decoder, moe
 from jodpo.models.model import MoE
 from tests import hf_fixtures
 
-MOE_FAMILIES = ("qwen3_moe", "olmoe")
+MOE_FAMILIES = ("qwen3_moe", "olmoe", "qwen3_5_moe")
 
 
 def _hf(path, **config):
@@ -69,15 +71,11 @@ def test_grouped_experts_equal_the_one_hot_reference_values_and_gradients(tokens
         y, _ = moe.block(model, p, x, experts)
         return jnp.sum(jnp.sin(y)), y
 
-    def ragged(model, p, x_TD, chosen, weights):  # sorted_experts through _ragged on any platform
-        T, K = chosen.shape
-        order = jnp.argsort(chosen.reshape(-1), stable=True)
-        sizes = jnp.bincount(chosen.reshape(-1), length=model.moe.num_experts).astype(jnp.int32)
-        y = moe._ragged(model, p, x_TD[order // K], sizes)
-        return jnp.sum(jnp.zeros_like(y).at[order].set(y).reshape(T, K, -1) * weights[..., None], 1)
+    ragged = functools.partial(moe.sorted_experts, grouped=moe.grouped_ragged)
+    tiles = functools.partial(moe.sorted_experts, grouped=moe.grouped_tiles)
 
     (_, want), want_grads = jax.value_and_grad(loss, argnums=(1, 2), has_aux=True)(moe.dense_experts, p, x)
-    for experts in (moe.sorted_experts, ragged):
+    for experts in (tiles, ragged):
         (_, got), grads = jax.jit(jax.value_and_grad(loss, argnums=(1, 2), has_aux=True), static_argnums=0)(
             experts, p, x)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
@@ -93,15 +91,15 @@ def test_a_decode_step_runs_only_the_tiles_of_the_chosen_experts():
     sizes = np.zeros(E, np.int32)
     sizes[[3, 9, 10, 40]] = [5, 4, 4, 3]
     ran = []
-    real_swiglu = moe._swiglu
-    try:
-        moe._swiglu = lambda model, x, *w, **kw: (jax.debug.callback(lambda: ran.append(1)),
-                                                  real_swiglu(model, x, *w, **kw))[1]
+    real_einsum = moe.einsum
+    try:  # each tile that runs makes three products with its expert's weights (gate, up, down)
+        moe.einsum = lambda model, spec, *ops, **kw: (jax.debug.callback(lambda: ran.append(spec)),
+                                                      real_einsum(model, spec, *ops, **kw))[1]
         x = jax.random.normal(jax.random.key(2), (M, model.hidden_size))
-        jax.block_until_ready(moe._tiled(model, p, x, jnp.asarray(sizes)))
+        jax.block_until_ready(moe.grouped_tiles(model, p, x, jnp.asarray(sizes)))
     finally:
-        moe._swiglu = real_swiglu
-    assert moe._tile(M, E) == 8 and len(ran) == 4  # one tile for each of the four experts chosen, of 58 tiles
+        moe.einsum = real_einsum
+    assert moe._tile(M, E) == 8 and len(ran) == 4 * 3  # a tile for each of the four experts chosen, of 58
 
 
 def test_fused_expert_tensors_load_as_the_per_expert_ones(checkpoints):

@@ -10,8 +10,8 @@ The experts are dropless: every token reaches each of its k experts (no capacity
 transformers'). The k copies of the tokens are sorted by expert, so that each expert's rows are contiguous, and run
 through grouped matmuls, then unsorted and summed, weighted by their routing probabilities (``sorted_experts``). On a
 GPU or a TPU the grouped matmuls are ``jax.lax.ragged_dot``; on a CPU, whose ``ragged_dot`` multiplies every row by
-every expert's weights, a scan over tiles of rows, each tile one expert's (``_tiled``), which skips the tiles no row
-fills, so a decode step reads only the chosen experts' weights. ``dense_experts`` is the one-hot reference: every
+every expert's weights, a scan over tiles of rows, each tile one expert's, which skips the tiles no row
+fills, so a decode step reads only the chosen experts' weights (``grouped_tiles``). ``dense_experts`` is the one-hot reference: every
 token through every expert, the outputs weighted by the routing (tests, and ``bench.py moe``).
 
 Parameters, stacked over the layers (``params["layers"]["moe"]``): ``router`` ``[D, E]``; ``gate``, ``up``
@@ -79,10 +79,10 @@ def _tile(rows: int, experts: int) -> int:
     return t
 
 
-def _tiled(model: Model, p: Params, x_MD: jax.Array, sizes_E: jax.Array) -> jax.Array:
+def grouped_tiles(model: Model, p: Params, x_MD: jax.Array, sizes_E: jax.Array) -> jax.Array:
     """The experts on rows sorted by expert (``sizes_E`` rows each, in order), one tile of rows at a time: each
     expert's rows padded to whole tiles, a ``lax.scan`` over the tiles, each through its expert's weights (the tiles
-    past the last filled one run nothing and read no weights)."""
+    past the last filled one run nothing and read no weights). Its backward is ``_tiles_bwd``'s."""
     (M, D), E = x_MD.shape, sizes_E.shape[0]
     t = _tile(M, E)
     n = -(-(M + E * (t - 1)) // t)  # enough tiles for any split of M rows over E experts
@@ -92,17 +92,76 @@ def _tiled(model: Model, p: Params, x_MD: jax.Array, sizes_E: jax.Array) -> jax.
     dest = (ends - padded)[group] + jnp.arange(M, dtype=jnp.int32) - (jnp.cumsum(sizes_E) - sizes_E)[group]
     tiles = jnp.zeros((n * t, D), x_MD.dtype).at[dest].set(x_MD).reshape(n, t, D)
     expert = jnp.searchsorted(ends, jnp.arange(n, dtype=jnp.int32) * t, side="right")  # E: a tile past the rows
-
-    def body(_, tile):
-        x_tD, e = tile
-        run = lambda x, e: _swiglu(model, x, p["gate"][e], p["up"][e], p["down"][e])  # noqa: E731
-        return None, jax.lax.cond(e < E, run, lambda x, e: jnp.zeros_like(x), x_tD, jnp.minimum(e, E - 1))
-
-    _, out = jax.lax.scan(body, None, (tiles, expert))
+    dt = x_MD.dtype
+    out = _tiles(model, p["gate"].astype(dt), p["up"].astype(dt), p["down"].astype(dt), tiles, expert)
     return out.reshape(n * t, D)[dest]
 
 
-def _ragged(model: Model, p: Params, x_MD: jax.Array, sizes_E: jax.Array) -> jax.Array:
+def _tile_forward(model: Model, w_gate, w_up, w_down, tiles_ntD, expert_n):
+    """Each tile through its expert: the outputs ``[n, t, D]`` and the gate and up projections ``[n, t, F]`` (the
+    backward's residuals); zeros for the tiles past the rows."""
+    E, act = w_gate.shape[0], _ACTIVATIONS[model.activation]
+
+    def run(x, e):
+        gate = einsum(model, "td,df->tf", x, w_gate[e])
+        up = einsum(model, "td,df->tf", x, w_up[e])
+        return einsum(model, "tf,fd->td", act(gate) * up, w_down[e]), gate, up
+
+    def none(x, e):
+        z = jnp.zeros((x.shape[0], w_gate.shape[-1]), x.dtype)
+        return jnp.zeros_like(x), z, z
+
+    def body(_, tile):
+        x_tD, e = tile
+        return None, jax.lax.cond(e < E, run, none, x_tD, jnp.minimum(e, E - 1))
+
+    return jax.lax.scan(body, None, (tiles_ntD, expert_n))[1]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _tiles(model: Model, w_gate, w_up, w_down, tiles_ntD, expert_n):
+    return _tile_forward(model, w_gate, w_up, w_down, tiles_ntD, expert_n)[0]
+
+
+def _tiles_fwd(model: Model, w_gate, w_up, w_down, tiles_ntD, expert_n):
+    out, gate, up = _tile_forward(model, w_gate, w_up, w_down, tiles_ntD, expert_n)
+    return out, (w_gate, w_up, w_down, tiles_ntD, expert_n, gate, up)
+
+
+def _tiles_bwd(model: Model, res, d_out_ntD):
+    """The tiles' backward, a second scan over them: from each tile's gate and up projections, its input's gradient
+    (a tile) and its weights', added in place at the expert's slot of the weights' gradients (an expert's tiles are
+    consecutive). Autodiff of the forward's scan would instead add a whole zero-padded copy of every weight's gradient
+    per tile."""
+    w_gate, w_up, w_down, tiles_ntD, expert_n, gate_ntF, up_ntF = res
+    E, act = w_gate.shape[0], _ACTIVATIONS[model.activation]
+
+    def grads(x, gate, up, dy, e):
+        a, act_vjp = jax.vjp(act, gate)
+        d_h = einsum(model, "td,fd->tf", dy, w_down[e])
+        d_gate, d_up = act_vjp(d_h * up)[0], d_h * a
+        dx = einsum(model, "tf,df->td", d_gate, w_gate[e]) + einsum(model, "tf,df->td", d_up, w_up[e])
+        return (dx, einsum(model, "td,tf->df", x, d_gate), einsum(model, "td,tf->df", x, d_up),
+                einsum(model, "tf,td->fd", a * up, dy))
+
+    def none(x, gate, up, dy, e):
+        return jnp.zeros_like(x), jnp.zeros_like(w_gate[0]), jnp.zeros_like(w_up[0]), jnp.zeros_like(w_down[0])
+
+    def body(whole, tile):
+        x, gate, up, dy, e = tile
+        at = jnp.minimum(e, E - 1)  # a tile past the rows adds zeros to the last expert's
+        dx, *dw = jax.lax.cond(e < E, grads, none, x, gate, up, dy, at)
+        return tuple(w.at[at].add(g) for w, g in zip(whole, dw)), dx
+
+    zeros = tuple(jnp.zeros_like(w) for w in (w_gate, w_up, w_down))
+    whole, d_tiles = jax.lax.scan(body, zeros, (tiles_ntD, gate_ntF, up_ntF, d_out_ntD, expert_n))
+    return (*whole, d_tiles, None)
+
+
+_tiles.defvjp(_tiles_fwd, _tiles_bwd)
+
+
+def grouped_ragged(model: Model, p: Params, x_MD: jax.Array, sizes_E: jax.Array) -> jax.Array:
     """The experts on rows sorted by expert through ``jax.lax.ragged_dot`` (grouped matmuls: GPUs, TPUs)."""
     dt = x_MD.dtype
     precision = jax.lax.Precision(model.precision) if dt == jnp.float32 else None
@@ -112,16 +171,21 @@ def _ragged(model: Model, p: Params, x_MD: jax.Array, sizes_E: jax.Array) -> jax
     return down(dot(x_MD, p["gate"]), dot(x_MD, p["up"]), p["down"])
 
 
-def sorted_experts(model: Model, p: Params, x_TD: jax.Array, experts_TK: jax.Array, weights_TK: jax.Array):
+def sorted_experts(model: Model, p: Params, x_TD: jax.Array, experts_TK: jax.Array, weights_TK: jax.Array,
+                   grouped=None):
     """The routed experts' weighted sum ``[T, D]``, dropless: the tokens' k copies sorted by expert, through the
-    grouped matmuls (``ragged_dot``; the CPU's tiles), unsorted, times their weights, summed."""
+    grouped matmuls, unsorted, times their weights, summed. ``grouped``: ``grouped_ragged`` or ``grouped_tiles``;
+    None: each platform's (``ragged_dot`` on GPUs and TPUs, the tiles on a CPU)."""
     (T, K), E = experts_TK.shape, model.moe.num_experts
     flat = experts_TK.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
     x_MD = x_TD[order // K]
-    y_MD = jax.lax.platform_dependent(p, x_MD, sizes, cpu=functools.partial(_tiled, model),
-                                      default=functools.partial(_ragged, model))
+    if grouped is None:
+        y_MD = jax.lax.platform_dependent(p, x_MD, sizes, cpu=functools.partial(grouped_tiles, model),
+                                          default=functools.partial(grouped_ragged, model))
+    else:
+        y_MD = grouped(model, p, x_MD, sizes)
     y_TKD = jnp.zeros_like(y_MD).at[order].set(y_MD).reshape(T, K, -1)
     return jnp.sum(y_TKD * weights_TK[..., None], axis=1)
 
