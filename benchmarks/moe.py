@@ -23,12 +23,14 @@ import numpy as np
 from harness import Phases, disturbance_warning, timed
 
 SHAPES = {"olmoe-1b-7b": dict(hidden=2048, experts=64, width=1024, top_k=8, norm=False, model_type="olmoe"),
-          "qwen3-30b-a3b": dict(hidden=2048, experts=128, width=768, top_k=8, norm=True, model_type="qwen3_moe")}
+          "qwen3-30b-a3b": dict(hidden=2048, experts=128, width=768, top_k=8, norm=True, model_type="qwen3_moe"),
+          "tiny": dict(hidden=64, experts=6, width=32, top_k=2, norm=True, model_type="qwen3_moe")}  # the tests'
+DEFAULT_SHAPES = ["olmoe-1b-7b", "qwen3-30b-a3b"]
 
 
 def add_parser(sub) -> None:
     s = sub.add_parser("moe", help="one MoE layer's forward+backward: tiles, ragged_dot, dense, transformers")
-    s.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    s.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES, choices=list(SHAPES))
     s.add_argument("--tokens", type=int, default=256)
     s.add_argument("--decode-tokens", type=int, default=8)
     s.add_argument("--ragged-max-tokens", type=int, default=64,

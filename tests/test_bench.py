@@ -331,3 +331,22 @@ def test_a_decode_step_moves_little_more_than_its_weights_and_cache():
     assert 1.0 <= d["over_ideal_full"] <= 1.3, d
     assert r["choose"]["passes_over_logits"] > 1  # top_p sorts the vocabulary: several passes, reported
     assert 1.0 <= r["fused_step"]["over_useful"] <= 1.6, r["fused_step"]
+
+
+def test_the_moe_layer_benchmark_times_the_same_layer_four_ways():
+    """bench.py moe at a tiny shape: all four sides timed in both phases, the tiles' loss equal to transformers' sparse
+    block's on the same weights (so the ratios compare one layer; the sides' equality itself is tests/test_moe.py's),
+    the ratios those of the medians, and a decode step reading the weights of the experts its tokens chose."""
+    import argparse
+
+    moe = helpers.benchmark("moe")
+    r = moe.bench_moe(argparse.Namespace(shapes=["tiny"], tokens=24, decode_tokens=2, ragged_max_tokens=24, repeats=1,
+                                         out=None))
+    train, decode = r["rows"]
+    for row in (train, decode):
+        m = row["median_s"]
+        assert set(m) == {"tiles", "ragged_dot", "dense", "transformers"}
+        assert row["ratio_transformers_over_tiles"] == pytest.approx(m["transformers"] / m["tiles"])
+        assert row["loss_relative_difference_vs_transformers"] < 1e-5
+    assert 1 <= decode["experts_read"] <= 2 * 2 and decode["experts"] == 6
+    assert decode["weight_bytes_read"] == decode["experts_read"] * 3 * 64 * 32 * 4

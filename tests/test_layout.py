@@ -20,6 +20,7 @@ EXPECTED = {
     "qwen3-0.6b": [("S", 28)], "qwen3-1.7b": [("S", 28)], "qwen3-4b": [("S", 36)], "qwen3-8b": [("S", 36)],
     "qwen3.5-0.8b": [("DDDS", 6)], "qwen3.5-2b": [("DDDS", 6)], "qwen3.5-4b": [("DDDS", 8)],
     "qwen3.5-9b": [("DDDS", 8)],
+    "qwen3-30b-a3b": [("S", 48)], "olmoe-1b-7b": [("S", 16)], "qwen3.5-35b-a3b": [("DDDS", 10)],
 }
 
 

@@ -141,8 +141,9 @@ def test_every_config_runs_two_steps_on_local_stand_ins(name, checkpoints, tmp_p
     cfg = C.load_config_file(name)
 
     def stand_in(hub_name: str) -> str:  # the tiny fixture of a hub checkpoint's family
-        return next((f for key, f in (("qwen3.5", "qwen3_5"), ("qwen3", "qwen3"), ("gemma-3", "gemma3"),
-                                      ("gemma-4", "gemma4"), ("qwen", "qwen2")) if key in hub_name.lower()), "neox")
+        return next((f for key, f in (("30b-a3b", "qwen3_moe"), ("qwen3.5", "qwen3_5"), ("qwen3", "qwen3"),
+                                      ("gemma-3", "gemma3"), ("gemma-4", "gemma4"), ("qwen", "qwen2"))
+                     if key in hub_name.lower()), "neox")
 
     family = stand_in(cfg.model_name_or_path)
     chat = "ultrafeedback" in cfg.dataset_name
