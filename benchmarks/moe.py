@@ -158,7 +158,8 @@ def print_moe(result: dict) -> None:
     for r in result["rows"]:
         m = r["median_s"]
         read = f"{r['experts_read']}/{r['experts']}" if "experts_read" in r else ""
-        print(f"{r['shape']:>14s}{r['phase']:>8s}{r['tokens']:6d}{m['tiles']:9.3f}{m.get('ragged_dot', float('nan')):9.3f}"
+        ragged = m.get("ragged_dot", float("nan"))
+        print(f"{r['shape']:>14s}{r['phase']:>8s}{r['tokens']:6d}{m['tiles']:9.3f}{ragged:9.3f}"
               f"{m['dense']:9.3f}{m['transformers']:9.3f}{r['ratio_transformers_over_tiles']:10.2f}x"
               f"{r['ratio_dense_over_tiles']:8.2f}x{r.get('ratio_ragged_dot_over_tiles', float('nan')):9.2f}x"
               f"  {read:>12s}  {r['transformers_experts_implementation']}")

@@ -115,14 +115,16 @@ def family_configs(pad_id: int, eos_id: int) -> dict:
                                     **common),
         "olmoe": OlmoeConfig(num_key_value_heads=2, num_experts=6, num_experts_per_tok=3,
                              **{**common, "intermediate_size": 32}),
-        # Qwen3.5's hybrid (a DeltaNet layer, then gated attention) with 4 experts of 32, two a token, and a shared
-        # expert of 48 behind its sigmoid gate
+        # Qwen3.5's hybrid (DeltaNet and gated attention alternating: one scan of two-layer periods, as the real
+        # models' DDDS x 10) with 4 experts of 32, two a token, and a shared expert of 48 behind its sigmoid gate
         "qwen3_5_moe": Qwen3_5MoeTextConfig(num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
-                                            layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
-                                            linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
-                                            linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+                                            layer_types=["linear_attention", "full_attention"] * 2,
+                                            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                                            linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=4,
+                                            num_experts_per_tok=2,
                                             moe_intermediate_size=32, shared_expert_intermediate_size=48,
-                                            **{k: v for k, v in common.items() if k != "intermediate_size"}),
+                                            **{k: v for k, v in common.items() if k != "intermediate_size"}
+                                            | {"num_hidden_layers": 4}),
     }
 
 
