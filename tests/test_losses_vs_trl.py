@@ -20,7 +20,8 @@ from tests import references
                                                      ("neox", "ipo", False), ("llama", "sigmoid", False),
                                                      ("qwen3", "sigmoid", True), ("qwen3_5", "sigmoid", True),
                                                      ("gemma3", "sigmoid", True), ("smollm3", "sigmoid", True),
-                                                     ("olmo3", "sigmoid", True), ("gemma4", "sigmoid", True)])
+                                                     ("olmo3", "sigmoid", True), ("gemma4", "sigmoid", True),
+                                                     ("qwen3_moe", "sigmoid", True)])
 def test_one_step_equals_trl(checkpoints, tmp_path, family, loss_type, use_rm):
     paths = checkpoints[family]
     # Gemma 4's float32 gradients are themselves 1-3e-5 (of the largest) from float64's, torch's and jodpo's alike (its
