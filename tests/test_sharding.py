@@ -359,7 +359,8 @@ def test_qwen3_and_gemma_parameters_split_over_8_devices_equal_one(checkpoints):
     """Gemma 3's per-head q/k norms, four norms a layer and local RoPE, Qwen3.5's DeltaNet layers (their key and value
     heads split over the tensor axis) and gated attention, OLMo 3's q/k norms over the whole projections (their heads
     split: the norm's mean spans the tensor axis), Gemma 4's global layers of another shape, KV sharing, double-wide
-    MLPs and per-layer embeddings (the table split), with every parameter split by its logical axes over (data, fsdp,
+    MLPs and per-layer embeddings (the table split), Qwen3.5-MoE's experts (their inputs over fsdp, their width over
+    tensor, the CPU's tiles) and shared expert, with every parameter split by its logical axes over (data, fsdp,
     tensor) = (2, 2, 2) (the per-head norms' head_dim never split): the completions' log-probs and their gradient
     equal one device's. (Qwen3's q/k norms are Gemma 3's; Gemma 2's soft-caps and SmolLM3's NoPE layers add no
     parameter and nothing split; the sharded runs above are GPT-NeoX's.)"""
@@ -379,6 +380,9 @@ def test_qwen3_and_gemma_parameters_split_over_8_devices_equal_one(checkpoints):
         "    if 'embed_per_layer' in one:  # Gemma 4's per-layer table: split over the vocabulary and its Dp\n"
         "        spec = split['embed_per_layer'].sharding.spec\n"
         "        assert tuple(spec) == ('tensor', None, 'fsdp'), spec\n"
+        "    if 'moe' in one['layers']:  # the experts split over their inputs (fsdp) and width (tensor), not over E\n"
+        "        spec = tuple(split['layers']['moe']['gate'].sharding.spec)\n"
+        "        assert spec == (None, None, 'fsdp', 'tensor'), spec\n"
         "    if 'q_norm' in one['layers']['attn'] and one['layers']['attn']['q_norm']['scale'].ndim == 2:\n"
         "        assert split['layers']['attn']['q_norm']['scale'].sharding.is_fully_replicated\n"
         "    prompt = rng.integers(3, 290, (4, 7)).astype(np.int32); pmask = np.ones_like(prompt); pmask[1, :3] = 0\n"
@@ -395,6 +399,6 @@ def test_qwen3_and_gemma_parameters_split_over_8_devices_equal_one(checkpoints):
         "                                   atol=tol * float(np.abs(np.asarray(x)).max() or 1), err_msg=jax.tree_util.keystr(k))\n"
         "print('SPLIT OK')\n")
     python, env = subproc.without_torch(subproc.cpu_env(8))
-    paths = [str(checkpoints[f]["causal_lm"]) for f in ("qwen3_5", "gemma3", "olmo3", "gemma4")]
+    paths = [str(checkpoints[f]["causal_lm"]) for f in ("qwen3_5", "gemma3", "olmo3", "gemma4", "qwen3_5_moe")]
     done = subprocess.run([*python, "-c", code, *paths], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0 and "SPLIT OK" in done.stdout, done.stderr[-3000:]
