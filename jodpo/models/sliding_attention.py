@@ -7,10 +7,11 @@ with that kind's, ``params["layers"]["attn"]``); its cache is a ring of ``min(wi
 place and reads the window's slots only, however long the sequence.
 
 Several new tokens at once (a prefill; a prompt longer than the window) attend among themselves with the forwards'
-kernel and, after a non-empty cache, to the ring's slots still within their window. Their keys and values wait beside
-the ring (``open_state``) until every layer has run, since a KV-sharing reader (Gemma 4) attends to all of them, not
-the last ``ring``; then the last ``ring`` of them are written in their slots (``close_state``). Which slots hold a real
-token comes from the cache's mask (``ctx.mask[1]``: every slot of the sequence, a byte each).
+kernel and, after a non-empty cache, to the ring's slots still within their window; then the last ``ring`` of them are
+written in their slots. In a model whose KV-sharing layers read this kind's (Gemma 4), which attend to all of them and
+to the ring as it was, their keys and values wait beside the ring instead (``open_state``) until every layer has run
+(``close_state``). Which slots hold a real token comes from the cache's mask (``ctx.mask[1]``: every slot of the
+sequence, a byte each).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import jax.numpy as jnp
 from jodpo.models import attention_mixer
 from jodpo.models.attention_mixer import _output, _queries, _within
 from jodpo.models.layers import Context, Site, attention, forward_attention, keys_values, layer_rope
-from jodpo.models.model import Model, Params
+from jodpo.models.model import READS, Model, Params
 
 WEIGHTS = attention_mixer.WEIGHTS
 
@@ -46,8 +47,17 @@ def init_state(model: Model, batch: int, length: int, dtype) -> dict:
     return attention_mixer.init_state(model, batch, min(model.sliding_window, length), dtype)
 
 
+def _read(model: Model) -> bool:
+    """Whether layers of another kind read this kind's keys and values (KV sharing)."""
+    return any(READS.get(k) == "sliding_attention" for k in model.kinds)
+
+
 def open_state(model: Model, state: dict, length: int) -> dict:
-    """``state`` with room for the keys and values of ``length`` new tokens, token-major ``[..., B, L, K, Dh]``."""
+    """``state`` with room for the keys and values of ``length`` new tokens, token-major ``[..., B, L, K, Dh]``, where
+    KV-sharing layers read them (else as it is)."""
+    if not _read(model):
+        return state
+
     def room(ring):
         *lead, B, K, _, Dh = ring.shape
         return jnp.zeros((*lead, B, length, K, Dh), ring.dtype)
@@ -58,6 +68,8 @@ def open_state(model: Model, state: dict, length: int) -> dict:
 def close_state(model: Model, state: dict, ctx: Context) -> dict:
     """The ring with the last of the new tokens' keys and values in their slots (``ctx.start`` is the first's), the
     room gone."""
+    if "new_k" not in state:
+        return state
     size, L = state["k"].shape[-2], state["new_k"].shape[-3]
     n = min(L, size)
     slots = (ctx.start + jnp.arange(L - n, L, dtype=jnp.int32)) % size  # distinct: n <= size
@@ -66,6 +78,18 @@ def close_state(model: Model, state: dict, ctx: Context) -> dict:
         return ring.at[..., slots, :].set(jnp.swapaxes(new[..., L - n:, :, :], -3, -2).astype(ring.dtype))
 
     return {"k": put(state["k"], state["new_k"]), "v": put(state["v"], state["new_v"])}
+
+
+def _written(ring, new, start, j):
+    """One layer's ``ring`` (the ``j``-th of a stack) with the last of the new tokens' keys or values ``new`` ``[B, L, K,
+    Dh]`` in their slots (``start`` is the first's)."""
+    size, L = ring.shape[-2], new.shape[1]
+    n = min(L, size)
+    slots = (start + jnp.arange(L - n, L, dtype=jnp.int32)) % size  # distinct: n <= size
+    new = new[:, L - n:].transpose(0, 2, 1, 3).astype(ring.dtype)
+    if j is None:
+        return ring.at[:, :, slots, :].set(new)
+    return jax.lax.dynamic_update_index_in_dim(ring, ring[j].at[:, :, slots, :].set(new), j, 0)
 
 
 def _held(last, size: int):
@@ -83,9 +107,10 @@ def _real(ctx: Context, slots):
 def cached(model: Model, p: Params, x, state: dict, j, ctx: Context, site: Site,
            reads: bool = False) -> tuple[jax.Array, dict]:
     """One new token (a decode step): its keys and values written in its ring slot (in place), then attention over the
-    ring, every slot of which is within its window. Several (after ``open_state``): kept in the room beside the ring,
-    and attended among themselves (with the forwards' kernel when ``ctx.empty`` promises an empty cache) and to the
-    ring's slots within their window. ``reads``: ``state`` is another layer's (KV sharing), already written."""
+    ring, every slot of which is within its window. Several: attended among themselves (with the forwards' kernel when
+    ``ctx.empty`` promises an empty cache) and to the ring's slots within their window, then the last of them written
+    in the ring, or kept in the room beside it (``open_state``). ``reads``: ``state`` is another layer's (KV
+    sharing), already written, its new tokens' in the room."""
     W, size, L = model.sliding_window, state["k"].shape[-2], x.shape[1]
     rope = layer_rope(model, ctx.rope[0], site, local=True)
     q, gate = _queries(model, p, x, rope)
@@ -107,9 +132,10 @@ def cached(model: Model, p: Params, x, state: dict, j, ctx: Context, site: Site,
         k, v = mine(state["new_k"]), mine(state["new_v"])
     else:
         k, v = keys_values(model, p, x, *rope)
-        keep = (lambda room, new: new.astype(room.dtype)) if j is None else (  # noqa: E731
-            lambda room, new: jax.lax.dynamic_update_index_in_dim(room, new.astype(room.dtype), j, 0))
-        state = {**state, "new_k": keep(state["new_k"], k), "new_v": keep(state["new_v"], v)}
+        if "new_k" in state:  # KV-sharing layers read them: kept in the room until every layer has run
+            keep = (lambda room, new: new.astype(room.dtype)) if j is None else (  # noqa: E731
+                lambda room, new: jax.lax.dynamic_update_index_in_dim(room, new.astype(room.dtype), j, 0))
+            state = {**state, "new_k": keep(state["new_k"], k), "new_v": keep(state["new_v"], v)}
     among = ctx.mask[0][:, None, :] & _within(W, ctx.dist[0])[None]
     if ctx.empty:
         a = forward_attention(model, q, k, v, among)
@@ -120,4 +146,6 @@ def cached(model: Model, p: Params, x, state: dict, j, ctx: Context, site: Site,
         ks, vs = (jnp.concatenate([mine(state[n]), new.transpose(0, 2, 1, 3).astype(state[n].dtype)], -2)
                   for n, new in (("k", k), ("v", v)))
         a = attention(model, q, ks, vs, jnp.concatenate([before, among], -1))
+    if not reads and "new_k" not in state:
+        state = {"k": _written(state["k"], k, ctx.start, j), "v": _written(state["v"], v, ctx.start, j)}
     return _output(model, p, a, gate, x.dtype), state
