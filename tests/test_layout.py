@@ -122,3 +122,28 @@ def test_rematerialisation_holds_fewer_temporaries_in_every_family(checkpoints, 
         compiled = jax.jit(grad).lower(params, *batch).compile()
         temporaries[remat] = compiled.memory_analysis().temp_size_in_bytes
     assert temporaries["full"] < temporaries["none"], temporaries
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "gemma3"])
+def test_a_rematerialised_period_gives_the_gradients_of_none(checkpoints, family, tmp_path):
+    """A period of several groups repeated (Qwen3.5's (DeltaNet, attention) x 2; Gemma 3's (sliding, global) x 2) is
+    rematerialised whole and layer by layer: the gradient of a step's log-probs is the one without remat."""
+    import jax
+    import numpy as np
+
+    import jodpo
+    from jodpo.losses import completion_logprobs
+    from jodpo.models.loading import describe_model
+
+    path = _repeating_pair(checkpoints, family, tmp_path / "g") if family == "gemma3" else checkpoints[family][
+        "causal_lm"]
+    model = describe_model(str(path))
+    assert [(len(groups(r.period)), r.reps) for r in layer_runs(model.kinds)] == [(2, 2)]
+    params = jodpo.init_params(model, jax.random.key(1), std=0.1)
+    rng = np.random.default_rng(0)
+    batch = (rng.integers(3, 250, (2, 9)), np.ones((2, 9), np.int32), rng.integers(3, 250, (4, 5)),
+             np.ones((4, 5), np.int32))
+    grads = {remat: jax.jit(jax.grad(lambda p, m=model.replace(remat=remat): completion_logprobs(m, p, *batch).sum()))(
+        params) for remat in ("full", "none")}
+    for got, want in zip(jax.tree.leaves(grads["full"]), jax.tree.leaves(grads["none"])):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
