@@ -331,3 +331,24 @@ def test_a_decode_step_moves_little_more_than_its_weights_and_cache():
     assert 1.0 <= d["over_ideal_full"] <= 1.3, d
     assert r["choose"]["passes_over_logits"] > 1  # top_p sorts the vocabulary: several passes, reported
     assert 1.0 <= r["fused_step"]["over_useful"] <= 1.6, r["fused_step"]
+
+
+def test_the_ideal_decode_step_reads_a_sliding_layer_s_window_only(checkpoints):
+    """bench.py traffic's ideal and cache on the Gemma 3 fixture (a sliding layer, window 5, and a global one) past the
+    window: the sliding layer's ring of 5 slots, read whole, beside the global layer's filled slots."""
+    import jax
+
+    import jodpo
+    from jodpo.models.loading import describe_model
+    from jodpo.models.params import param_shapes
+    from jodpo.sampling import sampler_params
+
+    traffic = helpers.benchmark("traffic")
+    model = describe_model(str(checkpoints["gemma3"]["causal_lm"]))
+    R, S, W = 3, 20, model.sliding_window
+    assert model.kinds == ("sliding_attention", "attention") and W == 5
+    sp = jax.eval_shape(lambda p: sampler_params(model, p), param_shapes(model))
+    cache = jax.eval_shape(lambda: jodpo.init_cache(model, R, S, per_layer=True))
+    per_slot = 2 * R * model.num_kv_heads * model.head_dim * 4  # keys and values, float32
+    assert traffic._bytes(cache["state"]) == (W + S) * per_slot
+    assert traffic.ideal_decode_bytes(model, sp, cache, R, 12)["cache_read"] == (W + 12) * per_slot
