@@ -223,7 +223,10 @@ def bench_memory(a) -> dict:
         "reward_model_params_mib": sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(rm_params)) / MiB,
         "sampler_weights_in_compute_dtype_mib": ((n_base if a.lora_rank else n) * cb / MiB)
         if a.lora_rank or cb != pdt.itemsize else 0.0,
-        "kv_cache_mib": 2 * model.num_layers * rows * (P + T) * model.num_kv_heads * model.head_dim * cb / MiB,
+        # the sampler's cache as the decoder makes it: sliding layers' rings of their window, Gemma 4's global layers'
+        # shape, no state for KV-sharing layers, DeltaNet's recurrent states
+        "kv_cache_mib": sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(
+            lambda: jodpo.init_cache(model, rows, P + T)["state"]))) / MiB,
         "lm_head_logits_per_micro_batch_mib": 2 * B * T * model.vocab_size * 4 / MiB,
     }
     desc = (f"{policy.family}, hidden {model.hidden_size}, {model.num_layers} layers, {model.num_heads} heads "

@@ -7,7 +7,8 @@ backend (the CPU here), or ahead of time for a TPU chip with libtpu (``--tpu v5e
   embedding only at the rows' tokens), each attention layer's keys and values in the filled cache slots once and
   writes the new token's, each DeltaNet layer's recurrent state and convolution window once each way. The report
   gives the ideal at a full cache (what a step reading the whole slab would need) and at the mean fill of a run's
-  decode steps (prompt + half the completion): the difference is the slab's empty slots, read today.
+  decode steps (prompt + half the completion): the difference is the slab's empty slots, read today. A sliding-window
+  layer's cache is a ring of its window's slots, all read once the sequence is past the window. And the cache's bytes.
 - **choose** (``jodpo.sampling.choose``: the sampling filters and the draw over the vocabulary, once a step): its
   bytes in passes over the ``[rows, vocab]`` float32 logits.
 - **fused step** (``train_step.jit_online_step``): the FLOPs of its compiled dots, each loop's body counted as many
@@ -51,13 +52,18 @@ def _bytes(tree) -> int:
 
 
 def ideal_decode_bytes(model, sampler_params, cache, rows: int, filled: float) -> dict:
-    """The bytes one decode step must move: weights once (the input embedding: ``rows`` of it), the cache states once
-    (attention: the keys and values of ``filled`` slots read, the new one written; DeltaNet: its state and window read
-    and written), the token and logits negligible."""
+    """The bytes one decode step must move: weights once (the input embeddings, Gemma 4's per-layer table too: ``rows``
+    of them), the cache states once (attention: the keys and values of ``filled`` slots read, a sliding layer's of its
+    window's at most, the new one written; DeltaNet: its state and window read and written), the token and logits
+    negligible."""
     import jax
 
     layers, rest = sampler_params["layers"], {k: v for k, v in sampler_params.items() if k != "layers"}
-    weights = _bytes(layers) + _bytes({k: v for k, v in rest.items() if k != "embed"})
+    tables = ("embed", "embed_per_layer")  # read at the rows' tokens
+    weights = _bytes(layers) + _bytes({k: v for k, v in rest.items() if k not in tables})
+    for name in tables[1:]:
+        if name in rest:
+            weights += rows * math.prod(rest[name].shape[1:]) * rest[name].dtype.itemsize
     embed = sampler_params["embed"]
     if model.tie_embeddings:  # the LM head reads the whole table
         weights += _bytes(embed)
@@ -67,9 +73,9 @@ def ideal_decode_bytes(model, sampler_params, cache, rows: int, filled: float) -
     for state in cache["state"]:
         if state is None:  # a KV-sharing layer reads another's keys and values: no state of its own
             continue
-        if "k" in state:  # attention: [B, K, S, Dh] slabs
+        if "k" in state:  # attention: [B, K, S, Dh] slabs (a sliding layer's: a ring of its window's slots)
             per_slot = 2 * state["k"].shape[0] * state["k"].shape[1] * state["k"].shape[3] * state["k"].dtype.itemsize
-            read += filled * per_slot
+            read += min(filled, state["k"].shape[2]) * per_slot
             write += per_slot
         else:
             read += _bytes(state)
@@ -207,7 +213,7 @@ def bench_traffic(a) -> dict:
     full = ideal_decode_bytes(model, sp, cache, R, P + T)
     mean = ideal_decode_bytes(model, sp, cache, R, P + T / 2)
     moved = step.get("hbm_bytes_estimate", step["bytes_accessed"])  # a TPU's HBM, else XLA's own count
-    out["decode_step"] = {**step, "ideal_full_cache": full, "ideal_mean_fill": mean,
+    out["decode_step"] = {**step, "ideal_full_cache": full, "ideal_mean_fill": mean, "cache_bytes": _bytes(cache),
                           "over_ideal_full": moved / full["total"], "over_ideal_mean_fill": moved / mean["total"],
                           "compared": "hbm_bytes_estimate" if "hbm_bytes_estimate" in step else "bytes_accessed",
                           "compile_s": time.perf_counter() - t0}
@@ -252,6 +258,7 @@ def print_traffic(r: dict) -> None:
           f"cache (weights {f['weights'] / MiB:,.1f}, cache read {f['cache_read'] / MiB:,.1f}, written "
           f"{f['cache_write'] / MiB:,.2f}): {d['over_ideal_full']:.2f}x; at the mean fill "
           f"{m['total'] / MiB:,.1f} MiB: {d['over_ideal_mean_fill']:.2f}x")
+    print(f"the sampler's cache: {d['cache_bytes'] / MiB:,.1f} MiB")
     c = r["choose"]
     print(f"choose ({c['settings']}): {c['bytes_accessed'] / MiB:,.1f} MiB, {c['passes_over_logits']:.1f} passes over "
           "the float32 logits")

@@ -7,7 +7,7 @@
 - ``8-device warm restart``: the same recipe on 8 fake CPU devices in one process, started on a compilation cache a
   first run filled (issue 53: XLA's "Termination timeout" in 6 restarts of 6).
 
-Both with the setting they failed in (tests/test_sharding.py's ``tldr`` fixture: a Pythia-shaped pair, prompts of
+Both with the setting they failed in (tests/test_collective_order.py's ``tldr`` fixture: a Pythia-shaped pair, prompts of
 TL;DR's length, programs compiled as a run compiles them). The load: ``pin`` (the default) puts a run's processes
 on one core, where XLA:CPU's threads take turns as on a busy host; ``hog`` starts a busy loop on every core beside
 them instead. A run finished when it exited 0 and logged its 3 steps; otherwise its last log line says why. Each run
@@ -32,7 +32,7 @@ from tests import hf_fixtures, subproc  # noqa: E402  (the suite's fixtures and 
 
 
 def fixtures(out: Path) -> dict:
-    """The ``tldr`` fixture of tests/test_sharding.py, written once into ``out``: ``--config.`` fields."""
+    """The ``tldr`` fixture of tests/test_collective_order.py, written once into ``out``: ``--config.`` fields."""
     done = out / "fields.json"
     if not done.exists():
         shutil.rmtree(out, ignore_errors=True)

@@ -350,3 +350,24 @@ def test_the_moe_layer_benchmark_times_the_same_layer_four_ways():
         assert row["loss_relative_difference_vs_transformers"] < 1e-5
     assert 1 <= decode["experts_read"] <= 2 * 2 and decode["experts"] == 6
     assert decode["weight_bytes_read"] == decode["experts_read"] * 3 * 64 * 32 * 4
+
+
+def test_the_ideal_decode_step_reads_a_sliding_layer_s_window_only(checkpoints):
+    """bench.py traffic's ideal and cache on the Gemma 3 fixture (a sliding layer, window 5, and a global one) past the
+    window: the sliding layer's ring of 5 slots, read whole, beside the global layer's filled slots."""
+    import jax
+
+    import jodpo
+    from jodpo.models.loading import describe_model
+    from jodpo.models.params import param_shapes
+    from jodpo.sampling import sampler_params
+
+    traffic = helpers.benchmark("traffic")
+    model = describe_model(str(checkpoints["gemma3"]["causal_lm"]))
+    R, S, W = 3, 20, model.sliding_window
+    assert model.kinds == ("sliding_attention", "attention") and W == 5
+    sp = jax.eval_shape(lambda p: sampler_params(model, p), param_shapes(model))
+    cache = jax.eval_shape(lambda: jodpo.init_cache(model, R, S, per_layer=True))
+    per_slot = 2 * R * model.num_kv_heads * model.head_dim * 4  # keys and values, float32
+    assert traffic._bytes(cache["state"]) == (W + S) * per_slot
+    assert traffic.ideal_decode_bytes(model, sp, cache, R, 12)["cache_read"] == (W + 12) * per_slot

@@ -52,7 +52,7 @@ def _tiny(tmp_path, checkpoints, **changes):
 def test_other_settings_match_transformers_logits_and_generate(checkpoints, tmp_path, variant):
     hf, path = _tiny(tmp_path, checkpoints, **VARIANTS[variant])
     model, params = jodpo.load_model(str(path))
-    assert ("shared_attention" in model.kinds) == (variant == "shared_kv")
+    assert ("shared_sliding_attention" in model.kinds) == (variant == "shared_kv")
     ids, mask = hf_fixtures.padded_batch(np.random.default_rng(0), [12, 5, 9, 1], model.pad_token_id, "left")
     ours = np.asarray(jax.jit(jodpo.logits, static_argnums=0)(model, params, ids, mask))
     with torch.no_grad():
@@ -90,10 +90,11 @@ def test_kv_sharing_layers_keep_no_cache_of_their_own(checkpoints):
     """The fixture's last two layers reuse the keys and values of layers 0 and 1: the cache holds states for those two
     only, and a decode step writes them (the readers read them where they are)."""
     model, params = jodpo.load_model(str(checkpoints["gemma4"]["causal_lm"]))
-    assert model.kinds[2:] == ("shared_attention", "shared_global_attention")
+    assert model.kinds[2:] == ("shared_sliding_attention", "shared_global_attention")
     stacked = decoder.init_cache(model, 2, 16)
-    assert set(stacked["state"]) == {"attention", "global_attention"}
-    assert stacked["state"]["attention"]["k"].shape[0] == 1 and stacked["state"]["global_attention"]["k"].shape[0] == 1
+    assert set(stacked["state"]) == {"sliding_attention", "global_attention"}
+    assert stacked["state"]["sliding_attention"]["k"].shape[0] == 1
+    assert stacked["state"]["global_attention"]["k"].shape[0] == 1
     per_layer = decoder.init_cache(model, 2, 16, per_layer=True)
     assert [s is None for s in per_layer["state"]] == [False, False, True, True]
     ids, mask = hf_fixtures.padded_batch(np.random.default_rng(1), [5, 3], model.pad_token_id, "left")

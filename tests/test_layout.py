@@ -10,17 +10,18 @@ from jodpo.models.loading import model_from_dir
 from tests import hf_fixtures
 
 CONFIGS = Path(__file__).resolve().parents[1] / "benchmarks" / "configs"
-CODE = {"attention": "S", "global_attention": "G", "shared_attention": "s", "shared_global_attention": "g",
-        "deltanet": "D"}
+CODE = {"attention": "A", "sliding_attention": "S", "global_attention": "G", "shared_sliding_attention": "s",
+        "shared_global_attention": "g", "deltanet": "D"}
 # every real config of benchmarks/configs -> its runs: (period, repetitions)
 EXPECTED = {
-    "gemma-3-1b": [("S", 26)], "gemma-3-4b": [("S", 34)], "gemma-3-12b": [("S", 48)],
+    # Gemma 3: five sliding layers (a cache of the window's slots) to a global one; 26 and 34 layers end on sliding ones
+    "gemma-3-1b": [("SSSSSA", 4), ("S", 2)], "gemma-3-4b": [("SSSSSA", 5), ("S", 4)], "gemma-3-12b": [("SSSSSA", 8)],
     "gemma-4-e2b": [("SSSSG", 3), ("ssssg", 4)], "gemma-4-e4b": [("SSSSSG", 4), ("sssssg", 3)],
     "gemma-4-31b": [("SSSSSG", 10)],
-    "qwen3-0.6b": [("S", 28)], "qwen3-1.7b": [("S", 28)], "qwen3-4b": [("S", 36)], "qwen3-8b": [("S", 36)],
-    "qwen3.5-0.8b": [("DDDS", 6)], "qwen3.5-2b": [("DDDS", 6)], "qwen3.5-4b": [("DDDS", 8)],
-    "qwen3.5-9b": [("DDDS", 8)],
-    "qwen3-30b-a3b": [("S", 48)], "olmoe-1b-7b": [("S", 16)], "qwen3.5-35b-a3b": [("DDDS", 10)],
+    "qwen3-0.6b": [("A", 28)], "qwen3-1.7b": [("A", 28)], "qwen3-4b": [("A", 36)], "qwen3-8b": [("A", 36)],
+    "qwen3.5-0.8b": [("DDDA", 6)], "qwen3.5-2b": [("DDDA", 6)], "qwen3.5-4b": [("DDDA", 8)],
+    "qwen3.5-9b": [("DDDA", 8)],
+    "qwen3-30b-a3b": [("A", 48)], "olmoe-1b-7b": [("A", 16)], "qwen3.5-35b-a3b": [("DDDA", 10)],
 }
 
 
@@ -58,9 +59,10 @@ def test_layers_where_no_period_repeats_run_once_until_one_does(code, runs):
 
 
 def test_a_period_scans_each_group_of_one_kind():
-    assert groups(_kinds("DDDS")) == ((0, "deltanet", 3), (3, "attention", 1))
-    assert groups(_kinds("SSSSG")) == ((0, "attention", 4), (4, "global_attention", 1))
-    assert groups(_kinds("SGs")) == ((0, "attention", 1), (1, "global_attention", 1), (2, "shared_attention", 1))
+    assert groups(_kinds("DDDA")) == ((0, "deltanet", 3), (3, "attention", 1))
+    assert groups(_kinds("SSSSG")) == ((0, "sliding_attention", 4), (4, "global_attention", 1))
+    assert groups(_kinds("SGs")) == ((0, "sliding_attention", 1), (1, "global_attention", 1),
+                                     (2, "shared_sliding_attention", 1))
 
 
 def test_the_expected_runs_are_the_configs_layer_types():
@@ -83,11 +85,22 @@ def _repeating_gemma4(checkpoints, out: Path) -> Path:
     return out
 
 
+def _repeating_pair(checkpoints, family: str, out: Path) -> Path:
+    """Gemma 2's and 3's fixtures (a sliding layer, then a global one: two kinds, nothing repeats) as the real models
+    repeat them: (sliding, global) x 2, one scan of two repetitions."""
+    config = json.loads((checkpoints[family]["causal_lm"] / "config.json").read_text())
+    config.update(num_hidden_layers=4, layer_types=config["layer_types"] * 2)
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
 @pytest.mark.parametrize("family", hf_fixtures.FAMILIES)
 def test_rematerialisation_holds_fewer_temporaries_in_every_family(checkpoints, family, tmp_path):
     """The gradient of a step's log-probs holds fewer XLA temporaries with each layer rematerialised than without:
     remat pays in every family's scans (in Gemma 4 E2B's single unrolled body it saved nothing). At lengths where the
-    layers' activations outweigh the rest."""
+    layers' activations outweigh the rest; the Gemma fixtures, whose layers do not repeat, repeated as the real models'
+    do."""
     import jax
     import jax.numpy as jnp
 
@@ -95,7 +108,10 @@ def test_rematerialisation_holds_fewer_temporaries_in_every_family(checkpoints, 
     from jodpo.losses import completion_logprobs
     from jodpo.models.loading import describe_model
 
-    path = _repeating_gemma4(checkpoints, tmp_path / "g4") if family == "gemma4" else checkpoints[family]["causal_lm"]
+    path = {"gemma4": lambda: _repeating_gemma4(checkpoints, tmp_path / "g4"),
+            "gemma2": lambda: _repeating_pair(checkpoints, family, tmp_path / "g"),
+            "gemma3": lambda: _repeating_pair(checkpoints, family, tmp_path / "g")}.get(
+        family, lambda: checkpoints[family]["causal_lm"])()
     model = describe_model(str(path))
     params = jax.eval_shape(lambda: jodpo.init_params(model, jax.random.key(0)))
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
@@ -107,3 +123,28 @@ def test_rematerialisation_holds_fewer_temporaries_in_every_family(checkpoints, 
         compiled = jax.jit(grad).lower(params, *batch).compile()
         temporaries[remat] = compiled.memory_analysis().temp_size_in_bytes
     assert temporaries["full"] < temporaries["none"], temporaries
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "gemma3"])
+def test_a_rematerialised_period_gives_the_gradients_of_none(checkpoints, family, tmp_path):
+    """A period of several groups repeated (Qwen3.5's (DeltaNet, attention) x 2; Gemma 3's (sliding, global) x 2) is
+    rematerialised whole and layer by layer: the gradient of a step's log-probs is the one without remat."""
+    import jax
+    import numpy as np
+
+    import jodpo
+    from jodpo.losses import completion_logprobs
+    from jodpo.models.loading import describe_model
+
+    path = _repeating_pair(checkpoints, family, tmp_path / "g") if family == "gemma3" else checkpoints[family][
+        "causal_lm"]
+    model = describe_model(str(path))
+    assert [(len(groups(r.period)), r.reps) for r in layer_runs(model.kinds)] == [(2, 2)]
+    params = jodpo.init_params(model, jax.random.key(1), std=0.1)
+    rng = np.random.default_rng(0)
+    batch = (rng.integers(3, 250, (2, 9)), np.ones((2, 9), np.int32), rng.integers(3, 250, (4, 5)),
+             np.ones((4, 5), np.int32))
+    grads = {remat: jax.jit(jax.grad(lambda p, m=model.replace(remat=remat): completion_logprobs(m, p, *batch).sum()))(
+        params) for remat in ("full", "none")}
+    for got, want in zip(jax.tree.leaves(grads["full"]), jax.tree.leaves(grads["none"])):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())

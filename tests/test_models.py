@@ -98,6 +98,27 @@ def test_kv_cache_decoding_equals_full_forward(checkpoints, family, per_layer):
     assert int(cache["index"]) == full_ids.shape[1] - 1
 
 
+@pytest.mark.parametrize("family", ["mistral", "gemma3", "gemma4"])
+def test_chunks_of_tokens_after_a_filled_window_equal_the_full_forward(checkpoints, family):
+    """Several new tokens after a cache already past the window (a prefill in chunks of 7, 3 and 4 tokens, windows of
+    5-6): each attends to the ring's slots still within its window and to its chunk's earlier tokens, and Gemma 4's
+    KV-sharing layer to the same, as the full forward's tokens do (stacked and per-layer caches)."""
+    model, stacked = jodpo.load_model(str(checkpoints[family]["causal_lm"]))
+    ids, mask = hf_fixtures.padded_batch(np.random.default_rng(4), [14, 9, 12], model.pad_token_id, "left")
+    assert ids.shape[1] == 14 and 4 < model.sliding_window < 7
+    want = np.asarray(jodpo.logits(model, stacked, ids, mask))
+    step = jax.jit(decoder.hidden_states, static_argnums=0, static_argnames="empty_cache")
+    real = mask.astype(bool)
+    for per_layer in (False, True):
+        params = mparams.split_layers(model, stacked) if per_layer else stacked
+        cache, got = decoder.init_cache(model, 3, 14, per_layer=per_layer), []
+        for a, b in ((0, 7), (7, 10), (10, 14)):
+            h, cache = step(model, params, ids[:, a:b], mask[:, a:b], cache, empty_cache=a == 0)
+            got.append(np.asarray(heads.lm_head(model, params, h)))
+        got = np.concatenate(got, 1)
+        np.testing.assert_allclose(got[real], want[real], rtol=1e-4, atol=1e-4 * np.abs(want[real]).max())
+
+
 @pytest.mark.parametrize("dtype, tol", [("float32", 2e-6), ("bfloat16", 1e-2)])
 def test_forward_attention_equals_jodpos_own(dtype, tol):
     """The forwards' attention (token-major keys) and jax.nn.dot_product_attention called as the cuDNN path calls

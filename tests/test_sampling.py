@@ -77,6 +77,39 @@ def test_greedy_equals_transformers_generate(checkpoints, family):
     assert np.asarray(got.mask)[0].tolist() == [1] * (first_eos + 1) + [0] * (T - first_eos - 1)
 
 
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "gemma4"])
+def test_sliding_layers_keep_their_window_and_decode_as_transformers_past_it(checkpoints, family):
+    """A sliding layer's cache is a ring of its window's slots (4 or 5 here) whatever the length, the full layers' as
+    long as the sequence. Greedy decoding of 24 tokens after prompts longer and shorter than the window (the ring
+    wrapped several times; Gemma 4's KV-sharing layer reading the ring of the sliding layer before it) equals
+    transformers' generate, for one completion a prompt and for two from one prefill (the prompt's cache tiled)."""
+    path = checkpoints[family]["causal_lm"]
+    model, params = jodpo.load_model(str(path))
+    ids, mask = hf_fixtures.padded_batch(np.random.default_rng(8), [11, 2, 6], model.pad_token_id, "left")
+    T, (B, P), W = 24, ids.shape, model.sliding_window
+    assert 4 <= W < P
+    states = decoder.init_cache(model, B, P + T)["state"]
+    full = "global_attention" if family == "gemma4" else "attention"
+    ring = states["sliding_attention"]
+    assert ring["k"].shape == ring["v"].shape == (len(model.layers_of("sliding_attention")), B, model.num_kv_heads, W,
+                                                  model.head_dim)
+    assert states[full]["k"].shape[-2] == P + T
+    per_layer = decoder.init_cache(model, B, P + T, per_layer=True)["state"]
+    assert [s["k"].shape[2] for s in per_layer if s is not None] == [
+        W if k == "sliding_attention" else P + T for k in model.kinds if k not in decoder.READS]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():
+        want = hf.generate(input_ids=torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask),
+                           do_sample=False, max_new_tokens=T, eos_token_id=[], pad_token_id=model.pad_token_id)
+    want = want[:, P:].numpy()
+    cfg = jodpo.SamplingConfig(max_new_tokens=T, temperature=0.0, eos_token_ids=(), pad_token_id=model.pad_token_id,
+                               chunk=5)
+    one = _sample(model, params, ids, mask, jax.random.key(0), cfg)
+    np.testing.assert_array_equal(np.asarray(one.tokens), want)
+    two = jax.jit(jodpo.sample, static_argnums=(0, 5, 6))(model, params, ids, mask, jax.random.key(0), cfg, 2)
+    np.testing.assert_array_equal(np.asarray(two.tokens), np.concatenate([want, want]))
+
+
 @pytest.mark.parametrize("cfg", [
     dict(temperature=0.9),
     dict(temperature=0.7, top_k=20, top_p=0.9, repetition_penalty=1.3),

@@ -1,9 +1,8 @@
 """Meshes and shardings: the rules, and whole training runs on 8 fake CPU devices ((data, fsdp, tensor) =
-(2, 2, 2) and (8, 1, 1)) and as 2 processes x 4 devices (jax.distributed on 127.0.0.1, gloo) that equal the
-1-device run step for step; checkpoints move between 1 and 8 devices in both directions; sampling on devices of
+(2, 2, 2) and (8, 1, 1)) that equal the 1-device run step for step (the tldr.py jobs of 8 devices and of 2 processes
+are in test_collective_order.py); checkpoints move between 1 and 8 devices in both directions; sampling on devices of
 its own (4 sample, 4 train) equals sampling on the training mesh."""
 import json
-import socket
 import subprocess
 from pathlib import Path
 
@@ -16,18 +15,10 @@ from jax.sharding import PartitionSpec as P
 import jodpo
 from jodpo.parallel import sharding as S
 from jodpo import train
-from jodpo.program import backend
-from jodpo.program.checkpoint import restore_params
 from tests import hf_fixtures, subproc
 from tests import helpers
 
 ROOT = Path(__file__).resolve().parents[1]
-COMPARED = ("loss", "logps/chosen", "logps/rejected", "objective/scores", "objective/kl", "rewards/margins",
-            "grad_norm")
-# Nash-MD's own (TRL 1.12's names), compared where logged
-FAMILY = ("loss/score", "loss/kl", "rewards/probabilities", "rewards/chosen", "rewards/rejected")
-
-
 # --------------------------------------------------------------------------------------------------
 # The rules
 # --------------------------------------------------------------------------------------------------
@@ -126,38 +117,6 @@ def _argv(out: Path, checkpoints, dataset: Path, per_device: int, mesh=(1, -1, 1
             "--config.gradient_accumulation_steps=1", "--allow_config_change"]
 
 
-def _metrics(out: Path) -> dict[int, dict]:
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r for r in rows if "loss" in r}
-
-
-def _assert_same_run(a: Path, b: Path, whole_arrays: bool = False) -> None:
-    """The runs in ``a`` and ``b`` logged the same numbers and saved the same parameters, entry by entry (with
-    ``whole_arrays``: each array within 1e-4 of the other's norm, for a run whose embedding rows are mostly tokens
-    it never sees: their gradients are float noise, which Adam's normalised step turns into +-lr)."""
-    ma, mb = _metrics(a), _metrics(b)
-    assert sorted(ma) == sorted(mb) == [1, 2, 3]
-    for step in ma:
-        assert set(ma[step]) == set(mb[step]) and {"loss", "grad_norm", "logps/chosen"} <= set(ma[step])
-        for k in (k for k in COMPARED + FAMILY + ("objective/off_policy_kl",) if k in ma[step]):  # async_mode's too
-            assert mb[step][k] == pytest.approx(ma[step][k], rel=1e-4, abs=1e-5), (step, k)
-    final = [json.loads(line) for line in (a / "metrics.jsonl").read_text().splitlines()][-1]
-    other = [json.loads(line) for line in (b / "metrics.jsonl").read_text().splitlines()][-1]
-    assert other["eval/objective/scores"] == pytest.approx(final["eval/objective/scores"], rel=1e-4, abs=1e-5)
-    pa, pb = restore_params(a / "checkpoints" / "3"), restore_params(b / "checkpoints" / "3")
-    for (path, x), y in zip(jax.tree.leaves_with_path(pa), jax.tree.leaves(pb)):
-        if "k_bias" in jax.tree_util.keystr(path):
-            # The key bias's gradient is exactly 0 in exact arithmetic (softmax ignores a per-query shift), so
-            # Adam's normalised step turns float noise into +-lr: no layout can reproduce another's noise.
-            continue
-        if whole_arrays:
-            assert np.linalg.norm(np.asarray(y) - np.asarray(x)) <= 1e-4 * np.linalg.norm(np.asarray(x)), path
-        else:
-            # Each Adam step moves an entry by at most lr (1e-3); where an entry's gradient is near cancellation, the
-            # layouts' float noise changes its step by a few percent of that (1.2e-5 seen on a LoRA factor): 5% of lr.
-            np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=5e-5, err_msg=str(path))
-
-
 def _run_8_devices(jobs: list[tuple[list[str], Path | None, Path | None]]) -> tuple[list[bool], list[list]]:
     """Run ``jodpo.train.main`` on each job's argv in one process with 8 fake CPU devices (after
     ``helpers.resumable_copy(src, dst)`` when the job names them: a run to resume); returns, per run, whether
@@ -254,7 +213,7 @@ def test_8_device_runs_and_moved_checkpoints_equal_the_1_device_run(runs, name):
     """Also TRL 1.12's Nash-MD with LoRA adapters, resumed from the 1-device run's checkpoint 2 on a (2, 2, 2) mesh
     (exact resume)."""
     root, _ = runs
-    _assert_same_run(root / SAME_AS.get(name, "one"), root / name)
+    helpers.assert_same_run(root / SAME_AS.get(name, "one"), root / name)
 
 
 @pytest.mark.parametrize("name", ["async_split", "async_then_split"])
@@ -264,10 +223,10 @@ def test_sampling_on_its_own_devices_equals_async_mode_on_one_mesh(runs, name):
     rollout's sampling starts before this one's update (the overlap). With sync_steps=2 the three rollouts all
     sample with the initial weights (the last multiple of 2 before the previous rollout), sent once."""
     root, _ = runs
-    _assert_same_run(root / "async", root / name)
+    helpers.assert_same_run(root / "async", root / name)
     # the one-step lag is in effect: the sampler's log-probs are not the policy's, and the run is not the sync one
-    assert _metrics(root / "async")[3]["objective/off_policy_kl"] > 0.01
-    assert abs(_metrics(root / "async")[3]["loss"] - _metrics(root / "one")[3]["loss"]) > 1e-3
+    assert helpers.run_metrics(root / "async")[3]["objective/off_policy_kl"] > 0.01
+    assert abs(helpers.run_metrics(root / "async")[3]["loss"] - helpers.run_metrics(root / "one")[3]["loss"]) > 1e-3
     sampler, trainer = [4, 5, 6, 7], [0, 1, 2, 3]
     events = json.loads((root / "sampled.json").read_text())
     if name == "async_split":
@@ -277,82 +236,6 @@ def test_sampling_on_its_own_devices_equals_async_mode_on_one_mesh(runs, name):
         assert events[name] == [["launch", 2, sampler, 0], ["train", 2, trainer]]
     # without async_mode each rollout waits for the update before it: the sampler and the trainer take turns
     assert events["lora_split"] == [x for s in range(3) for x in (["launch", s, sampler, s], ["train", s, trainer])]
-
-
-@pytest.fixture(scope="module")
-def tldr(checkpoints, tmp_path_factory):
-    """The setting of issues 53 and 63: a tldr.py run with prompts of TL;DR's length, a Pythia-shaped pair a little
-    wider than the suite's, programs compiled as a run compiles them (with the suite's fast-compile flags neither
-    fault showed). Returns a function of the output dir and more ``--config.`` fields -> the command's argv."""
-    root = tmp_path_factory.mktemp("tldr")
-    pair = hf_fixtures.build_neox_pair(root, checkpoints["neox"]["causal_lm"])
-    data = hf_fixtures.prompt_dataset(root / "data", words=(10, 25))
-    fields = dict(model_name_or_path=pair["causal_lm"], reward_model_path=pair["reward"], dataset_name=data,
-                  max_steps=3, per_device_train_batch_size=1, gradient_accumulation_steps=1, max_new_tokens=8,
-                  logging_steps=1, learning_rate=1e-4, warmup_ratio=0.0, bf16=False, num_sample_generations=0)
-
-    def argv(out: Path, **more) -> list[str]:
-        return ["--config", "tldr.py", *(f"--config.{k}={v}" for k, v in (fields | more).items()),
-                f"--config.output_dir={out}"]
-    return argv
-
-
-def test_an_8_device_tldr_run_and_its_restart_on_a_warm_cache_finish_the_same(tldr, tmp_path):
-    """Issue 53: the tldr.py recipe on 8 CPU devices, then the same job in a new process and output_dir on the
-    compilation cache the first filled, both under load (one core). XLA:CPU's executor ran a collective outside a
-    loop while some devices were still in the loop's collectives; with as many threads as devices, all of them
-    waited in collectives some device never reached, and XLA aborted after 40 s (exit 134; in this setting the
-    restart, 3 times of 3, the first start too with other sizes). The command now gives XLA 4 threads a device
-    (NPROC; none is set here)."""
-    environ = subproc.compiled_as_a_run(subproc.cpu_env(8, JAX_DEBUG_LOG_MODULES="jax._src.compiler"))
-    del environ[backend.NPROC]  # jodpo.train's to set
-    python, environ = subproc.without_torch(environ)
-    logs = {}
-    for name in ("first", "again"):
-        proc = subproc.on_one_core(subprocess.Popen(
-            [*python, "-m", "jodpo.train", *tldr(tmp_path / name, compilation_cache_dir=tmp_path / "xla")],
-            env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-        try:
-            _, logs[name] = proc.communicate(timeout=600)
-        finally:
-            proc.kill()
-        assert proc.returncode == 0, (name, logs[name][-4000:])
-    assert "Persistent compilation cache hit for 'jit_online_step'" in logs["again"]  # the warm restart
-    first, again = _metrics(tmp_path / "first"), _metrics(tmp_path / "again")
-    assert sorted(first) == sorted(again) == [1, 2, 3]
-    for step in first:
-        for k in COMPARED:
-            assert again[step][k] == first[step][k], (step, k)  # the same program, read back: the same numbers
-
-
-def test_a_tldr_job_of_two_processes_under_load_equals_one_device(tldr, tmp_path):
-    """Issue 63: the same run as a job of 2 processes x 4 CPU devices (jax.distributed on 127.0.0.1, gloo), both
-    processes on one core, as on a busy host. XLA:CPU's executor ran a collective after a loop while the loop's
-    collectives still ran, gloo mixed their messages, and both processes aborted ("Received data size doesn't match
-    expected size") after 0 to 2 of their 3 steps; now every program keeps its collectives in order
-    (jodpo.collective_order). The job's numbers, evaluation and saved parameters equal one device's. Also with the
-    suite's compilation cache warm (a second session): on CPUs the job turns it off, since process 0 would read the
-    programs it wrote while process 1 compiles its own, and the two deadlocked at the first step."""
-    assert train.main(tldr(tmp_path / "one", per_device_train_batch_size=8)) == 0  # the job's global batch
-    out = tmp_path / "two_processes"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    environ = subproc.compiled_as_a_run(subproc.cpu_env(4, JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo"))
-    python, environ = subproc.without_torch(environ)
-    procs = [subproc.on_one_core(subprocess.Popen(
-        [*python, "-m", "jodpo.train", *tldr(out), "--coordinator_address", f"127.0.0.1:{port}", "--num_processes",
-         "2", "--process_id", str(i), "--debug"], env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True)) for i in range(2)]
-    try:
-        logs = [p.communicate(timeout=600)[0] for p in procs]
-    finally:  # a hung job is not left behind
-        for p in procs:
-            p.kill()
-    assert [p.returncode for p in procs] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
-    assert "jodpo.train: compilation cache off: a multi-process job on CPUs" in logs[0]
-    _assert_same_run(tmp_path / "one", out, whole_arrays=True)
-    assert (out / "checkpoints" / "3" / "state" / "ocdbt.process_1").exists()  # both processes wrote their part
 
 
 def test_qwen3_and_gemma_parameters_split_over_8_devices_equal_one(checkpoints):

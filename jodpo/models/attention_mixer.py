@@ -1,26 +1,30 @@
 """The softmax-attention mixer kind: its parameters, its three forwards and its cache state.
 
-Every mixer kind (this one, ``jodpo.models.deltanet``, ``global_attention``, ``shared_kv``) offers the decoder the same
-functions:
+Every mixer kind (this one, ``jodpo.models.sliding_attention``, ``deltanet``, ``global_attention``, ``shared_kv``)
+offers the decoder the same functions:
   specs(model, n)                   its parameters' ``(shape, logical_axes)`` for n layers, stacked on a ``layers`` axis
   full(model, p, x, ctx, site, kv)  a group of tokens without a cache (training, scoring)
   prefixed(model, p, xs, ctx, site, kv)   the shared-prompt layout: a prefix group and the suffixes that continue it
   cached(model, p, x, state, j, ctx, site)   new tokens after a cache state (the prefill, the decode steps)
   init_state(model, batch, length, dtype)    one layer's empty cache state (None: it keeps none)
+  open_state(model, state, length), close_state(model, state, ctx)   optional: the state made ready for ``length``
+                                    new tokens before a cached call over several, and put in order after every layer
+                                    ran (the sliding kind keeps them beside its ring until its KV-sharing readers
+                                    have read them)
 ``p`` is one layer's parameters of this kind (``params["layers"]["attn"]`` sliced), ``x`` its normed input
 ``[B, L, D]``; each returns the mixer's output ``[B, L, D]`` (after its output projection). ``ctx``
 (``layers.Context``) carries what the decoder computes once for every layer: token masks, RoPE tables, the attention
-masks before windows, the cache slot the new tokens go to. ``site`` (``layers.Site``) is the layer's window and whether
-it rotates. ``state`` is the layer's state, or the kind's states stacked over its layers with ``j`` the layer's index
-among them (the stacked cache; None for a layer's own state). ``kv`` is KV sharing's slot in the cache-free forwards
+masks before windows, the cache slot the new tokens go to. ``site`` (``layers.Site``) says whether the layer rotates.
+``state`` is the layer's state, or the kind's states stacked over its layers with ``j`` the layer's index among them
+(the stacked cache; None for a layer's own state). ``kv`` is KV sharing's slot in the cache-free forwards
 (None in a model without it): the keys and values of the last layer of this kind so far, ``(k, v)`` (``full``) or
 ``((prefix's), (suffix's))`` (``prefixed``), which a layer of this kind replaces with its own and a layer of a kind
 that reads this one's (``model.READS``) attends to; ``full`` and ``prefixed`` return it with their output.
 
 This kind: keys and values of every token in a cache ``[B, kv_heads, slots, head_dim]`` (head-major, as the decode
-steps read them), RoPE, q/k norms, biases, grouped kv heads, sliding windows, soft-capping, an output gate, a value
-norm, values that are the keys. ``reads=True`` runs a layer that projects no keys or values of its own but attends to
-another layer's (``jodpo.models.shared_kv``).
+steps read them), RoPE, q/k norms, biases, grouped kv heads, soft-capping, an output gate, a value norm, values that
+are the keys; ``full`` and ``prefixed`` also serve the sliding kind (``window``). ``reads=True`` runs a layer that
+projects no keys or values of its own but attends to another layer's (``jodpo.models.shared_kv``).
 """
 from __future__ import annotations
 
@@ -102,22 +106,25 @@ def _output(model: Model, p: Params, a_BLHD, gate, dtype) -> jax.Array:
     return out
 
 
-def _within(site: Site, dist):
-    return (dist >= 0) & (dist < site.window)
+def _within(window: int, dist):
+    """Causal, and within ``window`` slots (0: no window)."""
+    return (dist >= 0) & (dist < window) if window else dist >= 0
 
 
-def full(model: Model, p: Params, x, ctx: Context, site: Site, kv=None, reads: bool = False):
-    rope = layer_rope(model, ctx.rope[0], site)
+def full(model: Model, p: Params, x, ctx: Context, site: Site, kv=None, reads: bool = False, window: int = 0):
+    """``window``: a sliding-window layer's (``jodpo.models.sliding_attention``), which rotates with the local RoPE
+    tables where the model has them."""
+    rope = layer_rope(model, ctx.rope[0], site, local=bool(window))
     q, gate = _queries(model, p, x, rope)
     k, v = kv if reads else keys_values(model, p, x, *rope)
-    a = forward_attention(model, q, k, v, ctx.mask[0][:, None, :] & _within(site, ctx.dist[0])[None])
+    a = forward_attention(model, q, k, v, ctx.mask[0][:, None, :] & _within(window, ctx.dist[0])[None])
     return _output(model, p, a, gate, x.dtype), (kv if reads or kv is None else (k, v))
 
 
-def prefixed(model: Model, p: Params, xs, ctx: Context, site: Site, kv=None, reads: bool = False):
+def prefixed(model: Model, p: Params, xs, ctx: Context, site: Site, kv=None, reads: bool = False, window: int = 0):
     """The prefix's tokens attend among themselves; the suffix rows (block layout: row r continues prefix r % B)
     attend to their prefix's keys and values (shared: their gradients add up) and to their own."""
-    (xp, xs_), (rope_p, rope_s) = xs, (layer_rope(model, r, site) for r in ctx.rope)
+    (xp, xs_), (rope_p, rope_s) = xs, (layer_rope(model, r, site, local=bool(window)) for r in ctx.rope)
     (qp, gp), (qs, gs) = _queries(model, p, xp, rope_p), _queries(model, p, xs_, rope_s)
     if reads:
         (kp, vp), (ks, vs) = kv
@@ -126,9 +133,9 @@ def prefixed(model: Model, p: Params, xs, ctx: Context, site: Site, kv=None, rea
     n = xs_.shape[0] // xp.shape[0]
     tile = lambda a: jnp.concatenate([a] * n, 0)  # noqa: E731
     prefix_mask, suffix_keys = ctx.mask[0], ctx.mask[1]  # [B, P]; [N, P + C] (the tiled prefix's, then its own)
-    ap = forward_attention(model, qp, kp, vp, prefix_mask[:, None, :] & _within(site, ctx.dist[0])[None])
+    ap = forward_attention(model, qp, kp, vp, prefix_mask[:, None, :] & _within(window, ctx.dist[0])[None])
     a_s = forward_attention(model, qs, jnp.concatenate([tile(kp), ks], 1), jnp.concatenate([tile(vp), vs], 1),
-                            suffix_keys[:, None, :] & _within(site, ctx.dist[1])[None])
+                            suffix_keys[:, None, :] & _within(window, ctx.dist[1])[None])
     out = _output(model, p, ap, gp, xp.dtype), _output(model, p, a_s, gs, xs_.dtype)
     return out, (kv if reads or kv is None else ((kp, vp), (ks, vs)))
 
@@ -156,8 +163,8 @@ def cached(model: Model, p: Params, x, state: dict, j, ctx: Context, site: Site,
 
         state = {"k": write(state["k"], k), "v": write(state["v"], v)}
         if ctx.empty:
-            a = forward_attention(model, q, k, v, ctx.mask[0][:, None, :] & _within(site, ctx.dist[0])[None])
+            a = forward_attention(model, q, k, v, ctx.mask[0][:, None, :] & _within(0, ctx.dist[0])[None])
             return _output(model, p, a, gate, x.dtype), state
     ks, vs = (state["k"], state["v"]) if j is None else (state["k"][j], state["v"][j])
-    a = attention(model, q, ks, vs, ctx.mask[1][:, None, :] & _within(site, ctx.dist[1])[None])
+    a = attention(model, q, ks, vs, ctx.mask[1][:, None, :] & _within(0, ctx.dist[1])[None])
     return _output(model, p, a, gate, x.dtype), state

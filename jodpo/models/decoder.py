@@ -1,14 +1,14 @@
 """The decoder every family shares, as pure functions of ``(model, params, ...)``.
 
 ``Model`` (``jodpo.models.model``) is the static architecture; ``params`` is a plain nested dict of arrays. A layer is
-a *mixer* (``Model.kinds``: softmax attention, ``jodpo.models.attention_mixer``; Gated DeltaNet,
-``jodpo.models.deltanet``; attention of another shape, ``global_attention``; attention over another layer's keys and
-values, ``shared_kv``) plus an MLP, with norms around both. ``params["layers"]`` holds what every layer has (norms,
-MLP) stacked on a leading axis over all layers, and each mixer kind's parameters (``"attn"``, ``"deltanet"``, ...)
-stacked over the layers of that kind (``jodpo.models.layout``). The layers run as ``lax.scan``s over ``layer_runs``: a
-run repeats a period of kinds (one layer for a uniform model; Qwen3.5's three DeltaNet layers and one attention
-layer), so one compiled body serves any depth; what differs per layer without changing shapes (its window, whether it
-rotates, Gemma 4's per-layer inputs) is scanned with it.
+a *mixer* (``Model.kinds``: softmax attention, ``jodpo.models.attention_mixer``, or over a sliding window,
+``sliding_attention``; Gated DeltaNet, ``jodpo.models.deltanet``; attention of another shape, ``global_attention``;
+attention over another layer's keys and values, ``shared_kv``) plus an MLP, with norms around both.
+``params["layers"]`` holds what every layer has (norms, MLP) stacked on a leading axis over all layers, and each mixer
+kind's parameters (``"attn"``, ``"deltanet"``, ...) stacked over the layers of that kind (``jodpo.models.layout``).
+The layers run as ``lax.scan``s over ``layer_runs``: a run repeats a period of kinds (one layer for a uniform model;
+Qwen3.5's three DeltaNet layers and one attention layer), so one compiled body serves any depth; what differs per
+layer without changing shapes (whether it rotates, Gemma 4's per-layer inputs) is scanned with it.
 
 Where families differ inside a mixer or the MLP, a field of ``Model`` says so (``jodpo.models.layers`` reads them):
   GPT-NeoX  LayerNorm with bias, parallel residual, partial rotary, GELU MLP with biases;
@@ -28,8 +28,9 @@ Where families differ inside a mixer or the MLP, a field of ``Model`` says so (`
 The cache is a dict pytree passed in and returned (never a mutable collection):
   state  each layer's mixer state: per kind, stacked over that kind's layers ({"attention": {"k", "v"}, ...}), or,
          with ``per_layer=True`` (the sampler's), a tuple of per-layer states (attention: keys/values by slot
-         ``[B, kv_heads, S, head_dim]``; DeltaNet: its convolution window and recurrent state); a KV-sharing layer
-         has none (None): it reads its source layer's where it is (``_source``)
+         ``[B, kv_heads, S, head_dim]``; sliding attention: the same over a ring of the window's slots, slot s at
+         s % window; DeltaNet: its convolution window and recurrent state); a KV-sharing layer has none (None): it
+         reads its source layer's where it is (``_source``)
   mask   bool[B, S]   which slots hold a real (non-pad) token
   index  i32[]        the next slot to write
 Positions always come from the masks (count of real tokens before), so left padding shifts nothing.
@@ -41,10 +42,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jodpo.models import moe
-from jodpo.models.layers import (FULL_WINDOW, Context, Site, embed, mlp, norm, per_layer_block, per_layer_inputs,
-                                 rope_tables)
-from jodpo.models.layout import (KEYS, KIND_OF_KEY, MIXERS, SUBTREES, Run, groups, layer_params, layer_runs,  # noqa: F401
-                                 merge_adapters, period_params, run_params)
+from jodpo.models.layers import Context, Site, embed, mlp, norm, per_layer_block, per_layer_inputs, rope_tables
+from jodpo.models.layout import (KEYS, KINDS_OF_KEY, MIXERS, SUBTREES, Run, groups,  # noqa: F401 - re-exported
+                                 layer_params, layer_runs, merge_adapters, period_params, run_params)
 from jodpo.models.model import (ATTENTIONS, PRECISIONS, READS, Cache, Model, Norms,  # noqa: F401 - re-exported
                                 Params, Rope, einsum)
 
@@ -55,12 +55,22 @@ def _positions(mask_BL: jax.Array, n_before_B: jax.Array) -> jax.Array:
 
 
 def sites(model: Model) -> Site:
-    """Each layer's ``Site`` as int32 arrays ``[N]``: its attention window in slots (full attention, and the other
-    kinds: the largest int) and whether it rotates (1) or not (0, ``Rope.nope_layers``)."""
-    windows = np.asarray(model.sliding_windows or (0,) * model.num_layers, np.int32)
+    """Each layer's ``Site`` as int32 arrays ``[N]``: whether it rotates (1) or not (0, ``Rope.nope_layers``)."""
     rope = np.ones(model.num_layers, np.int32)
     rope[list(model.rope.nope_layers)] = 0
-    return Site(np.where(windows > 0, windows, FULL_WINDOW).astype(np.int32), rope)
+    return Site(rope)
+
+
+def _each_state(model: Model, states, name: str, *args):
+    """``MIXERS[kind].<name>(model, state, *args)`` on the cache states (stacked by kind, or per layer) of the kinds
+    that define it (``open_state``, ``close_state``: the sliding kind's room for several new tokens)."""
+    def one(kind, state):
+        hook = getattr(MIXERS[kind], name, None)
+        return state if state is None or hook is None else hook(model, state, *args)
+
+    if isinstance(states, (tuple, list)):
+        return tuple(one(k, s) for k, s in zip(model.kinds, states))
+    return {k: one(k, s) for k, s in states.items()}
 
 
 def _source(model: Model, kind: str, j):
@@ -167,6 +177,13 @@ def _stack(model: Model, params: Params, xs: tuple, mix, states=None, remat: boo
                 ys.append(y)
             return (x, states), jax.tree.map(lambda *a: jnp.concatenate(a), *ys)
 
+        if remat and model.remat != "none" and len(groups(period)) > 1 and run.reps > 1:
+            # A period of several groups is rematerialised whole too: the scan over its repetitions then keeps each
+            # one's input, not every layer's and what the groups' scans keep, at the cost of its forward once more in
+            # the backward. XLA's temporaries of the gradient (8 prompts of 128 tokens, 2 x 64 completions, bf16):
+            # Gemma 3 1B, (sliding x 5, global) x 4 + sliding x 2, 9.0 -> 6.5 GB; Qwen3.5-0.8B 4.3 -> 3.1 GB; Gemma 4
+            # E2B 12.2 -> 5.6 GB
+            body = jax.checkpoint(body, policy=_REMAT_POLICIES[model.remat])
         (xs, states), ys = jax.lax.scan(body, (xs, states), scanned)
         routers.append(jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), ys))  # [reps, period, ...] -> layers
     return xs, states, (None if model.moe is None else jax.tree.map(lambda *a: jnp.concatenate(a), *routers))
@@ -265,10 +282,13 @@ def hidden_states(model: Model, params: Params, tokens_BL: jax.Array, mask_BL: j
         y, state = MIXERS[kind].cached(model, p[KEYS[kind]], normed[0], state, j, ctx, site)
         return (y,), state
 
+    # Several new tokens: the kinds that keep them apart until every layer has read them (the sliding kind's ring:
+    # its KV-sharing readers attend to all of them) make room first and put them in place after
+    states = _each_state(model, cache["state"], "open_state", L) if L > 1 else cache["state"]
     if split:
         # Unrolled (see split_layers): per-layer weights and cache states, so a decode step slices nothing; each
         # layer's state is updated in place where it lives (a KV-sharing layer's: its source's, read in place).
-        all_sites, states = sites(model), list(cache["state"])
+        all_sites, states = sites(model), list(states)
         for i, p in enumerate(params["layers"]):
             kind = model.kinds[i]
             src = i if kind not in READS else model.layers_of(READS[kind])[-1]
@@ -277,7 +297,9 @@ def hidden_states(model: Model, params: Params, tokens_BL: jax.Array, mask_BL: j
                                           None if extra is None else (extra[0][i],))
         states = tuple(states)
     else:
-        (x,), states, _ = _stack(model, params, (x,), mix, states=cache["state"], extra=extra)
+        (x,), states, _ = _stack(model, params, (x,), mix, states=states, extra=extra)
+    if L > 1:
+        states = _each_state(model, states, "close_state", ctx)
     x = norm(model, params["final_norm"], x)
     return x, {"state": states, "mask": kv_mask_BS, "index": start + L}
 

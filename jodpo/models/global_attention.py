@@ -1,7 +1,7 @@
 """The global-attention mixer kind: softmax attention of a shape of its own (Gemma 4's ``full_attention`` layers:
 ``global_head_dim``, ``num_global_key_value_heads``, values that are the keys with ``attention_k_eq_v``, and the
 "proportional" RoPE, whose zero frequencies leave the head's unrotated dims as they are). ``Model.global_attention``
-describes what differs; everything else (norms, scale, soft-capping, windows, the cache layout) is the softmax-attention
+describes what differs; everything else (norms, scale, soft-capping, the cache layout) is the softmax-attention
 kind's (``jodpo.models.attention_mixer``), run on the ``Model`` as these layers see it (``view``) with RoPE tables of
 their own (``context``, from the positions the decoder passes every mixer)."""
 from __future__ import annotations
@@ -38,16 +38,16 @@ def init_state(model: Model, batch: int, length: int, dtype) -> dict:
     return attention_mixer.init_state(view(model), batch, length, dtype)
 
 
-def full(model: Model, p, x, ctx: Context, site, kv=None):
+def full(model: Model, p, x, ctx: Context, site, kv=None, reads: bool = False):
     m = view(model)
-    return attention_mixer.full(m, p, x, context(m, ctx), site, kv)
+    return attention_mixer.full(m, p, x, context(m, ctx), site, kv, reads)
 
 
-def prefixed(model: Model, p, xs, ctx: Context, site, kv=None):
+def prefixed(model: Model, p, xs, ctx: Context, site, kv=None, reads: bool = False):
     m = view(model)
-    return attention_mixer.prefixed(m, p, xs, context(m, ctx), site, kv)
+    return attention_mixer.prefixed(m, p, xs, context(m, ctx), site, kv, reads)
 
 
-def cached(model: Model, p, x, state, j, ctx: Context, site):
+def cached(model: Model, p, x, state, j, ctx: Context, site, reads: bool = False):
     m = view(model)
-    return attention_mixer.cached(m, p, x, state, j, context(m, ctx), site)
+    return attention_mixer.cached(m, p, x, state, j, context(m, ctx), site, reads)

@@ -36,15 +36,13 @@ _ACTIVATIONS = {
     "relu": jax.nn.relu,
 }
 ACTIVATIONS = tuple(_ACTIVATIONS)
-FULL_WINDOW = np.iinfo(np.int32).max  # a full-attention layer's window
 
 
 class Site(NamedTuple):
-    """A layer's scalars that change no shapes, scan inputs of the layer stack (``decoder.sites``): its attention
-    window in slots (``FULL_WINDOW``: none) and whether it rotates its queries and keys (SmolLM3's NoPE layers do not).
-    Ints, or traced int32 scalars inside a scan."""
+    """A layer's scalars that change no shapes, scan inputs of the layer stack (``decoder.sites``): whether it rotates
+    its queries and keys (SmolLM3's NoPE layers do not). Ints, or traced int32 scalars inside a scan. (A layer's
+    window is its kind's: ``Model.sliding_window`` on the sliding kinds, whose caches hold that many slots.)"""
 
-    window: Any
     rope: Any
 
 
@@ -142,13 +140,12 @@ def rope_tables(model: Model, positions_BL: jax.Array) -> tuple[jax.Array, jax.A
     return jnp.stack([main[0], local[0]]), jnp.stack([main[1], local[1]])
 
 
-def layer_rope(model: Model, tables, site: Site) -> tuple[jax.Array, jax.Array]:
-    """One layer's ``(cos, sin)`` out of ``rope_tables``: the local ones on a sliding-window layer (``site.window``
-    below ``FULL_WINDOW``) of a model that has them; on a layer without RoPE (``site.rope`` 0) cos 1 and sin 0, which
-    rotate nothing (x * 1 + rotate_half(x) * 0 is x exactly)."""
+def layer_rope(model: Model, tables, site: Site, local: bool = False) -> tuple[jax.Array, jax.Array]:
+    """One layer's ``(cos, sin)`` out of ``rope_tables``: the local ones on a sliding-window layer (``local``) of a
+    model that has them; on a layer without RoPE (``site.rope`` 0) cos 1 and sin 0, which rotate nothing
+    (x * 1 + rotate_half(x) * 0 is x exactly)."""
     if model.rope.local_inv_freq:
-        local = jnp.asarray(site.window) < FULL_WINDOW
-        tables = tuple(jnp.where(local, t[1], t[0]) for t in tables)
+        tables = tuple(t[1] if local else t[0] for t in tables)
     if model.rope.nope_layers:
         on = jnp.asarray(site.rope) > 0
         tables = (jnp.where(on, tables[0], 1.0), jnp.where(on, tables[1], 0.0))

@@ -2,9 +2,10 @@
 
 Each subtree of ``params["layers"]`` is stacked on a leading axis over a set of layers: what every layer has (norms,
 the MLP) over all of them; a mixer kind's parameters (``KEYS``: ``"attn"``, ``"deltanet"``, ...) over the layers of
-that kind; where some layers' MLPs are twice as wide (Gemma 4's KV-sharing layers), theirs (``"mlp_wide"``) over those
-layers and ``"mlp"`` over the others. LoRA adapters (``"lora"``) follow the weights they adapt. The layers run as
-``lax.scan``s over ``layer_runs``: a run repeats a period of kinds, so one compiled body serves any depth.
+that kind (``"attn"`` over the full and the sliding attention layers both); where some layers' MLPs are twice as wide
+(Gemma 4's KV-sharing layers), theirs (``"mlp_wide"``) over those layers and ``"mlp"`` over the others. LoRA adapters
+(``"lora"``) follow the weights they adapt. The layers run as ``lax.scan``s over ``layer_runs``: a run repeats a period
+of kinds, so one compiled body serves any depth.
 """
 from __future__ import annotations
 
@@ -14,17 +15,21 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jodpo.models import attention_mixer, deltanet, global_attention
+from jodpo.models import attention_mixer, deltanet, global_attention, sliding_attention
 from jodpo.models.model import Model, Params, einsum
 from jodpo.models.shared_kv import Reader
 
-# mixer kind -> its module, and where its parameters sit in params["layers"]
-MIXERS = {"attention": attention_mixer, "deltanet": deltanet, "global_attention": global_attention,
-          "shared_attention": Reader("shared_attention", attention_mixer),
+# mixer kind -> its module, and where its parameters sit in params["layers"] (the sliding kind's with the full one's:
+# the same projections, stacked over the layers of both, in order)
+MIXERS = {"attention": attention_mixer, "sliding_attention": sliding_attention, "deltanet": deltanet,
+          "global_attention": global_attention,
+          "shared_sliding_attention": Reader("shared_sliding_attention", sliding_attention),
           "shared_global_attention": Reader("shared_global_attention", global_attention)}
-KEYS = {"attention": "attn", "deltanet": "deltanet", "global_attention": "global_attn",
-        "shared_attention": "shared_attn", "shared_global_attention": "shared_global_attn"}
-KIND_OF_KEY = {v: k for k, v in KEYS.items()}
+KEYS = {"attention": "attn", "sliding_attention": "attn", "deltanet": "deltanet", "global_attention": "global_attn",
+        "shared_sliding_attention": "shared_attn", "shared_global_attention": "shared_global_attn"}
+KINDS_OF_KEY: dict[str, tuple[str, ...]] = {}
+for _k, _key in KEYS.items():
+    KINDS_OF_KEY[_key] = KINDS_OF_KEY.get(_key, ()) + (_k,)
 # a weight LoRA can adapt -> the subtree of params["layers"] it sits in first (its home: a LoRA group of that module
 # there is named by the module alone; elsewhere "module@subtree", lora.group_key)
 SUBTREES: dict[str, str] = {}
@@ -42,8 +47,8 @@ def group_subtree(key: str, weight: str) -> str:
 
 def owners(model: Model, key: str) -> tuple[str, ...] | None:
     """The kinds whose layers a subtree of ``params["layers"]`` is stacked over (None: every layer)."""
-    if key in KIND_OF_KEY:
-        return (KIND_OF_KEY[key],)
+    if key in KINDS_OF_KEY:
+        return KINDS_OF_KEY[key]
     if key in ("mlp", "mlp_wide") and model.wide_kinds:
         return model.wide_kinds if key == "mlp_wide" else tuple(k for k in dict.fromkeys(model.kinds)
                                                                 if k not in model.wide_kinds)

@@ -13,14 +13,17 @@ import jax.numpy as jnp
 
 Params = dict[str, Any]
 Cache = dict[str, Any]
-# The mixer kinds a layer can have (``Model.layer_kinds``): softmax attention over a KV cache; Gated DeltaNet (linear
+# The mixer kinds a layer can have (``Model.layer_kinds``): softmax attention over a KV cache; softmax attention over a
+# sliding window (``Model.sliding_window``), whose cache is a ring of the window's slots; Gated DeltaNet (linear
 # attention with a recurrent state); softmax attention of another shape (Gemma 4's global layers: ``Model.
 # global_attention``); and the kinds that reuse the keys and values of another kind's last layer (KV sharing: Gemma 4's
 # last layers) instead of projecting their own. Each owns its parameters, forwards and cache state
-# (``jodpo.models.attention_mixer``, ``deltanet``, ``global_attention``, ``shared_kv``).
-KINDS = ("attention", "deltanet", "global_attention", "shared_attention", "shared_global_attention")
+# (``jodpo.models.attention_mixer``, ``sliding_attention``, ``deltanet``, ``global_attention``, ``shared_kv``).
+KINDS = ("attention", "sliding_attention", "deltanet", "global_attention", "shared_sliding_attention",
+         "shared_global_attention")
 # KV sharing: a kind whose layers read the keys and values of the last layer of another kind before them
-READS = {"shared_attention": "attention", "shared_global_attention": "global_attention"}
+READS = {"shared_sliding_attention": "sliding_attention", "shared_global_attention": "global_attention"}
+SLIDING = ("sliding_attention", "shared_sliding_attention")  # the kinds that attend over Model.sliding_window
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,7 +177,9 @@ class Model:
     parallel_residual: bool
     rope: Rope
     tie_embeddings: bool
-    sliding_windows: tuple[int, ...] = ()  # per layer, 0 = full attention; () = all full
+    # the sliding-window layers' window in slots (kinds SLIDING: a token attends to itself and the window - 1 slots
+    # before it, padding included, as transformers); 0 = none
+    sliding_window: int = 0
     attn_options: AttentionOptions = AttentionOptions()  # q/k norms, value norm, keys as values, output gate
     embed_scale: float = 1.0  # embeddings times this, rounded to the compute dtype (Gemma: sqrt(hidden_size))
     query_scale: float | None = None  # attention scores' scale (Gemma: query_pre_attn_scalar**-0.5); None: head_dim**-0.5
@@ -223,6 +228,9 @@ class Model:
                              f"{self.layer_kinds}")
         if "deltanet" in self.layer_kinds and self.deltanet is None:
             raise ValueError("a model with deltanet layers needs their shape (Model.deltanet)")
+        if bool(self.layers_of(*SLIDING)) != (self.sliding_window > 0):
+            raise ValueError(f"a model has sliding_attention layers exactly when it has a sliding_window, got kinds "
+                             f"{self.kinds} and a window of {self.sliding_window}")
         if "global_attention" in self.layer_kinds and self.global_attention is None:
             raise ValueError("a model with global_attention layers needs their shape (Model.global_attention)")
         for reader, source in READS.items():  # a reader reads the last layer of its source kind: all must come first

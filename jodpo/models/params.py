@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from jodpo.models import moe
-from jodpo.models.decoder import KEYS, KIND_OF_KEY, MIXERS, Model, Params, layer_params, merge_adapters
+from jodpo.models.decoder import KINDS_OF_KEY, MIXERS, Model, Params, layer_params, merge_adapters
 from jodpo.models.layout import subtree_layers
 
 
@@ -19,8 +19,8 @@ from jodpo.models.layout import subtree_layers
 
 def param_specs(model: Model) -> dict:
     """Nested dict of ``(shape, logical_axes)`` mirroring ``params``; the one source of shapes. What every layer has
-    is stacked over all N layers; each mixer kind's parameters (``decoder.KEYS``) over the layers of that kind; a wide
-    MLP's over its layers (``layout.owners``)."""
+    is stacked over all N layers; each mixer kind's parameters (``decoder.KEYS``) over the layers of that kind (or
+    kinds: ``"attn"``, the full and sliding attention layers'); a wide MLP's over its layers (``layout.owners``)."""
     D, N, F, V = model.hidden_size, model.num_layers, model.mlp_dim, model.vocab_size
 
     def over(key, shape_axes):  # a subtree's leaves stacked over its own layers (layout.subtree_layers)
@@ -43,7 +43,8 @@ def param_specs(model: Model) -> dict:
             mlp["gate_bias"] = ((N, F), ("layers", "mlp"))
     final = {k: (shape[1:], axes[1:]) for k, (shape, axes) in norm().items()}
     layers = {"ln1": norm(), "ln2": norm()} if model.norms.pre else {}
-    layers |= {KEYS[k]: m.specs(model, len(model.layers_of(k))) for k, m in MIXERS.items() if model.layers_of(k)}
+    layers |= {key: MIXERS[kinds[0]].specs(model, len(model.layers_of(*kinds)))
+               for key, kinds in KINDS_OF_KEY.items() if model.layers_of(*kinds)}
     if model.moe is not None:  # every layer's feed-forward is the MoE block (jodpo.models.moe)
         layers["moe"] = moe.specs(model, N)
     else:
@@ -94,7 +95,7 @@ def init_params(model: Model, rng: jax.Array, dtype=jnp.float32, std: float = 0.
     out = []
     for key, (path, (shape, _)) in zip(keys, leaves):
         name = jax.tree_util.keystr(path)
-        kind = KIND_OF_KEY.get(getattr(path[1], "key", None)) if len(path) > 2 else None
+        kind = KINDS_OF_KEY.get(getattr(path[1], "key", None), (None,))[0] if len(path) > 2 else None
         own = getattr(MIXERS[kind], "init", lambda *a: None)(path[-1].key, key, shape, dtype) if kind else None
         if own is not None:  # a mixer's own rule (DeltaNet's decay parameters and gated norm)
             out.append(own)

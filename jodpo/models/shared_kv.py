@@ -1,21 +1,21 @@
 """KV sharing (Gemma 4's last ``num_kv_shared_layers`` layers): mixer kinds whose layers project queries only and attend
-to the keys and values of the last layer of another kind before them (``model.READS``: ``shared_attention`` reads the
-last ``attention`` layer's, ``shared_global_attention`` the last ``global_attention`` layer's), with their own window
-and RoPE (their source's type's). In the sampler's cache such a layer keeps no state: the decoder hands it its source's
-(``decoder``'s state lookup), the same memory read twice, never a copy; in the cache-free forwards it reads KV sharing's
-slot, which every layer of the source kind refills (so the last one before the readers is what they read).
+to the keys and values of the last layer of another kind before them (``model.READS``: ``shared_sliding_attention``
+reads the last ``sliding_attention`` layer's, its ring; ``shared_global_attention`` the last ``global_attention``
+layer's), with their source's window and RoPE. In the sampler's cache such a layer keeps no state: the decoder hands
+it its source's (``decoder``'s state lookup), the same memory read twice, never a copy; in the cache-free forwards it
+reads KV sharing's slot, which every layer of the source kind refills (so the last one before the readers is what they
+read).
 
 A ``Reader`` offers the decoder the functions of every mixer kind (``jodpo.models.attention_mixer`` lists them), as
 its source kind's module computes them with ``reads=True``."""
 from __future__ import annotations
 
-from jodpo.models import attention_mixer
 from jodpo.models.model import READS, Model
 
 
 class Reader:
     """The mixer kind of layers that read the keys and values of the last layer of kind ``source``, computed by that
-    kind's module (``attention_mixer`` or ``global_attention``: its ``view`` of the model and its RoPE ``context``)."""
+    kind's module (``attention_mixer``, ``sliding_attention`` or ``global_attention``) with ``reads=True``."""
 
     WEIGHTS = ("q", "o", "o_gate")
 
@@ -29,13 +29,10 @@ class Reader:
         return None  # it reads its source's
 
     def full(self, model: Model, p, x, ctx, site, kv=None):
-        m = self._m.view(model)
-        return attention_mixer.full(m, p, x, self._m.context(m, ctx), site, kv, reads=True)
+        return self._m.full(model, p, x, ctx, site, kv, reads=True)
 
     def prefixed(self, model: Model, p, xs, ctx, site, kv=None):
-        m = self._m.view(model)
-        return attention_mixer.prefixed(m, p, xs, self._m.context(m, ctx), site, kv, reads=True)
+        return self._m.prefixed(model, p, xs, ctx, site, kv, reads=True)
 
     def cached(self, model: Model, p, x, state, j, ctx, site):
-        m = self._m.view(model)
-        return attention_mixer.cached(m, p, x, state, j, self._m.context(m, ctx), site, reads=True)
+        return self._m.cached(model, p, x, state, j, ctx, site, reads=True)

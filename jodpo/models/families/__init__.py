@@ -15,7 +15,7 @@ from jodpo.models.families import (gemma2, gemma3, gemma4, gpt_neox, llama, olmo
                                    qwen3_5_moe, qwen3_moe, smollm3)
 from jodpo.models.hf_mapping import Family, Rule, rope_of
 from jodpo.models.layers import ACTIVATIONS
-from jodpo.models.model import Model
+from jodpo.models.model import SLIDING, Model
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (gpt_neox.FAMILY, llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY,
                                                    qwen3_5.FAMILY, gemma2.FAMILY, gemma3.FAMILY, gemma4.FAMILY,
@@ -70,17 +70,20 @@ def model_from_hf_config(cfg, task: str, dtype: str = "float32", eos_token_ids=(
     mlp_dim = fields.pop("mlp_dim", None) or cfg.intermediate_size  # a MoE family without a dense MLP sets its own
     if "rope" not in fields:
         fields["rope"] = rope_of(dict(cfg.rope_parameters), head_dim, cfg.max_position_embeddings)
-    windows: tuple[int, ...] = ()
-    if getattr(cfg, "sliding_window", None):
+    window = int(getattr(cfg, "sliding_window", None) or 0)
+    if window and "layer_kinds" not in fields:  # the layers that slide are their own mixer kind (a family of mixed
+        # kinds, Gemma 4, names its sliding layers itself)
         layer_types = getattr(cfg, "layer_types", None) or ["sliding_attention"] * cfg.num_hidden_layers
-        windows = tuple(int(cfg.sliding_window) if t == "sliding_attention" else 0 for t in layer_types)
+        fields["layer_kinds"] = tuple("sliding_attention" if t == "sliding_attention" else "attention"
+                                      for t in layer_types)
+    fields["sliding_window"] = window if set(fields.get("layer_kinds", ())) & set(SLIDING) else 0
     eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, (list, tuple)) else [cfg.eos_token_id]
     eos_ids = tuple(dict.fromkeys(int(e) for e in [*eos, *eos_token_ids] if e is not None))
     return Model(
         family=family, task=task, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
         num_layers=cfg.num_hidden_layers, num_heads=num_heads, head_dim=head_dim, mlp_dim=mlp_dim,
         activation=activation, tie_embeddings=tie and task == "causal_lm",
-        sliding_windows=windows, pad_token_id=cfg.pad_token_id, eos_token_ids=eos_ids, dtype=dtype,
+        pad_token_id=cfg.pad_token_id, eos_token_ids=eos_ids, dtype=dtype,
         hf_config=cfg.to_json_string(), **fields)
 
 

@@ -2,15 +2,17 @@
 language model of ``Gemma4ForConditionalGeneration`` (its vision and audio towers left out, one line says so).
 - RMSNorms as ``x * w`` (not Gemma 3's ``1 + w``), scaled in float32; four a layer; q and k norms per head and a
   scale-free value norm; attention scores unscaled (scale 1); GeGLU; embeddings times sqrt(hidden); logits soft-capped;
-- sliding layers (``sliding_attention``: the ``Model``'s shape, ``head_dim``, and RoPE) and global layers
-  (``full_attention``: the mixer kind ``global_attention``, with ``global_head_dim``, ``num_global_key_value_heads``
-  and, with ``attention_k_eq_v``, values that are the keys before their norm and RoPE; "proportional" partial RoPE);
+- sliding layers (the mixer kind ``sliding_attention``: the ``Model``'s shape, ``head_dim`` and RoPE, a cache of the
+  window's slots) and global layers (``full_attention``: the mixer kind ``global_attention``, with ``global_head_dim``,
+  ``num_global_key_value_heads`` and, with ``attention_k_eq_v``, values that are the keys before their norm and RoPE;
+  "proportional" partial RoPE);
   the last layer global whatever ``layer_types`` says (transformers forces it);
 - per-layer embeddings (E2B, E4B: ``hidden_size_per_layer_input``): a packed ``[vocab, layers x Dp]`` table and a
   projection of the embeddings, combined into each layer's input, and after each MLP a gated projection of it, normed,
   added (``Model.per_layer_embeddings``);
-- KV sharing: the last ``num_kv_shared_layers`` layers (kinds ``shared_attention``, ``shared_global_attention``) reuse
-  the keys and values of the last earlier layer of their type, and with ``use_double_wide_mlp`` have MLPs twice as wide;
+- KV sharing: the last ``num_kv_shared_layers`` layers (kinds ``shared_sliding_attention``, ``shared_global_attention``)
+  reuse the keys and values of the last earlier layer of their type, and with ``use_double_wide_mlp`` have MLPs twice
+  as wide;
 - each layer's output times its learned ``layer_scalar``.
 The MoE checkpoints (26B-A4B: ``enable_moe_block``) are refused in one line. transformers has no
 ``Gemma4ForSequenceClassification``: a reward head is read and written as its generic sequence classifiers are
@@ -28,8 +30,8 @@ from jodpo.models.hf_mapping import (Family, Rule, head_bias, in_heads, linear, 
 from jodpo.models.layout import KEYS
 from jodpo.models.model import READS, AttentionOptions, GlobalAttention, Model, Norms, PerLayerEmbeddings
 
-LAYER_KINDS = {"sliding_attention": "attention", "full_attention": "global_attention"}
-SHARED = {"attention": "shared_attention", "global_attention": "shared_global_attention"}
+LAYER_KINDS = {"sliding_attention": "sliding_attention", "full_attention": "global_attention"}
+SHARED = {"sliding_attention": "shared_sliding_attention", "global_attention": "shared_global_attention"}
 
 
 def model_fields(cfg) -> dict:
