@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from jodpo.models import decoder
 from jodpo.models.layout import groups, layer_runs
 from jodpo.models.loading import model_from_dir
 from tests import hf_fixtures
@@ -23,6 +24,9 @@ EXPECTED = {
     "qwen3.5-9b": [("DDDA", 8)],
     "qwen3-30b-a3b": [("A", 48)], "olmoe-1b-7b": [("A", 16)], "qwen3.5-35b-a3b": [("DDDA", 10)],
 }
+# the cache-free forwards' (a step's log-probs and their gradient): the full and the sliding attention have the same
+# parameters, so Gemma 3's layers are one scan, each layer's own kind chosen per layer (decoder._scan_kinds)
+CACHE_FREE = {"gemma-3-1b": [("S", 26)], "gemma-3-4b": [("S", 34)], "gemma-3-12b": [("S", 48)]}
 
 
 def test_every_benchmark_config_is_listed():
@@ -39,6 +43,10 @@ def test_real_configs_scan_over_their_repeating_periods(name, tmp_path):
     assert [("".join(CODE[k] for k in r.period), r.reps) for r in runs] == EXPECTED[name]
     assert runs[0].start == 0 and runs[-1].end == model.num_layers
     assert all(a.end == b.start for a, b in zip(runs, runs[1:]))
+    kinds, variants = decoder._scan_kinds(model)
+    assert [("".join(CODE[k] for k in r.period), r.reps) for r in layer_runs(kinds)] == CACHE_FREE.get(
+        name, EXPECTED[name])
+    assert all(model.kinds[i] in variants.get(k, (k,)) for i, k in enumerate(kinds))
 
 
 def _kinds(code: str) -> tuple[str, ...]:

@@ -135,23 +135,32 @@ def _stack(model: Model, params: Params, xs: tuple, mix, states=None, remat: boo
     Returns the token groups, the states and, in a MoE model, every layer's router logits per group (a tuple of
     ``[N, B_i, L_i, E]``; None otherwise)."""
     all_sites = sites(model)
+    kinds, variants = _scan_kinds(model) if states is None else (model.kinds, {})
+    variant = np.array([variants[k].index(own) if k in variants else 0 for k, own in zip(kinds, model.kinds)],
+                       np.int32)
     routers = []
-    for run in layer_runs(model.kinds):
+    for run in layer_runs(kinds):
         period, n = run.period, len(run.period)
         lo = {k: len([i for i in model.layers_of(k) if i < run.start]) for k in set(period)}
         per_run = lambda a, run=run, n=n: jnp.asarray(a[run.start:run.end].reshape(run.reps, n, *a.shape[1:]))  # noqa
         scanned = (run_params(model, params["layers"], run), Site(*map(per_run, all_sites)),
-                   jnp.arange(run.reps, dtype=jnp.int32), None if extra is None else tuple(map(per_run, extra)))
+                   jnp.arange(run.reps, dtype=jnp.int32), None if extra is None else tuple(map(per_run, extra)),
+                   per_run(variant))
 
         def body(carry, scanned, period=period, lo=lo):
             x, states = carry
-            p_run, site_run, rep, extra_run = scanned
+            p_run, site_run, rep, extra_run, variant_run = scanned
             ys = []
             for q, kind, count in groups(period):
                 src, j = _source(model, kind, lo[kind] + rep * period.count(kind) + period[:q].count(kind))
 
                 def one(carry, layer, kind=kind, src=src):
-                    (x, states), (p, site, extra, j) = carry, layer
+                    (x, states), (p, site, extra, j, v) = carry, layer
+                    if kind in variants:  # a cache-free forward (no states): this layer's own kind's
+                        branches = [lambda p, x, site, extra, own=own: _layer(model, own, p, x, site, mix, None, None,
+                                                                              extra) for own in variants[kind]]
+                        x, _, router = jax.lax.switch(v, branches, p, x, site, extra)
+                        return (x, states), router
                     mine = None if states is None else states.get(src)
                     x, mine, router = _layer(model, kind, p, x, site, mix, mine, j, extra)
                     return (x, states if states is None or src not in states else {**states, src: mine}), router
@@ -164,7 +173,7 @@ def _stack(model: Model, params: Params, xs: tuple, mix, states=None, remat: boo
                 p = period_params(model, p_run, period, q, count)
                 if count == 1:
                     layer = (p, Site(*(a[q] for a in site_run)),
-                             None if extra_run is None else tuple(e[q] for e in extra_run), j)
+                             None if extra_run is None else tuple(e[q] for e in extra_run), j, variant_run[q])
                     (x, states), y = one((x, states), layer)
                     ys.append(jax.tree.map(lambda a: a[None], y))
                     continue
@@ -172,7 +181,7 @@ def _stack(model: Model, params: Params, xs: tuple, mix, states=None, remat: boo
                 js = j + (jnp.arange(count, dtype=jnp.int32) if src == kind else jnp.zeros(count, jnp.int32))
                 layers = slice(q, q + count)
                 layer = (p, Site(*(a[layers] for a in site_run)),
-                         None if extra_run is None else tuple(e[layers] for e in extra_run), js)
+                         None if extra_run is None else tuple(e[layers] for e in extra_run), js, variant_run[layers])
                 (x, states), y = jax.lax.scan(one, (x, states), layer)
                 ys.append(y)
             return (x, states), jax.tree.map(lambda *a: jnp.concatenate(a), *ys)
@@ -181,12 +190,25 @@ def _stack(model: Model, params: Params, xs: tuple, mix, states=None, remat: boo
             # A period of several groups is rematerialised whole too: the scan over its repetitions then keeps each
             # one's input, not every layer's and what the groups' scans keep, at the cost of its forward once more in
             # the backward. XLA's temporaries of the gradient (8 prompts of 128 tokens, 2 x 64 completions, bf16):
-            # Gemma 3 1B, (sliding x 5, global) x 4 + sliding x 2, 9.0 -> 6.5 GB; Qwen3.5-0.8B 4.3 -> 3.1 GB; Gemma 4
-            # E2B 12.2 -> 5.6 GB
+            # Qwen3.5-0.8B 4.3 -> 3.1 GB; Gemma 4 E2B 12.2 -> 5.6 GB
             body = jax.checkpoint(body, policy=_REMAT_POLICIES[model.remat])
         (xs, states), ys = jax.lax.scan(body, (xs, states), scanned)
         routers.append(jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), ys))  # [reps, period, ...] -> layers
     return xs, states, (None if model.moe is None else jax.tree.map(lambda *a: jnp.concatenate(a), *routers))
+
+
+def _scan_kinds(model: Model) -> tuple[tuple[str, ...], dict[str, tuple[str, ...]]]:
+    """The layers' kinds as the cache-free forwards scan them: kinds with the same parameters (``KEYS``: the full and
+    the sliding attention) and no other layer's state to read go as one, the first of them (the returned kinds), each
+    layer's own forward chosen per layer (the returned variants: representative kind -> its kinds, in order). Gemma 3
+    1B's (sliding x 5, full) x 4 + sliding x 2 is then one scan of 26 layers: two scans' weight gradients stitched
+    back into one stack held one more copy of them (XLA's temporaries of the gradient 6.5 -> 3.6 GB)."""
+    rep, variants = {}, {}
+    for kind in dict.fromkeys(model.kinds):
+        first = rep.setdefault(KEYS[kind] if kind not in READS and kind not in model.wide_kinds else kind, kind)
+        variants[first] = variants.get(first, ()) + (kind,)
+    kinds = tuple(rep[KEYS[k] if k not in READS and k not in model.wide_kinds else k] for k in model.kinds)
+    return kinds, {k: v for k, v in variants.items() if len(v) > 1}
 
 
 def _shared_slots(model: Model, xs: tuple):
