@@ -222,14 +222,21 @@ def test_gguf_reader_equals_the_source_config_and_transformers_gguf_tensors(tmp_
     assert unexpected == [] and set(missing) <= {"lm_head.weight"}
 
 
-def _qwen35_gguf(src, out):
-    """A GGUF file of a tiny Qwen3.5 as llama.cpp's converter writes one (conversion/qwen.py: Qwen3NextModel and
-    _LinearAttentionVReorderBase): the DeltaNet shape under ssm.*, -exp(A_log), dt_bias as ssm_dt.bias, the
-    convolution squeezed, 1 + w for the zero-centred norms (not the DeltaNet's gated norm), and the value heads moved
-    from grouped (a key head's together) to tiled order. Every tensor float32."""
-    import gguf
+def _qwen35_keys(c) -> dict:
+    """Qwen3.5's own metadata as llama.cpp's converter writes it (Qwen3NextModel, _Qwen35MRopeMixin)."""
+    V = c.linear_num_value_heads
+    return dict(ssm_conv_kernel=c.linear_conv_kernel_dim, ssm_state_size=c.linear_key_head_dim,
+                ssm_group_count=c.linear_num_key_heads, ssm_time_step_rank=V,
+                ssm_inner_size=c.linear_value_head_dim * V,
+                full_attention_interval=2, rope_dimension_count=int(c.head_dim * 0.25),
+                rope_dimension_sections=[11, 11, 10, 0])
 
-    c = src.config
+
+def _qwen35_tensor(c, name, x):
+    """A Qwen3.5 tensor as llama.cpp's converter stores it (conversion/qwen.py: Qwen3NextModel and
+    _LinearAttentionVReorderBase): -exp(A_log), dt_bias as ssm_dt.bias, the convolution squeezed, 1 + w for the
+    zero-centred norms (not the DeltaNet's gated norm), and the value heads moved from grouped (a key head's together)
+    to tiled order."""
     K, V, Dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_value_head_dim
 
     def tiled(x, axis, dim):  # _reorder_v_heads: [K, V / K, dim] -> [V / K, K, dim] along axis
@@ -237,42 +244,61 @@ def _qwen35_gguf(src, out):
         x = x.reshape(shape[:axis] + (K, V // K, dim) + shape[axis + 1:])
         return np.swapaxes(x, axis, axis + 1).reshape(shape)
 
-    w = gguf.GGUFWriter(str(out), "qwen35")
-    for key, value in dict(block_count=c.num_hidden_layers, context_length=c.max_position_embeddings,
-                           embedding_length=c.hidden_size, feed_forward_length=c.intermediate_size,
-                           head_count=c.num_attention_heads, head_count_kv=c.num_key_value_heads,
-                           key_length=c.head_dim, value_length=c.head_dim,
-                           rope_freq_base=c.rope_parameters["rope_theta"], layer_norm_rms_eps=c.rms_norm_eps,
-                           vocab_size=c.vocab_size, eos_token_id=c.eos_token_id, bos_token_id=c.bos_token_id,
-                           pad_token_id=c.pad_token_id,
-                           ssm_conv_kernel=c.linear_conv_kernel_dim, ssm_state_size=c.linear_key_head_dim,
-                           ssm_group_count=K, ssm_time_step_rank=V, ssm_inner_size=Dv * V,
-                           full_attention_interval=2, rope_dimension_count=int(c.head_dim * 0.25),
-                           rope_dimension_sections=[11, 11, 10, 0]).items():
-        getattr(w, f"add_{key}")(value)
-    names = {h: g for g, h in G.tensor_names("qwen35", c.num_hidden_layers).items()}
     qk = 2 * K * c.linear_key_head_dim
-    for name, t in src.state_dict().items():
-        x = t.numpy()
-        if "linear_attn." in name:
-            if ".in_proj_qkv." in name or ".conv1d." in name:
-                x = x.squeeze() if ".conv1d." in name else x
-                x = np.concatenate([x[:qk], tiled(x[qk:], 0, Dv)], 0)
-            elif ".in_proj_z." in name:
-                x = tiled(x, 0, Dv)
-            elif ".in_proj_b." in name or ".in_proj_a." in name or name.endswith((".A_log", ".dt_bias")):
-                x = tiled(x, 0, 1)
-            elif ".out_proj." in name:
-                x = tiled(x, 1, Dv)
-            if name.endswith(".A_log"):
-                x = -np.exp(x)
-        elif name.endswith("norm.weight"):
-            x = x + 1
-        w.add_tensor(names[name], np.ascontiguousarray(x))
+    if "linear_attn." in name:
+        if ".in_proj_qkv." in name or ".conv1d." in name:
+            x = x.squeeze() if ".conv1d." in name else x
+            x = np.concatenate([x[:qk], tiled(x[qk:], 0, Dv)], 0)
+        elif ".in_proj_z." in name:
+            x = tiled(x, 0, Dv)
+        elif ".in_proj_b." in name or ".in_proj_a." in name or name.endswith((".A_log", ".dt_bias")):
+            x = tiled(x, 0, 1)
+        elif ".out_proj." in name:
+            x = tiled(x, 1, Dv)
+        if name.endswith(".A_log"):
+            x = -np.exp(x)
+    elif name.endswith("norm.weight"):
+        x = x + 1
+    return np.ascontiguousarray(x)
+
+
+def _write(w, keys, tensors):
+    for key, value in keys.items():
+        getattr(w, f"add_{key}")(value)
+    for name, (x, kind) in tensors.items():
+        import gguf
+
+        kind = gguf.GGMLQuantizationType[kind]
+        w.add_tensor(name, gguf.quants.quantize(x, kind) if kind.name not in ("F32", "F16") else x.astype(
+            np.float16 if kind.name == "F16" else np.float32), raw_dtype=kind)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def _common_keys(c) -> dict:
+    """TextModel.set_gguf_parameters' keys of a config (key_length only where the config has a head_dim)."""
+    keys = dict(block_count=c.num_hidden_layers, context_length=c.max_position_embeddings,
+                embedding_length=c.hidden_size, head_count=c.num_attention_heads,
+                head_count_kv=c.num_key_value_heads, rope_freq_base=c.rope_parameters["rope_theta"],
+                layer_norm_rms_eps=c.rms_norm_eps, vocab_size=c.vocab_size, eos_token_id=c.eos_token_id,
+                bos_token_id=c.bos_token_id, pad_token_id=c.pad_token_id)
+    if getattr(c, "intermediate_size", None):
+        keys["feed_forward_length"] = c.intermediate_size
+    if "head_dim" in c.to_dict():
+        keys |= dict(key_length=c.head_dim, value_length=c.head_dim)
+    return keys
+
+
+def _qwen35_gguf(src, out):
+    """A GGUF file of a tiny Qwen3.5 as llama.cpp's converter writes one, every tensor float32."""
+    import gguf
+
+    c = src.config
+    names = {h: g for g, h in G.tensor_names("qwen35", c.num_hidden_layers).items()}
+    _write(gguf.GGUFWriter(str(out), "qwen35"), _common_keys(c) | _qwen35_keys(c),
+           {names[n]: (_qwen35_tensor(c, n, t.numpy()), "F32") for n, t in src.state_dict().items()})
     return out
 
 
@@ -366,8 +392,8 @@ def test_gemma_27b_query_scale_and_layer_pattern_as_llama_cpp_and_google_configs
                                                      r"gemma3.attention.sliding_window"):
         G.GGUF(_metadata_only(tmp_path / "g3_nosw.gguf", "gemma3", 26, 1152, 4, 1, 256)).hf_config()
     with pytest.raises(jodpo.CheckpointError, match=r"GGUF architecture 'phi3' is not supported; jodpo reads "
-                                                     r"\['gemma2', 'gemma3', 'gemma4', 'llama', 'qwen2', 'qwen3', "
-                                                     r"'qwen35'\]"):
+                                                     r"\['gemma2', 'gemma3', 'gemma4', 'llama', 'olmoe', 'qwen2', "
+                                                     r"'qwen3', 'qwen35', 'qwen35moe', 'qwen3moe'\]"):
         G.GGUF(_metadata_only(tmp_path / "phi.gguf", "phi3", 2, 64, 4, 4, 16))
 
 
@@ -588,3 +614,89 @@ def test_a_gemma4_gguf_as_llama_cpp_writes_it_loads_as_its_source(checkpoints, t
     with pytest.raises(jodpo.CheckpointError, match=r"g4_moe.gguf: Gemma 4's mixture-of-experts checkpoints \(26B-A4B\) "
                                                     r"are not supported; the dense ones are \(E2B, E4B, 31B\)$"):
         G.GGUF(moe).hf_config()
+
+
+# --------------------------------------------------------------------------------------------------
+# Mixtures of experts: the suite's tiny Qwen3-MoE, OLMoE and Qwen3.5-MoE written as llama.cpp's converter writes them
+# --------------------------------------------------------------------------------------------------
+
+def _moe_gguf(src, out, arch, kind, fuse=False, mtp=False):
+    """A GGUF file of a tiny mixture of experts as llama.cpp's converter writes one (Qwen2MoeModel for Qwen3-MoE and
+    Qwen3.5-MoE, OlmoeModel): expert_count, expert_used_count, the experts' width (Qwen's), the shared expert's; each
+    layer's experts merged into [E, F, D] (down [E, D, F]; gate and up fused as [E, 2F, D] with ``fuse``, the
+    converter's --fuse-gate-up-exps); the routers and the shared expert's gate float32, the other matrices ``kind``;
+    with ``mtp`` a multi-token-prediction block appended (block_count + 1, nextn_predict_layers 1). ``src``'s weights
+    become what the file holds (quantized and back), so that its logits are the file's."""
+    import gguf
+    import torch
+
+    c, L = src.config, src.config.num_hidden_layers
+    names = {h: g for g, h in G.tensor_names(arch, L).items()}
+    keys = _common_keys(c) | dict(expert_count=c.num_experts, expert_used_count=c.num_experts_per_tok)
+    if arch != "olmoe":
+        keys["expert_feed_forward_length"] = c.moe_intermediate_size
+    tensors = {}
+    if arch == "qwen35moe":
+        keys |= _qwen35_keys(c) | dict(expert_shared_feed_forward_length=c.shared_expert_intermediate_size)
+        if mtp:
+            keys |= dict(block_count=L + 1, nextn_predict_layers=1)
+            tensors |= {f"blk.{L}.nextn.eh_proj.weight": (np.ones((c.hidden_size, 2 * c.hidden_size), np.float32),
+                                                           "F32"), f"blk.{L}.attn_norm.weight": (np.ones(8), "F32")}
+    with torch.no_grad():
+        for name, t in src.state_dict().items():
+            x = t.numpy()
+            stored = "F32" if x.ndim < 2 or name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")) else kind
+            if stored != "F32":  # the source holds what the file does
+                x = gguf.quants.dequantize(gguf.quants.quantize(x, gguf.GGMLQuantizationType[stored]),
+                                           gguf.GGMLQuantizationType[stored]).reshape(x.shape)
+                t.copy_(torch.from_numpy(np.ascontiguousarray(x)))
+            i = name.split(".")[2] if name.startswith("model.layers.") else None
+            if name.endswith("experts.gate_up_proj"):  # transformers 5's [E, 2F, D]
+                if fuse:
+                    tensors[f"blk.{i}.ffn_gate_up_exps.weight"] = (x, stored)
+                else:
+                    tensors[f"blk.{i}.ffn_gate_exps.weight"], tensors[f"blk.{i}.ffn_up_exps.weight"] = (
+                        (np.ascontiguousarray(h), stored) for h in np.split(x, 2, 1))
+            elif name.endswith("experts.down_proj"):
+                tensors[f"blk.{i}.ffn_down_exps.weight"] = (x, stored)
+            else:
+                x = _qwen35_tensor(c, name, x) if arch == "qwen35moe" else x
+                tensors[names[name]] = (x, stored)
+    _write(gguf.GGUFWriter(str(out), arch), keys, tensors)
+    return out
+
+
+@pytest.mark.parametrize("family,arch,kind,fuse", [("qwen3_moe", "qwen3moe", "Q8_0", False),
+                                                   ("olmoe", "olmoe", "F16", False),
+                                                   ("qwen3_5_moe", "qwen35moe", "F32", True)])
+def test_a_moe_gguf_as_llama_cpp_writes_it_loads_as_its_source(checkpoints, tmp_path, family, arch, kind, fuse):
+    """llama.cpp's qwen3moe, olmoe and qwen35moe files (transformers reads none of them): the experts' count, top-k,
+    widths and renormalisation (llama.cpp's per architecture: Qwen yes, OLMoE no) come back as the source config's,
+    the merged experts (Q8_0, F16; fused gate and up) as transformers' per-expert tensors, Qwen3.5-MoE's appended
+    multi-token-prediction block is left out, and the logits equal transformers' of the source."""
+    src = AutoModelForCausalLM.from_pretrained(checkpoints[family]["causal_lm"], dtype=torch.float32).eval()
+    f = _moe_gguf(src, tmp_path / "m.gguf", arch, kind, fuse, mtp=arch == "qwen35moe")
+    g = G.open_file(f)
+    cfg, want = g.hf_config(), src.config
+    for k in ("model_type", "num_hidden_layers", "num_experts", "num_experts_per_tok", "norm_topk_prob",
+              "moe_intermediate_size", "shared_expert_intermediate_size", "intermediate_size", "layer_types",
+              "num_key_value_heads", "tie_word_embeddings"):
+        assert getattr(cfg, k, None) == getattr(want, k, None), k
+    assert np.float32(cfg.rms_norm_eps) == np.float32(want.rms_norm_eps)  # (a float32 in the file)
+    head_dim = getattr(want, "head_dim", None) or want.hidden_size // want.num_attention_heads  # (OLMoE has none)
+    assert cfg.head_dim == head_dim
+    ours = dict(g.tensors(cfg.num_attention_heads, cfg.num_key_value_heads))
+    from jodpo.models.loading import _per_expert
+
+    theirs = dict(_per_expert((k, v.numpy()) for k, v in src.state_dict().items()))
+    assert set(ours) == set(theirs)
+    for name, p in theirs.items():
+        np.testing.assert_allclose(ours[name], p, rtol=1e-6, atol=1e-6, err_msg=name)
+    model, params = jodpo.load_model(str(f))
+    assert model.moe == jodpo.load_model(str(checkpoints[family]["causal_lm"]))[0].moe
+    _assert_logits_as_source(model, params, src)
+    if arch == "qwen3moe":  # a routing-weight scale (DeepSeek's routed_scaling_factor) is none of these models'
+        scaled = _metadata_only(tmp_path / "scaled.gguf", arch, 48, 2048, 32, 4, 128, expert_count=128,
+                                expert_used_count=8, expert_feed_forward_length=768, expert_weights_scale=2.5)
+        with pytest.raises(jodpo.CheckpointError, match=r"scaled.gguf: qwen3moe.expert_weights_scale = 2.5 scales"):
+            G.GGUF(scaled).hf_config()

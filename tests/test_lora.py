@@ -26,7 +26,8 @@ LLAMA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                             ("qwen3_5", ["all-linear"]),
                                             ("gemma2", ["all-linear"]), ("gemma3", None),
                                             ("smollm3", ["q_proj", "v_proj"]), ("olmo3", ["all-linear"]),
-                                            ("gemma4", None), ("gemma4", ["all-linear"]), ("qwen3_moe", ["all-linear"])])
+                                            ("gemma4", None), ("gemma4", ["all-linear"]), ("qwen3_moe", ["all-linear"]),
+                                            ("qwen3_5_moe", ["all-linear"])])
 def test_adapters_are_the_base_at_start_and_equal_peft(checkpoints, tmp_path, family, targets):
     path = checkpoints[family]["causal_lm"]
     base_model, base = jodpo.load_model(str(path))
@@ -44,6 +45,12 @@ def test_adapters_are_the_base_at_start_and_equal_peft(checkpoints, tmp_path, fa
             assert [m for m in LLAMA_MODULES if re.fullmatch(default, layer + m)] == list(names)
         else:
             assert list(names) == default
+    if family == "qwen3_5_moe":  # PEFT's all-linear: the shared expert's three projections and its gate too
+        from peft import LoraConfig, get_peft_model
+        from transformers import AutoModelForCausalLM
+
+        peft = get_peft_model(AutoModelForCausalLM.from_pretrained(path), LoraConfig(target_modules="all-linear"))
+        assert {n.rpartition(".")[2] for n in peft.peft_config["default"].target_modules} == set(names)
     adapters = lora.init_adapters(model, names, jax.random.PRNGKey(0))
     ids, mask = hf_fixtures.padded_batch(np.random.default_rng(0), [7, 5], model.pad_token_id, "right")
     plain = np.asarray(jodpo.logits(base_model, base, ids, mask))

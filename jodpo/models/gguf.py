@@ -10,7 +10,9 @@ safetensors checkpoint (``loading.load_params``). The dequantized weights are ex
 
 Supported: the ``llama`` (Llama, SmolLM, Mistral, TinyLlama), ``qwen2``, ``qwen3``, ``qwen35`` (Qwen3.5/3.6 dense, its
 DeltaNet layers' value heads put back in transformers' order), ``gemma2``, ``gemma3`` (text) and ``gemma4`` (text,
-dense: its layer pattern, head shapes, KV sharing and per-layer embeddings from the file) architectures, RoPE
+dense: its layer pattern, head shapes, KV sharing and per-layer embeddings from the file) architectures, and the
+mixtures of experts ``qwen3moe`` (Qwen3-30B-A3B), ``olmoe`` (OLMoE-1B-7B) and ``qwen35moe`` (Qwen3.5/3.6-MoE: its
+experts merged into 3-D tensors, one a projection, split back into transformers' per-expert tensors), RoPE
 without scaling or with linear scaling, and every quantization type the ``gguf`` package
 dequantizes (F32, F16, BF16, Q4_0 ... Q8_0, the K-quants, the IQ types). What a Gemma file does not say (its
 local/global layer pattern, the local layers' RoPE base, the query scale) is what llama.cpp assumes
@@ -28,7 +30,12 @@ import numpy as np
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "qwen35": "Qwen3_5ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
-                 "gemma4": "Gemma4ForCausalLM"}
+                 "gemma4": "Gemma4ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
+                 "qwen35moe": "Qwen3_5MoeForCausalLM"}
+_QWEN35 = ("qwen35", "qwen35moe")  # Qwen3.5's hybrid of DeltaNet and gated attention, dense or with experts
+# the mixtures of experts: transformers' model_type, and whether llama.cpp renormalises the top-k routing weights
+# (src/models/<arch>.cpp's build_moe_ffn(..., norm_w, ...): fixed per architecture, read from no key)
+_MOE = {"qwen3moe": ("qwen3_moe", True), "olmoe": ("olmoe", False), "qwen35moe": ("qwen3_5_moe_text", True)}
 
 # llama.cpp's tensor names -> transformers' ({i}: the layer), as gguf-py's tensor_mapping.py pairs them
 _NAMES = {
@@ -70,6 +77,15 @@ _GEMMA4 = {
     "blk.{i}.post_norm.weight": "model.layers.{i}.post_per_layer_input_norm.weight",
     "blk.{i}.layer_output_scale.weight": "model.layers.{i}.layer_scalar",
 }
+# a mixture of experts' router, and Qwen3.5-MoE's shared expert and its gate (the experts' merged 3-D tensors: _EXPERTS)
+_ROUTER = {"blk.{i}.ffn_gate_inp.weight": "model.layers.{i}.mlp.gate.weight"}
+_SHARED = {f"blk.{{i}}.ffn_{x}_shexp.weight": f"model.layers.{{i}}.mlp.shared_expert.{x}_proj.weight"
+           for x in ("gate", "up", "down")}
+_SHARED["blk.{i}.ffn_gate_inp_shexp.weight"] = "model.layers.{i}.mlp.shared_expert_gate.weight"
+# llama.cpp's merged experts [E, F, D] ([E, D, F] for down; gate and up concatenated [E, 2F, D] by the converter's
+# --fuse-gate-up-exps) -> transformers' per-expert tensors (model.layers.{i}.mlp.experts.{e}.<name>.weight)
+_EXPERTS = {"ffn_gate_exps": ("gate_proj",), "ffn_up_exps": ("up_proj",), "ffn_down_exps": ("down_proj",),
+            "ffn_gate_up_exps": ("gate_proj", "up_proj")}
 TENSOR_NAMES = {
     "llama": {**_NAMES, **_PRE_NORM, **_QKV_BIAS},
     "qwen2": {**_NAMES, **_PRE_NORM, **_QKV_BIAS},
@@ -79,9 +95,13 @@ TENSOR_NAMES = {
     "gemma4": {**_NAMES, **_GEMMA_NORMS, **_QK_NORMS, **_GEMMA4},
     "qwen35": {**_NAMES, "blk.{i}.post_attention_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
                **_QK_NORMS, **_LINEAR_ATTENTION},
+    "qwen3moe": {**_NAMES, **_PRE_NORM, **_QK_NORMS, **_ROUTER},
+    "olmoe": {**_NAMES, **_PRE_NORM, **_QK_NORMS, **_ROUTER},
 }
+TENSOR_NAMES["qwen35moe"] = {**TENSOR_NAMES["qwen35"], **_ROUTER, **_SHARED}
 # convert_hf_to_gguf.py stores Gemma's norm weights w of x * (1 + w) as 1 + w (llama.cpp's norm is x * w)
-_NORM_SHIFT = {"gemma2": 1.0, "gemma3": 1.0, "qwen35": 1.0}  # Qwen3.5's zero-centred norms too, but its DeltaNet's
+_NORM_SHIFT = {"gemma2": 1.0, "gemma3": 1.0, "qwen35": 1.0, "qwen35moe": 1.0}  # Qwen3.5's zero-centred norms too, but
+# its DeltaNet's
 # Gemma's end-of-turn token: llama.cpp stops at it by name (llama-vocab.cpp), and Gemma's generation_config.json
 # lists it as an EOS id, while the file's eos_token_id is <eos>
 _END_OF_TURN = {"gemma2": "<end_of_turn>", "gemma3": "<end_of_turn>"}
@@ -171,22 +191,27 @@ class GGUF:
                                   "scaling), which jodpo does not read from GGUF; load the transformers directory.")
         heads = int(self.arch_value("attention.head_count"))
         hidden = int(self.arch_value("embedding_length"))
-        layers = int(self.arch_value("block_count"))
+        layers = self.num_layers()
         head_dim = int(self.arch_value("attention.key_length", hidden // heads))
         kv_heads, ff = self.arch_value("attention.head_count_kv", heads), self.arch_value("feed_forward_length")
         vocab = self.arch_value("vocab_size") or len(self.reader.fields["tokenizer.ggml.tokens"].data)
         ids = {k: self.value(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "padding")}
         cfg = dict(
             architectures=[ARCHITECTURES[self.arch]], vocab_size=int(vocab), hidden_size=hidden,
-            intermediate_size=int(min(ff) if isinstance(ff, list) else ff), num_hidden_layers=layers,
+            intermediate_size=int(min(ff) if isinstance(ff, list) else ff or 0), num_hidden_layers=layers,
             num_attention_heads=heads, num_key_value_heads=int(kv_heads[0] if isinstance(kv_heads, list) else kv_heads),
             head_dim=head_dim, max_position_embeddings=int(self.arch_value("context_length")),
             rms_norm_eps=float(self.arch_value("attention.layer_norm_rms_epsilon")),
             tie_word_embeddings="output.weight" not in self.tensor_names, bos_token_id=ids["bos"],
             eos_token_id=ids["eos"], pad_token_id=ids["padding"],
         )
-        if self.arch == "qwen35":
-            return AutoConfig.for_model("qwen3_5_text", **cfg, **self._qwen35(layers, head_dim))
+        if self.arch in _MOE:  # (Qwen3.5-MoE has no dense width: its converter writes feed_forward_length only if any)
+            cfg |= self._moe(cfg.pop("intermediate_size") if self.arch == "qwen35moe" else cfg["intermediate_size"])
+        if self.arch in _QWEN35:
+            model_type = "qwen3_5_text" if self.arch == "qwen35" else _MOE[self.arch][0]
+            return AutoConfig.for_model(model_type, **cfg, **self._qwen35(layers, head_dim))
+        if self.arch in _MOE:
+            return AutoConfig.for_model(_MOE[self.arch][0], **cfg, hidden_act="silu", rope_parameters=self._rope())
         if self.arch == "gemma4":
             return AutoConfig.for_model("gemma4_text", **(cfg | self._gemma4(layers, kv_heads, ff)))
         if not self.arch.startswith("gemma"):
@@ -214,6 +239,43 @@ class GGUF:
         local = {"rope_type": "default", "rope_theta": float(self.arch_value("rope.freq_base_swa", 10000.0))}
         return AutoConfig.for_model("gemma3_text", **cfg,
                                     rope_parameters={"full_attention": self._rope(1e6), "sliding_attention": local})
+
+    def num_layers(self) -> int:
+        """The decoder's layers: ``block_count``, less the multi-token-prediction blocks a Qwen3.5 file appends to its
+        stack (``nextn_predict_layers``: llama.cpp's converter writes Qwen3.5's ``mtp.*`` layers as the last blocks)."""
+        return int(self.arch_value("block_count")) - int(self.arch_value("nextn_predict_layers", 0))
+
+    def _moe(self, ff: int) -> dict:
+        """A mixture of experts' fields as llama.cpp's converter writes them (TextModel and Qwen2MoeModel's
+        set_gguf_parameters) and as llama.cpp runs them (src/models/<arch>.cpp): ``expert_count``,
+        ``expert_used_count``, the experts' width (``expert_feed_forward_length``; OLMoE's is ``feed_forward_length``,
+        and where a Qwen file has no key llama.cpp takes ``feed_forward_length / expert_used_count``), the shared
+        expert's (``expert_shared_feed_forward_length``, else ``feed_forward_length``), the routing weights renormalised
+        by the architecture (Qwen: yes, OLMoE: no; no key says it)."""
+        experts, used = (self.arch_value(k) for k in ("expert_count", "expert_used_count"))
+        if not experts or not used:
+            raise CheckpointError(f"{self.file}: a GGUF {self.arch} file without {self.arch}.expert_count and "
+                                  f"{self.arch}.expert_used_count; re-convert it with llama.cpp's "
+                                  "convert_hf_to_gguf.py.")
+        scale = self.arch_value("expert_weights_scale")
+        if scale not in (None, 0.0, 1.0):
+            raise CheckpointError(f"{self.file}: {self.arch}.expert_weights_scale = {scale} scales the routing "
+                                  f"weights, which {self.arch} models do not (transformers has no such factor); "
+                                  "re-convert it without one.")
+        def width(key, default):
+            value = int(self.arch_value(key, default))
+            if value <= 0:
+                raise CheckpointError(f"{self.file}: a GGUF {self.arch} file without {self.arch}.{key}; re-convert it "
+                                      "with llama.cpp's convert_hf_to_gguf.py.")
+            return value
+
+        out = dict(num_experts=int(experts), num_experts_per_tok=int(used))
+        if self.arch == "olmoe":
+            return out | dict(intermediate_size=width("feed_forward_length", ff), norm_topk_prob=False)
+        out["moe_intermediate_size"] = width("expert_feed_forward_length", ff // int(used))
+        if self.arch == "qwen35moe":  # always renormalised: transformers' config has no norm_topk_prob
+            return out | dict(shared_expert_intermediate_size=width("expert_shared_feed_forward_length", ff))
+        return out | dict(norm_topk_prob=_MOE[self.arch][1])
 
     def _qwen35(self, layers: int, head_dim: int) -> dict:
         """Qwen3.5's own fields as llama.cpp's converter writes them (Qwen3NextModel.set_gguf_parameters): the DeltaNet
@@ -287,30 +349,51 @@ class GGUF:
 
     def tensors(self, heads: int, kv_heads: int) -> Iterator[tuple[str, np.ndarray]]:
         """(transformers name, float32 array in transformers' layout) for every tensor, one at a time."""
-        from gguf import GGMLQuantizationType, quants
-
-        names = tensor_names(self.arch, int(self.arch_value("block_count")))
+        layers = self.num_layers()
+        names = tensor_names(self.arch, layers)
         shift = np.float32(_NORM_SHIFT.get(self.arch, 0.0))
         for t in self.reader.tensors:
             if t.name == "rope_freqs.weight" and self.arch == "gemma4":  # the proportional RoPE (hf_config's)
                 continue
+            block, _, rest = t.name.removeprefix("blk.").partition(".")
+            if t.name.startswith("blk.") and block.isdecimal() and int(block) >= layers:
+                continue  # a multi-token-prediction block (Qwen3.5's), as a checkpoint's mtp.* is left out
+            if self.arch in _MOE and rest.split(".")[0] in _EXPERTS:
+                yield from self._experts(t, int(block), rest.split(".")[0])
+                continue
             if t.name not in names:
                 raise CheckpointError(f"{self.file}: unexpected tensor {t.name!r} for a GGUF {self.arch} model.")
-            try:
-                w = quants.dequantize(t.data, t.tensor_type)
-            except NotImplementedError:
-                kind = GGMLQuantizationType(t.tensor_type).name
-                raise CheckpointError(f"{self.file}: tensor {t.name} is quantized as {kind}, which the gguf package "
-                                      "cannot dequantize; use a file quantized differently (e.g. Q8_0, Q4_K_M) or "
-                                      "the transformers checkpoint.") from None
-            w = np.asarray(w, np.float32).reshape(tuple(int(d) for d in reversed(t.shape)))
+            w = self._dequantized(t)
+            if rest == "ffn_gate_inp_shexp.weight":
+                w = w.reshape(1, -1)  # [D] where a converter squeezed transformers' [1, D]
             if self.arch == "llama" and t.name.split(".")[-2] in ("attn_q", "attn_k"):
                 w = _unpermute(w, heads if t.name.split(".")[-2] == "attn_q" else kv_heads)
             if shift and t.name.endswith("norm.weight") and not t.name.endswith("ssm_norm.weight"):
                 w = w - shift
-            if self.arch == "qwen35":
+            if self.arch in _QWEN35:
                 w = self._qwen35_tensor(t.name, w)
             yield names[t.name], w
+
+    def _dequantized(self, t) -> np.ndarray:
+        """A tensor as float32 in transformers' axis order (GGUF lists a tensor's dimensions innermost first)."""
+        from gguf import GGMLQuantizationType, quants
+
+        try:
+            w = quants.dequantize(t.data, t.tensor_type)
+        except NotImplementedError:
+            kind = GGMLQuantizationType(t.tensor_type).name
+            raise CheckpointError(f"{self.file}: tensor {t.name} is quantized as {kind}, which the gguf package "
+                                  "cannot dequantize; use a file quantized differently (e.g. Q8_0, Q4_K_M) or "
+                                  "the transformers checkpoint.") from None
+        return np.asarray(w, np.float32).reshape(tuple(int(d) for d in reversed(t.shape)))
+
+    def _experts(self, t, layer: int, part: str) -> Iterator[tuple[str, np.ndarray]]:
+        """One layer's merged experts ([E, F, D], down [E, D, F], gate and up fused [E, 2F, D]) as transformers 5.24
+        saves them, one tensor an expert and projection."""
+        w = self._dequantized(t)
+        for e, we in enumerate(w):
+            for name, x in zip(_EXPERTS[part], np.split(we, len(_EXPERTS[part]), 0)):
+                yield f"model.layers.{layer}.mlp.experts.{e}.{name}.weight", x
 
     def _qwen35_tensor(self, name: str, w: np.ndarray) -> np.ndarray:
         """A DeltaNet tensor back to transformers' form: llama.cpp's converter stores -exp(A_log), the convolution

@@ -36,12 +36,13 @@ SUBTREES: dict[str, str] = {}
 for _k, _m in MIXERS.items():
     for _w in _m.WEIGHTS:
         SUBTREES.setdefault(_w, KEYS[_k])
-SUBTREES |= {w: "mlp" for w in ("up", "gate", "down")} | {"ple_gate": "ple", "ple_proj": "ple"}
+SUBTREES |= {w: "mlp" for w in ("up", "gate", "down")} | {"ple_gate": "ple", "ple_proj": "ple", "shared_gate": "moe"}
 
 
 def group_subtree(key: str, weight: str) -> str:
     """The subtree a LoRA group's weight sits in: ``"q_proj@global_attn"``'s in ``global_attn``, ``"q_proj"``'s in
-    the weight's home (``SUBTREES``)."""
+    the weight's home (``SUBTREES``); a dotted one is nested (``"gate_proj@moe.shared"``: the MoE block's shared
+    expert)."""
     return key.partition("@")[2] or SUBTREES[weight]
 
 
@@ -73,15 +74,17 @@ def merge_adapters(model: Model, p: Params) -> Params:
     for key, group in p.pop("lora").items():
         a = group["a"]
         for name, b in group["b"].items():
-            sub = group_subtree(key, name)
-            p[sub] = dict(p[sub])
-            w = p[sub][name]
+            node = p
+            for k in group_subtree(key, name).split("."):  # copied on the way down: the caller's dicts stay as they are
+                node[k] = dict(node[k])
+                node = node[k]
+            w = node[name]
             lead = a.ndim + b.ndim - 2 - w.ndim  # the stacked layer axis, if any
             n_in = a.ndim - 1 - lead
             letters = "abcdefgh"
             L, i, o = letters[:lead], letters[lead:lead + n_in], letters[lead + n_in:lead + n_in + b.ndim - 1 - lead]
             delta = einsum(model, f"{L}{i}r,{L}r{o}->{L}{i}{o}", a.astype(jnp.float32), b.astype(jnp.float32))
-            p[sub][name] = w.astype(jnp.float32) + scale * delta
+            node[name] = w.astype(jnp.float32) + scale * delta
     return p
 
 

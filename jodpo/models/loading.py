@@ -329,8 +329,8 @@ def load_model(path_or_hub_id: str, task: str = "causal_lm", dtype=jnp.float32, 
     """Load a transformers checkpoint as ``(model, params)``.
 
     Args:
-      path_or_hub_id: a local directory, a ``.gguf`` file (llama.cpp's format: Llama, Qwen2, Qwen3, Gemma 2, Gemma 3,
-        dequantized to ``dtype``; also a directory holding one and no config.json), or a hub id (fetched through
+      path_or_hub_id: a local directory, a ``.gguf`` file (llama.cpp's format: Llama, Qwen2, Qwen3, Qwen3.5, Gemma 2-4,
+        Qwen3-MoE, OLMoE, Qwen3.5-MoE, dequantized to ``dtype``; also a directory holding one and no config.json), or a hub id (fetched through
         huggingface_hub; HF_HUB_OFFLINE and the local cache are honoured).
       task: ``"causal_lm"`` for a policy (``*ForCausalLM``) or ``"reward"`` for a
         ``*ForSequenceClassification`` reward model with ``num_labels=1``.

@@ -28,7 +28,7 @@ from jodpo.models.families import family_of
 # ``prefix`` and ``lora_paths`` (jodpo.models.families).
 # How many leading axes of each weight (after the layer axis) are its inputs.
 _N_IN = {"q": 1, "k": 1, "v": 1, "o": 2, "o_gate": 1, "up": 1, "gate": 1, "down": 1, "in_q": 1, "in_k": 1, "in_v": 1,
-         "in_z": 1, "in_b": 1, "in_a": 1, "out": 2, "ple_gate": 1, "ple_proj": 1}
+         "in_z": 1, "in_b": 1, "in_a": 1, "out": 2, "ple_gate": 1, "ple_proj": 1, "shared_gate": 1}
 
 
 def group_key(module: str, subtree: str, weight: str) -> str:
@@ -65,11 +65,16 @@ def adapter_specs(model: Model, targets: tuple[str, ...]) -> dict:
     axis is never split), like ``param_specs``."""
     r = model.lora_rank
     layers = param_specs(model)["layers"]
+    # every subtree, and the subtrees nested in one (the MoE block's shared expert: "moe.shared"); a weight stacked
+    # over the experts (the routed experts' gate, up, down) is no HF module's: PEFT's target_modules never reach them
+    subtrees = {**layers, **{f"{k}.{n}": v for k, sub in layers.items() if isinstance(sub, dict)
+                             for n, v in sub.items() if isinstance(v, dict)}}
     out = {}
     for group in targets:
         names = family_of(model).lora_modules[group]
-        for sub, weights in layers.items():  # every subtree that holds the module's weights: an adapter each
-            if not isinstance(weights, dict) or not all(n in weights for n in names):
+        for sub, weights in subtrees.items():  # every subtree that holds the module's weights: an adapter each
+            if not isinstance(weights, dict) or not all(n in weights and isinstance(weights[n], tuple)
+                                                        and "expert" not in weights[n][1] for n in names):
                 continue
             shape, axes = weights[names[0]]
             k = 1 + _N_IN[names[0]]

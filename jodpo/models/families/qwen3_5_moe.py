@@ -7,7 +7,8 @@ a ``Qwen3_5MoeForConditionalGeneration`` (the released checkpoints) loads as a t
 multi-token-prediction layers (``mtp.*``) left out in one line; experts fused on the hub (``experts.gate_up_proj``)
 are split when loading, and an export writes transformers 5.24's per-expert layout as a ``Qwen3_5MoeForCausalLM``.
 transformers has no Qwen3.5-MoE sequence classifier: a reward head is read and written as its generic one would be.
-LoRA adapts the attention's and DeltaNet's projections and the shared expert's; PEFT has no default target modules
+LoRA adapts the attention's and DeltaNet's projections and the shared expert's (``gate_proj``, ``up_proj``,
+``down_proj``, its gate ``shared_expert_gate``: the nn.Linear modules PEFT adapts); PEFT has no default target modules
 for Qwen3.5-MoE: LoRA needs ``lora_target_modules``, as PEFT does."""
 from __future__ import annotations
 
@@ -27,8 +28,12 @@ def rules(model: Model) -> list[Rule]:
     return mixers + expert_rules(model, "model.layers.{i}.mlp.")
 
 
-LORA_MODULES = {k: v for k, v in qwen3_5.LORA_MODULES.items() if k not in ("gate_proj", "up_proj", "down_proj")}
-LORA_PATHS = {k: v for k, v in qwen3_5.LORA_PATHS.items() if k in LORA_MODULES}
+# PEFT's names reach the shared expert's nn.Linear modules (gate_proj, up_proj, down_proj, its gate
+# shared_expert_gate: every one of them in PEFT's all-linear) and never the routed experts, which transformers 5 holds
+# as stacked parameters (PEFT converts no Qwen3.5-MoE target names to target_parameters)
+LORA_MODULES = qwen3_5.LORA_MODULES | {"shared_expert_gate": ("shared_gate",)}
+LORA_PATHS = qwen3_5.LORA_PATHS | {m: "mlp.shared_expert" for m in ("gate_proj", "up_proj", "down_proj")} | {
+    "shared_expert_gate": "mlp"}
 
 FAMILY = Family(
     name="qwen3_5_moe", module="qwen3_5_moe", classes={"qwen3_5_moe_text": "Qwen3_5Moe", "qwen3_5_moe": "Qwen3_5Moe"},

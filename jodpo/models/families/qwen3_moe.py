@@ -3,8 +3,10 @@ and keys) with a mixture-of-experts block in every layer (``jodpo.models.moe``):
 width ``moe_intermediate_size``, ``num_experts_per_tok`` of them a token, renormalised where ``norm_topk_prob`` (true
 in the released models). Dense layers among the sparse ones (``mlp_only_layers``, ``decoder_sparse_step`` above 1: in
 no released model) are refused in one line. ``Qwen3MoeForSequenceClassification`` is the reward head. LoRA adapts the
-attention's projections (transformers 5 holds the experts as stacked parameters, not the ``nn.Linear`` modules PEFT
-adapts); PEFT has no default target modules for Qwen3-MoE: LoRA needs ``lora_target_modules``, as PEFT does."""
+attention's projections; not yet the routed experts or the router, which PEFT 0.21 reaches on transformers 5 by turning
+``gate_proj``, ``up_proj``, ``down_proj`` and ``gate`` (and ``all-linear``) into ``target_parameters`` on the stacked
+experts and the router (jodpo refuses those names; its ``all-linear`` is the attention's four). PEFT has no default
+target modules for Qwen3-MoE: LoRA needs ``lora_target_modules``, as PEFT does."""
 from __future__ import annotations
 
 from jodpo.models.families import llama
