@@ -153,7 +153,9 @@ def bench_memory(a) -> dict:
     from jodpo.parallel import sharding as S
 
     devices = compile_devices(a)
-    mesh = S.make_mesh(1, -1, 1, devices)  # FSDP over every chip: weights, gradients, Adam, frozen models, batch
+    # FSDP over every chip (weights, gradients, Adam, frozen models, batch); with --mesh-expert, a mixture of experts'
+    # experts split by expert over that many of them (as mesh_expert)
+    mesh = S.make_mesh(1, -1, 1, devices, expert=a.mesh_expert)
     with tempfile.TemporaryDirectory() as tmp:
         policy, rm = hf_models(a.hf_config, a.reward_hf_config, Path(tmp)) if a.hf_config else \
             config_models(a, Path(tmp))
@@ -237,6 +239,7 @@ def bench_memory(a) -> dict:
                              max_length=a.max_length, dtype=a.dtype, remat=a.remat, loss_type=a.loss_type,
                              param_dtype=a.param_dtype, frozen_param_dtype=a.frozen_param_dtype,
                              attention=a.attention, lora_rank=a.lora_rank, lora_targets=list(targets),
+                             mesh=dict(mesh.shape),
                              reward_model=a.reward_hf_config or a.hf_config, tpu=a.tpu, chips=N, hbm_gib=hbm,
                              device=devices[0].device_kind, platform=devices[0].platform,
                              jax=jax.__version__, libtpu=_version("libtpu") if a.tpu else None),
@@ -298,6 +301,8 @@ def add_parser(sub, defaults: dict) -> None:
     p.add_argument("--tpu", metavar="TOPOLOGY", help="compile for the chips of this TPU topology with libtpu, ahead "
                    "of time, on any machine: one chip (v5p:1x1x1, v6e:1x1, v5e:1x1) or several, FSDP over all of "
                    "them (v5e:2x4, v6e:2x4, v5p:2x2x2); default: jax's default device")
+    p.add_argument("--mesh-expert", type=int, default=1, help="the mesh's expert axis (mesh_expert): a mixture of "
+                   "experts' experts split by expert over this many chips, the rest of the step FSDP over all")
     p.add_argument("--pieces", nargs="+", choices=("online_step", "sample_completions", "score_completions",
                                                    "update"), help="compile only these (default: all four)")
     p.add_argument("--out", type=Path)

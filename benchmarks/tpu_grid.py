@@ -3,7 +3,10 @@ fine-tuning | LoRA), one compile per cell in a process of its own, kept in a fol
 sessions (a cell already there is not compiled again), then the tables of docs/tpu.md.
 
   python benchmarks/bench.py tpu-grid [--models qwen3-0.6b ...] [--tpus v5e:1x1 v5e:2x4 ...] [--lora-ranks 0 16]
-                                      [--out runs/tpu-grid] [--table-only]
+                                      [--mesh-expert 8] [--out runs/tpu-grid] [--table-only]
+
+The mixtures of experts (``MOE_MODELS``: Qwen3-30B-A3B, Qwen3.5-35B-A3B) take ``--mesh-expert N``: their experts
+split by expert over N chips (``mesh_expert``), the rest FSDP over all; such cells are kept apart (``_eN``).
 
 Each cell is TRL's recipe batch of the Qwen3, Gemma 3 and Gemma 4 recipes (8 prompts a chip, 2 micro-batches, prompts
 at the largest bucket, 512, 64 new tokens, bf16 compute, float32 weights and Adam, the frozen models in bf16, full
@@ -29,6 +32,7 @@ from memory import TPU_CHIPS, hf_models, lora_targets, topology_chips
 
 MODELS = ("qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3.5-0.8b", "qwen3.5-2b", "qwen3.5-4b", "qwen3.5-9b",
           "gemma-3-1b", "gemma-3-4b", "gemma-3-12b", "gemma-4-e2b", "gemma-4-e4b", "gemma-4-31b")
+MOE_MODELS = ("qwen3-30b-a3b", "qwen3.5-35b-a3b")
 TPUS = ("v5e:1x1", "v6e:1x1", "v5p:1x1x1", "v5e:2x4", "v6e:2x4", "v5p:2x2x2")
 RECIPE = ["--batch", "8", "--accumulation", "2", "--prompt-len", "512", "--new-tokens", "64", "--max-length", "512",
           "--frozen-param-dtype", "bfloat16", "--pieces", "online_step"]
@@ -40,13 +44,16 @@ def add_parser(sub) -> None:
                    "within a family")
     p.add_argument("--tpus", nargs="+", default=list(TPUS), help="TPU topologies (libtpu's names)")
     p.add_argument("--lora-ranks", nargs="+", type=int, default=[0, 16], help="0: full fine-tuning")
+    p.add_argument("--mesh-expert", type=int, default=1, help="the expert axis of every cell (mesh_expert): "
+                   "bench.py memory --mesh-expert")
     p.add_argument("--out", type=Path, default=Path("runs/tpu-grid"), help="one JSON per cell, kept between calls")
     p.add_argument("--max-cells", type=int, default=10 ** 6, help="compile at most this many cells in this call")
     p.add_argument("--table-only", action="store_true", help="compile nothing: the tables of the cells there")
 
 
-def cell_path(out: Path, model: str, tpu: str, rank: int) -> Path:
-    return out / f"{model}_{tpu.replace(':', '-')}_{'full' if rank == 0 else f'lora{rank}'}.json"
+def cell_path(out: Path, model: str, tpu: str, rank: int, expert: int = 1) -> Path:
+    axis = f"_e{expert}" if expert > 1 else ""
+    return out / f"{model}_{tpu.replace(':', '-')}_{'full' if rank == 0 else f'lora{rank}'}{axis}.json"
 
 
 def verdict(path: Path, hbm: float) -> tuple[bool | None, str] | None:
@@ -163,16 +170,16 @@ def bench_tpu_grid(a) -> dict:
               for m in a.models for tpu in a.tpus for r in a.lora_ranks}
 
     def cells() -> dict:
-        compiled = {(m, tpu, rank): verdict(cell_path(a.out, m, tpu, rank), hbm_of(tpu))
+        compiled = {(m, tpu, rank): verdict(cell_path(a.out, m, tpu, rank, a.mesh_expert), hbm_of(tpu))
                     for rank in a.lora_ranks for tpu in a.tpus for m in a.models}
         return settle(a.models, a.tpus, a.lora_ranks, compiled, floors)
 
     timings = {}
     while not a.table_only and len(timings) < a.max_cells and (k := next_cell(a, cells())) is not None:
         m, tpu, rank = k
-        path = cell_path(a.out, m, tpu, rank)
+        path = cell_path(a.out, m, tpu, rank, a.mesh_expert)
         cmd = [sys.executable, str(BENCH), "memory", "--hf-config", m, "--tpu", tpu, *RECIPE,
-               "--lora-rank", str(rank), "--out", str(path)]
+               "--lora-rank", str(rank), "--mesh-expert", str(a.mesh_expert), "--out", str(path)]
         print(" ".join(cmd[1:]), flush=True)
         t = time.perf_counter()
         subprocess.run(cmd, check=True)

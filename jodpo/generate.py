@@ -42,7 +42,8 @@ from jodpo.program.sources import describe_split, load_split, training_prompts
 # The training config's fields that shape generation (``--FIELD VALUE`` on the command line).
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_new_tokens", "stop_token",
                    "max_prompt_length", "prompt_buckets", "seed", "per_device_eval_batch_size", "decode_chunk", "bf16",
-                   "matmul_precision", "attn_implementation", "param_dtype", "mesh_data", "mesh_fsdp", "mesh_tensor")
+                   "matmul_precision", "attn_implementation", "param_dtype", "mesh_data", "mesh_fsdp", "mesh_expert",
+                   "mesh_tensor")
 DATA_FIELDS = ("dataset_name", "dataset_config", "dataset_test_split", "chat_template_path")
 
 _jit_sample = collective_order.jit(sample, static_argnums=(0, 5, 6))
@@ -96,7 +97,7 @@ def load_policy(name: str, step: int | None = None, overrides: dict | None = Non
         cfg = TrainConfig(model_name_or_path=name).replace(**overrides)
         model, params, tokenizer, trained_on = None, None, load_tokenizer(name), None
     D.set_chat_template(tokenizer, cfg.chat_template_path)
-    mesh = S.make_mesh(cfg.mesh_data, cfg.mesh_fsdp, cfg.mesh_tensor)
+    mesh = S.make_mesh(cfg.mesh_data, cfg.mesh_fsdp, cfg.mesh_tensor, expert=cfg.mesh_expert)
     if params is None:
         model, params = load_model(name, "causal_lm", cfg.param_dtype, place=S.placer(mesh))
     else:

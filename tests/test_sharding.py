@@ -25,15 +25,16 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_mesh_shape_resolves_minus_one_and_explains_misfits():
-    assert S.mesh_shape(1, -1, 1, 8) == (1, 8, 1)
-    assert S.mesh_shape(2, 2, -1, 8) == (2, 2, 2)
-    assert S.mesh_shape(-1, 1, 1, 1) == (1, 1, 1)
+    assert S.mesh_shape(1, -1, 1, 8) == (1, 8, 1, 1)  # (data, fsdp, expert, tensor)
+    assert S.mesh_shape(2, 2, -1, 8) == (2, 2, 1, 2)
+    assert S.mesh_shape(-1, 1, 1, 1) == (1, 1, 1, 1)
+    assert S.mesh_shape(1, 2, 2, 8, expert=-1) == (1, 2, 2, 2)
     with pytest.raises(S.MeshError, match="needs 6 devices, there are 8"):
         S.mesh_shape(2, 3, 1, 8)
     with pytest.raises(S.MeshError, match="not a multiple of 3"):
         S.mesh_shape(3, -1, 1, 8)
     with pytest.raises(S.MeshError, match="at most one -1"):
-        S.mesh_shape(-1, -1, 1, 8)
+        S.mesh_shape(-1, 1, 1, 8, expert=-1)
 
 
 class _FakeMesh:
@@ -48,11 +49,20 @@ def test_logical_rules_split_what_divides_and_replicate_the_rest():
     assert S.spec_for((50304, 512), ("vocab", "embed"), mesh) == P("tensor", "fsdp")
     assert S.spec_for((50277, 510), ("vocab", "embed"), mesh) == P(None, None)  # odd sizes stay whole
     assert S.spec_for((512, 1), ("embed", None), mesh) == P("fsdp", None)
+    # the expert axis: an expert's weights split by expert (their embed over fsdp alone), every other embed over
+    # fsdp x expert as far as that divides it; experts that do not divide stay whole
+    mesh = _FakeMesh(data=1, fsdp=2, expert=4, tensor=1)
+    assert S.spec_for((6, 8, 64, 32), ("layers", "expert", "embed", "mlp"), mesh) == P(None, "expert", "fsdp", None)
+    assert S.spec_for((6, 6, 64, 32), ("layers", "expert", "embed", "mlp"), mesh) == P(None, None, ("fsdp", "expert"),
+                                                                                          None)
+    assert S.spec_for((6, 64, 4, 16), ("layers", "embed", "heads", "head_dim"), mesh) == P(None, ("fsdp", "expert"),
+                                                                                           None, None)
+    assert S.spec_for((6, 6, 4, 16), ("layers", "embed", "heads", "head_dim"), mesh) == P(None, "fsdp", None, None)
 
 
 def test_optimizer_state_follows_its_parameter(checkpoints):
     model, params = jodpo.load_model(str(checkpoints["llama"]["causal_lm"]))
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), S.AXES)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1, 1), S.AXES)
     param_sh = S.param_shardings(model, mesh)
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
     shardings = S.like_params(jax.eval_shape(tx.init, params), param_sh, mesh)
@@ -71,10 +81,10 @@ def test_the_sampler_mesh_takes_the_last_devices_and_explains_misfits():
         "from jodpo.program.run import meshes\n"
         "ids = lambda m: sorted(d.id for d in m.devices.flat)\n"
         "train, sampler = meshes(TrainConfig(sampler_devices=2, mesh_tensor=2, per_device_train_batch_size=2))\n"
-        "assert ids(train) == list(range(6)) and dict(train.shape) == {'data': 1, 'fsdp': 3, 'tensor': 2}\n"
-        "assert ids(sampler) == [6, 7] and dict(sampler.shape) == {'data': 1, 'fsdp': 1, 'tensor': 2}\n"
+        "assert ids(train) == list(range(6)) and dict(train.shape) == {'data': 1, 'fsdp': 3, 'expert': 1, 'tensor': 2}\n"
+        "assert ids(sampler) == [6, 7] and dict(sampler.shape) == {'data': 1, 'fsdp': 1, 'expert': 1, 'tensor': 2}\n"
         "train, sampler = meshes(TrainConfig(sampler_devices=4))\n"
-        "assert ids(sampler) == [4, 5, 6, 7] and dict(sampler.shape) == {'data': 4, 'fsdp': 1, 'tensor': 1}\n"
+        "assert ids(sampler) == [4, 5, 6, 7] and dict(sampler.shape) == {'data': 4, 'fsdp': 1, 'expert': 1, 'tensor': 1}\n"
         "for fields, phrase in [\n"
         "        (dict(sampler_devices=8), 'leaves none of the 8 devices to train on'),\n"
         "        (dict(sampler_devices=2, mesh_tensor=3), \"not a multiple of the training mesh's tensor size 3\"),\n"

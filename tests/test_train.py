@@ -164,7 +164,8 @@ def test_every_config_runs_two_steps_on_local_stand_ins(name, checkpoints, tmp_p
                       max_new_tokens=6, max_length=P + 24, max_prompt_length=P, eval_strategy="steps", eval_steps=2,
                       max_eval_prompts=4,
                       per_device_eval_batch_size=2, logging_steps=1,
-                      prompt_buckets=(P,))  # one prompt shape: each program compiles once (the prompts straddle 64)
+                      prompt_buckets=(P,),  # one prompt shape: each program compiles once (the prompts straddle 64)
+                      mesh_expert=1)  # a pod recipe's expert axis, on this one device
     last = loop.train(cfg)
     lines = _metrics(tmp_path / "out")
     assert [m["step"] for m in lines if "loss" in m] == [1, 2]

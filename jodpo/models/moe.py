@@ -25,10 +25,13 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jax.sharding import PartitionSpec as P
+
 from jodpo.models.layers import _ACTIVATIONS, recomputed
 from jodpo.models.model import Model, MoE, Params, einsum
 
 WEIGHTS = ("router", "gate", "up", "down", "shared_gate")
+EXPERT_AXIS = "expert"  # the mesh axis that splits the experts (jodpo.parallel.sharding)
 
 
 def specs(model: Model, n: int) -> dict:
@@ -80,18 +83,22 @@ def _tile(rows: int, experts: int) -> int:
 
 
 def grouped_tiles(model: Model, p: Params, x_MD: jax.Array, sizes_E: jax.Array) -> jax.Array:
-    """The experts on rows sorted by expert (``sizes_E`` rows each, in order), one tile of rows at a time: each
-    expert's rows padded to whole tiles, a ``lax.scan`` over the tiles, each through its expert's weights (the tiles
-    past the last filled one run nothing and read no weights). Its backward is ``_tiles_bwd``'s."""
+    """The experts on rows sorted by expert (``sizes_E`` rows each, in order; the rows past them, another device's
+    experts', come out zero), one tile of rows at a time: each expert's rows padded to whole tiles, a ``lax.scan``
+    over the tiles, each through its expert's weights (the tiles past the last expert's run nothing and read no
+    weights). Its backward is ``_tiles_bwd``'s."""
     (M, D), E = x_MD.shape, sizes_E.shape[0]
     t = _tile(M, E)
     n = -(-(M + E * (t - 1)) // t)  # enough tiles for any split of M rows over E experts
-    padded = (sizes_E + t - 1) // t * t
+    sizes = jnp.append(sizes_E, M - jnp.sum(sizes_E))  # group E: the rows of no expert here, in tiles never run
+    padded = jnp.append((sizes_E + t - 1) // t * t, sizes[E])
     ends = jnp.cumsum(padded)
-    group = jnp.repeat(jnp.arange(E, dtype=jnp.int32), sizes_E, total_repeat_length=M)
-    dest = (ends - padded)[group] + jnp.arange(M, dtype=jnp.int32) - (jnp.cumsum(sizes_E) - sizes_E)[group]
+    group = jnp.repeat(jnp.arange(E + 1, dtype=jnp.int32), sizes, total_repeat_length=M)
+    dest = (ends - padded)[group] + jnp.arange(M, dtype=jnp.int32) - (jnp.cumsum(sizes) - sizes)[group]
     tiles = jnp.zeros((n * t, D), x_MD.dtype).at[dest].set(x_MD).reshape(n, t, D)
-    expert = jnp.searchsorted(ends, jnp.arange(n, dtype=jnp.int32) * t, side="right")  # E: a tile past the rows
+    # each tile's expert: how many groups end at or before its first row (searchsorted's side="right", which jax
+    # 0.10 cannot trace inside a shard_map); E and past it: tiles of no expert here
+    expert = jnp.sum(ends[None, :] <= (jnp.arange(n, dtype=jnp.int32) * t)[:, None], axis=1, dtype=jnp.int32)
     dt = x_MD.dtype
     out = _tiles(model, p["gate"].astype(dt), p["up"].astype(dt), p["down"].astype(dt), tiles, expert)
     return out.reshape(n * t, D)[dest]
@@ -162,32 +169,83 @@ _tiles.defvjp(_tiles_fwd, _tiles_bwd)
 
 
 def grouped_ragged(model: Model, p: Params, x_MD: jax.Array, sizes_E: jax.Array) -> jax.Array:
-    """The experts on rows sorted by expert through ``jax.lax.ragged_dot`` (grouped matmuls: GPUs, TPUs)."""
+    """The experts on rows sorted by expert through ``jax.lax.ragged_dot`` (grouped matmuls: GPUs, TPUs); the rows
+    past ``sizes_E``'s come out zero."""
     dt = x_MD.dtype
     precision = jax.lax.Precision(model.precision) if dt == jnp.float32 else None
     dot = lambda x, w: jax.lax.ragged_dot(x, w.astype(dt), sizes_E, precision=precision)  # noqa: E731
     act = _ACTIVATIONS[model.activation]
     down = recomputed(lambda gate, up, w: dot(act(gate) * up, w))
-    return down(dot(x_MD, p["gate"]), dot(x_MD, p["up"]), p["down"])
+    y_MD = down(dot(x_MD, p["gate"]), dot(x_MD, p["up"]), p["down"])
+    return jnp.where((jnp.arange(x_MD.shape[0]) < jnp.sum(sizes_E))[:, None], y_MD, 0)
 
 
 def sorted_experts(model: Model, p: Params, x_TD: jax.Array, experts_TK: jax.Array, weights_TK: jax.Array,
                    grouped=None):
     """The routed experts' weighted sum ``[T, D]``, dropless: the tokens' k copies sorted by expert, through the
     grouped matmuls, unsorted, times their weights, summed. ``grouped``: ``grouped_ragged`` or ``grouped_tiles``;
-    None: each platform's (``ragged_dot`` on GPUs and TPUs, the tiles on a CPU)."""
-    (T, K), E = experts_TK.shape, model.moe.num_experts
-    flat = experts_TK.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
-    x_MD = x_TD[order // K]
+    None: each platform's (``ragged_dot`` on GPUs and TPUs, the tiles on a CPU). Where the experts' weights sit on a
+    mesh whose ``expert`` axis splits them, each device runs its own experts (``expert_parallel``)."""
     if grouped is None:
-        y_MD = jax.lax.platform_dependent(p, x_MD, sizes, cpu=functools.partial(grouped_tiles, model),
-                                          default=functools.partial(grouped_ragged, model))
-    else:
-        y_MD = grouped(model, p, x_MD, sizes)
+        grouped = _platform_grouped
+    shards = expert_shards(model, p["gate"])
+    if shards > 1:
+        return expert_parallel(model, p, x_TD, experts_TK, weights_TK, grouped)
+    return _routed(model, p, x_TD, experts_TK, weights_TK, 0, grouped)
+
+
+def _platform_grouped(model: Model, p: Params, x_MD: jax.Array, sizes_E: jax.Array) -> jax.Array:
+    return jax.lax.platform_dependent(p, x_MD, sizes_E, cpu=functools.partial(grouped_tiles, model),
+                                      default=functools.partial(grouped_ragged, model))
+
+
+def _routed(model: Model, p: Params, x_TD: jax.Array, experts_TK: jax.Array, weights_TK: jax.Array, first,
+            grouped) -> jax.Array:
+    """The weighted sum ``[T, D]`` of the routed experts ``first ..`` whose weights ``p`` holds (all of them on one
+    device); a token's other experts add nothing. Their copies of the tokens sort last, past the groups, and the
+    grouped matmuls skip them."""
+    (T, K), E = experts_TK.shape, p["gate"].shape[0]
+    here = experts_TK.reshape(-1) - first
+    group = jnp.where((here >= 0) & (here < E), here, E)  # E: an expert of another device
+    order = jnp.argsort(group, stable=True)
+    sizes = jnp.bincount(group, length=E + 1)[:E].astype(jnp.int32)
+    x_MD = x_TD[order // K]
+    y_MD = grouped(model, p, x_MD, sizes)
     y_TKD = jnp.zeros_like(y_MD).at[order].set(y_MD).reshape(T, K, -1)
     return jnp.sum(y_TKD * weights_TK[..., None], axis=1)
+
+
+def expert_shards(model: Model, w_EDF: jax.Array) -> int:
+    """How many ways the experts are split: the size of the ``expert`` axis of the mesh the experts' weights sit on
+    (their sharding, which ``jax.jit`` knows from its arguments while it traces), where it divides their number
+    (``jodpo.parallel.sharding.spec_for`` splits them then, and only then); else 1."""
+    mesh = jax.typeof(w_EDF).sharding.mesh
+    n = dict(mesh.shape).get(EXPERT_AXIS, 1) if EXPERT_AXIS in mesh.axis_names else 1
+    if n > 1 and dict(zip(mesh.axis_names, mesh.axis_types))[EXPERT_AXIS] == jax.sharding.AxisType.Manual:
+        return 1  # inside a shard_map over the axis already: the weights here are this device's own
+    return n if model.moe.num_experts % n == 0 else 1
+
+
+def expert_parallel(model: Model, p: Params, x_TD: jax.Array, experts_TK: jax.Array, weights_TK: jax.Array,
+                    grouped) -> jax.Array:
+    """``sorted_experts`` with the experts split over the mesh's ``expert`` axis (a ``shard_map`` over it alone;
+    the other axes stay the compiler's): every device of the axis sees all of its group's tokens, runs the copies
+    routed to its own experts (E / n of them, from ``axis_index x E / n``) and the devices' sums are added
+    (``psum``, in float32). Its gradient is the same map's: each device's experts' weight gradients from the tokens
+    routed to them, the tokens' gradients summed over the devices. Only the chosen experts' weights are read, each
+    on its own device."""
+    mesh = jax.typeof(p["gate"]).sharding.mesh
+    here = model.moe.num_experts // dict(mesh.shape)[EXPERT_AXIS]
+    weights = {k: p[k] for k in ("gate", "up", "down")}
+
+    def body(w, x, experts, route_weights):
+        first = jax.lax.axis_index(EXPERT_AXIS) * here
+        y = _routed(model, w, x, experts, route_weights, first, grouped)
+        return jax.lax.psum(y.astype(jnp.float32), EXPERT_AXIS).astype(y.dtype)
+
+    run = jax.shard_map(body, mesh=mesh, in_specs=(P(EXPERT_AXIS), P(), P(), P()), out_specs=P(),
+                        axis_names={EXPERT_AXIS}, check_vma=False)
+    return run(weights, x_TD, experts_TK, weights_TK)
 
 
 def dense_experts(model: Model, p: Params, x_TD: jax.Array, experts_TK: jax.Array, weights_TK: jax.Array):

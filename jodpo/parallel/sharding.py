@@ -1,10 +1,14 @@
 """Device meshes, the logical-axis rules, and shardings of parameters, optimizer state and batches.
 
-One mesh with three axes:
+One mesh with four axes:
 - ``data``: pure data parallelism (parameters replicated);
 - ``fsdp``: data parallelism with parameters, gradients and optimizer state split (ZeRO-3 / FSDP);
+- ``expert``: expert parallelism: a mixture of experts' experts split by expert (their weights, gradients and Adam
+  moments), the tokens reaching their experts inside the MoE block (``jodpo.models.moe.sorted_experts``); outside
+  the experts it is one more FSDP axis (the batch and the other parameters' ``embed`` split over it too), so no
+  device repeats another's work;
 - ``tensor``: tensor parallelism (attention heads, MLP width and vocabulary split).
-The batch axis is split over ``data`` x ``fsdp``. Every parameter names its axes logically
+The batch axis is split over ``data`` x ``fsdp`` x ``expert``. Every parameter names its axes logically
 (``jodpo.models.param_axes``: ``vocab``, ``embed``, ``heads``, ...); ``RULES`` maps those names to mesh axes
 in this one place. An axis whose size the mesh axis does not divide stays whole (replicated), so tiny
 models and odd head counts work on any mesh. Optimizer state follows the parameter it belongs to.
@@ -26,38 +30,41 @@ from jodpo.errors import MeshError
 from jodpo.models.decoder import Model, Params
 from jodpo.models.params import param_specs
 
-AXES = ("data", "fsdp", "tensor")
-BATCH = ("data", "fsdp")  # the mesh axes that split a batch
-# logical parameter axis -> mesh axis (None: never split)
-RULES: dict[str | None, str | None] = {
-    "vocab": "tensor", "embed": "fsdp", "heads": "tensor", "kv_heads": "tensor", "mlp": "tensor",
-    "layers": None, "head_dim": None, "expert": None, None: None,  # experts replicated (no expert axis yet)
+AXES = ("data", "fsdp", "expert", "tensor")  # tensor innermost: its collectives are per layer and the most frequent
+BATCH = ("data", "fsdp", "expert")  # the mesh axes that split a batch
+# logical parameter axis -> mesh axes, in order (None: never split): ``embed`` over fsdp and the expert axis where
+# the parameter is not split by expert already (an expert's weights: over fsdp alone)
+RULES: dict[str | None, tuple[str, ...]] = {
+    "vocab": ("tensor",), "embed": ("fsdp", "expert"), "heads": ("tensor",), "kv_heads": ("tensor",),
+    "mlp": ("tensor",), "expert": ("expert",), "layers": (), "head_dim": (), None: (),
 }
 
 
-
-def mesh_shape(data: int = 1, fsdp: int = -1, tensor: int = 1, n_devices: int | None = None) -> tuple[int, int, int]:
-    """The three axis sizes; one of them may be -1, meaning all the devices the others leave."""
+def mesh_shape(data: int = 1, fsdp: int = -1, tensor: int = 1, n_devices: int | None = None, *,
+               expert: int = 1) -> tuple[int, int, int, int]:
+    """The four axis sizes in ``AXES`` order (data, fsdp, expert, tensor); one of them may be -1, meaning all the
+    devices the others leave."""
     n = jax.device_count() if n_devices is None else n_devices
-    sizes = [data, fsdp, tensor]
+    sizes = [data, fsdp, expert, tensor]
+    given = f"data={data}, fsdp={fsdp}, expert={expert}, tensor={tensor}"
     if sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):
-        raise MeshError(f"mesh (data={data}, fsdp={fsdp}, tensor={tensor}): sizes must be >= 1, with at most one -1")
+        raise MeshError(f"mesh ({given}): sizes must be >= 1, with at most one -1")
     fixed = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
         if n % fixed:
-            raise MeshError(f"mesh (data={data}, fsdp={fsdp}, tensor={tensor}): {n} devices are not a multiple of "
-                            f"{fixed}; choose sizes whose product divides {n}")
+            raise MeshError(f"mesh ({given}): {n} devices are not a multiple of {fixed}; choose sizes whose product "
+                            f"divides {n}")
         sizes[sizes.index(-1)] = n // fixed
     if math.prod(sizes) != n:
-        raise MeshError(f"mesh (data={data}, fsdp={fsdp}, tensor={tensor}) needs {math.prod(sizes)} devices, "
-                        f"there are {n}; set mesh_data/mesh_fsdp/mesh_tensor so their product is {n} (or use -1)")
+        raise MeshError(f"mesh ({given}) needs {math.prod(sizes)} devices, there are {n}; set mesh_data/mesh_fsdp/"
+                        f"mesh_expert/mesh_tensor so their product is {n} (or use -1)")
     return tuple(sizes)
 
 
-def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -> Mesh:
-    """A ``Mesh`` over all devices (all processes) with axes ``data``, ``fsdp``, ``tensor``."""
+def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None, *, expert: int = 1) -> Mesh:
+    """A ``Mesh`` over all devices (all processes) with axes ``data``, ``fsdp``, ``expert``, ``tensor``."""
     devices = jax.devices() if devices is None else list(devices)
-    shape = mesh_shape(data, fsdp, tensor, len(devices))
+    shape = mesh_shape(data, fsdp, tensor, len(devices), expert=expert)
     try:  # a physical-topology-aware order on TPU and GPU
         from jax.experimental import mesh_utils
 
@@ -68,21 +75,25 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -> M
 
 
 def data_parallel_size(mesh: Mesh) -> int:
-    """How many ways a batch is split: ``data`` x ``fsdp``."""
-    return mesh.shape["data"] * mesh.shape["fsdp"]
+    """How many ways a batch is split: ``data`` x ``fsdp`` x ``expert``."""
+    return math.prod(mesh.shape.get(a, 1) for a in BATCH)
 
 
 def spec_for(shape: tuple[int, ...], axes: tuple, mesh: Mesh) -> P:
-    """The partition spec of an array with these logical ``axes``: each axis goes to its mesh axis when that
-    divides it (and the mesh axis is not already used), else stays whole."""
-    used, out = set(), []
-    for size, name in zip(shape, axes):
-        m = RULES.get(name)
-        if m is not None and m not in used and mesh.shape[m] > 1 and size % mesh.shape[m] == 0:
-            used.add(m)
-            out.append(m)
-        else:
-            out.append(None)
+    """The partition spec of an array with these logical ``axes``: each axis goes to its mesh axes (``RULES``, in
+    order) as far as their sizes multiply to a divisor of it and no earlier axis of the array took them, else stays
+    whole. The expert axis is claimed first, so that an expert's weights split by expert, their ``embed`` over fsdp."""
+    order = sorted(range(len(axes)), key=lambda i: axes[i] != "expert")
+    used, out = set(), [None] * len(axes)
+    for i in order:
+        taken, ways = [], 1
+        for m in RULES.get(axes[i], ()):
+            k = mesh.shape.get(m, 1)
+            if m not in used and k > 1 and shape[i] % (ways * k) == 0:
+                taken.append(m)
+                ways *= k
+        used.update(taken)
+        out[i] = None if not taken else taken[0] if len(taken) == 1 else tuple(taken)
     return P(*out)
 
 
@@ -115,7 +126,7 @@ def like_params(abstract_tree, params_sharding: Params, mesh: Mesh):
 
 def batch_sharding(mesh: Mesh, ndim: int, axis: int = 1) -> NamedSharding:
     """Split axis ``axis`` (the batch axis; axis 0 of ``[A, B, ...]`` batches is the micro-batch) over
-    ``data`` x ``fsdp``."""
+    ``data`` x ``fsdp`` x ``expert``."""
     spec = [None] * ndim
     spec[axis] = BATCH
     return NamedSharding(mesh, P(*spec))

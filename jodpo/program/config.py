@@ -189,6 +189,9 @@ class _Fields:
     # --- devices (docs/tpu.md)
     mesh_data: int = _f(1, "mesh axis 'data': batch split, parameters replicated (-1: the devices left)")
     mesh_fsdp: int = _f(-1, "mesh axis 'fsdp': batch split, parameters/gradients/optimizer state split (-1: the rest)")
+    mesh_expert: int = _f(1, "mesh axis 'expert': a mixture of experts' experts split by expert (their weights, "
+                             "gradients, Adam moments), the tokens sent to them; elsewhere as fsdp: batch and other "
+                             "parameters split (-1: the rest)")
     mesh_tensor: int = _f(1, "mesh axis 'tensor': attention heads, MLP width and vocabulary split (-1: the rest)")
     sampler_devices: int = _f(0, "devices of their own for sampling (the last ones; the mesh_* fields lay out the rest "
                                  "for training); with async_mode the two overlap. 0: sample on the training mesh")

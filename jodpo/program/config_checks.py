@@ -47,9 +47,10 @@ def check(c) -> None:
     for name in ("param_dtype", "frozen_param_dtype"):
         if getattr(c, name) not in ("float32", "bfloat16"):
             raise ConfigError(f"{name} must be float32 or bfloat16, got {getattr(c, name)!r}")
-    sizes = (c.mesh_data, c.mesh_fsdp, c.mesh_tensor)
+    sizes = (c.mesh_data, c.mesh_fsdp, c.mesh_expert, c.mesh_tensor)
     if sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):
-        raise ConfigError(f"mesh_data, mesh_fsdp, mesh_tensor must be >= 1, with at most one -1; got {sizes}")
+        raise ConfigError(f"mesh_data, mesh_fsdp, mesh_expert, mesh_tensor must be >= 1, with at most one -1; got "
+                          f"{sizes}")
     if c.matmul_precision not in PRECISIONS:
         raise ConfigError(f"matmul_precision must be one of {PRECISIONS}, got {c.matmul_precision!r}")
     if c.attn_implementation not in ("auto", *ATTENTIONS):

@@ -117,7 +117,7 @@ class Run:
         dp = S.data_parallel_size(mesh)
         if x.shape[1] % dp:
             raise S.MeshError(f"a batch of {x.shape[1]} rows cannot be split over the {dp} data-parallel devices "
-                              "(mesh_data x mesh_fsdp); use a batch size that is a multiple of it")
+                              "(mesh_data x mesh_fsdp x mesh_expert); use a batch size that is a multiple of it")
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=S.batch_sharding(mesh, x.ndim))
 
     def decode(self, tokens: np.ndarray) -> list[str]:
@@ -278,13 +278,13 @@ def with_steps(run: Run) -> Run:
 
 
 def meshes(cfg: TrainConfig) -> tuple[Mesh, Mesh | None]:
-    """The training mesh (mesh_data x mesh_fsdp x mesh_tensor), and with ``sampler_devices`` = k the sampler's mesh
+    """The training mesh (mesh_data x mesh_fsdp x mesh_expert x mesh_tensor), and with ``sampler_devices`` = k the sampler's mesh
     on the last k devices, apart: data-parallel, with the training mesh's tensor split (the weights whole on each
     sampler device otherwise: decoding gathers nothing)."""
     devices = jax.devices()
     k = cfg.sampler_devices
     if not k:
-        return S.make_mesh(cfg.mesh_data, cfg.mesh_fsdp, cfg.mesh_tensor, devices), None
+        return S.make_mesh(cfg.mesh_data, cfg.mesh_fsdp, cfg.mesh_tensor, devices, expert=cfg.mesh_expert), None
     if jax.process_count() > 1:
         raise ConfigError(f"sampler_devices={k} needs a single-process run: JAX moves arrays between disjoint sets of "
                           "devices only within one process (one host's devices); leave it at 0 in a multi-process "
@@ -292,7 +292,8 @@ def meshes(cfg: TrainConfig) -> tuple[Mesh, Mesh | None]:
     if k >= len(devices):
         raise ConfigError(f"sampler_devices={k} leaves none of the {len(devices)} devices to train on; use fewer "
                           "(or 0 to sample on the training devices)")
-    mesh = S.make_mesh(cfg.mesh_data, cfg.mesh_fsdp, cfg.mesh_tensor, devices[:len(devices) - k])
+    mesh = S.make_mesh(cfg.mesh_data, cfg.mesh_fsdp, cfg.mesh_tensor, devices[:len(devices) - k],
+                       expert=cfg.mesh_expert)
     tensor = mesh.shape["tensor"]
     if k % tensor:
         raise ConfigError(f"sampler_devices={k} is not a multiple of the training mesh's tensor size {tensor} (the "

@@ -220,8 +220,9 @@ def eval_sets(cfg: TrainConfig, given: Given, tokenizer, dp: int, offline: bool)
                                  cfg.max_prompt_length, prompt_bos(cfg, tokenizer))
         if len(data) < dp:  # an eval batch needs a prompt per data-parallel device
             warnings.warn(f"the evaluation set{'' if prefix == 'eval' else ' ' + prefix[5:]} has {len(data)} "
-                          f"prompts, fewer than the {dp} data-parallel devices (mesh_data x mesh_fsdp); it is not "
-                          "evaluated. Raise max_eval_prompts or give more evaluation rows.", stacklevel=3)
+                          f"prompts, fewer than the {dp} data-parallel devices (mesh_data x mesh_fsdp x "
+                          "mesh_expert); it is not evaluated. Raise max_eval_prompts or give more evaluation rows.",
+                          stacklevel=3)
             continue
         out.append((prefix, data))
     return tuple(out)

@@ -258,8 +258,8 @@ TABLE: dict[str, Answer] = {
     # --- devices and processes
     "use_cpu": only(False, "jax picks its backend when it starts: run with JAX_PLATFORMS=cpu in the environment"),
     "accelerator_config": only(None, "Accelerate's; jodpo runs without Accelerate"),
-    "parallelism_config": only(None, "Accelerate's parallelism; jodpo's mesh_data, mesh_fsdp and mesh_tensor lay "
-                                     "out the devices"),
+    "parallelism_config": only(None, "Accelerate's parallelism; jodpo's mesh_data, mesh_fsdp, mesh_expert and "
+                                     "mesh_tensor lay out the devices"),
     **{name: noop(default, _DDP) for name, default in (
         ("ddp_find_unused_parameters", None), ("ddp_bucket_cap_mb", None), ("ddp_broadcast_buffers", None),
         ("ddp_static_graph", None), ("ddp_backend", None), ("ddp_timeout", 1800), ("local_rank", -1),
