@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from jodpo.logprobs import (LossConfig, OnlineBatch, batch_logprobs, completion_logprobs,  # noqa: F401 (re-exported)
-                            policy_logprobs, with_aux_loss)
+                            policy_logprobs, with_moe_terms)
 from jodpo.models.decoder import Model, Params
 from jodpo.pair_losses import (LOSSES, REFERENCE_FREE, LossOptions, Pair, check_loss_options,  # noqa: F401 (re-exported)
                                get_loss, needs_reference)
@@ -88,12 +88,12 @@ def preference_loss(S: jax.Array, S_ref: jax.Array, lengths: jax.Array, chosen: 
 def _summed_logprobs(model: Model, params: Params, ref_params: Params, batch: OnlineBatch, loss: LossConfig):
     """Summed completion log-probs under the policy (differentiable) and the frozen reference (None, and the
     reference not run, for a reference-free loss), plainly summed and as the loss reads them (with ``ld_alpha``,
-    LD-DPO's weighted sums; else the same arrays); and the policy's load-balancing loss (``policy_logprobs``)."""
+    LD-DPO's weighted sums; else the same arrays); and the policy's MoE terms (``policy_logprobs``)."""
     ref_logprobs, reference = batch.ref_logprobs, needs_reference(loss.loss_type)
     if reference and ref_logprobs is None and ref_params is None:
         raise ValueError(f"loss_type={loss.loss_type!r} compares with a reference: give ref_params (or ref_logprobs); "
                          "only a reference-free loss (REFERENCE_FREE) runs without one")
-    logp, aux = policy_logprobs(model, params, batch, loss)
+    logp, moe = policy_logprobs(model, params, batch, loss)
     S, S_ref = logp.sum(-1), None
     if reference:
         if ref_logprobs is None:
@@ -101,9 +101,9 @@ def _summed_logprobs(model: Model, params: Params, ref_params: Params, batch: On
         ref_logprobs = jax.lax.stop_gradient(ref_logprobs)
         S_ref = ref_logprobs.sum(-1)
     if loss.options.ld_alpha is None:
-        return S, S_ref, S, S_ref, aux
+        return S, S_ref, S, S_ref, moe
     w = ld_weights(batch.completion_mask, loss.options.ld_alpha)
-    return S, S_ref, (logp * w).sum(-1), None if S_ref is None else (ref_logprobs * w).sum(-1), aux
+    return S, S_ref, (logp * w).sum(-1), None if S_ref is None else (ref_logprobs * w).sum(-1), moe
 
 
 # --------------------------------------------------------------------------------------------------
@@ -117,15 +117,17 @@ def online_dpo_loss(model: Model, params: Params, ref_params: Params, prompt_ids
                     eos_token_ids=(), penalty_reward_value=None, max_length: int | None = None,
                     options: LossOptions = LossOptions(), ref_logprobs: jax.Array | None = None,
                     judged: bool = False, logprob_temperature: float | None = None,
-                    sample_logprobs: jax.Array | None = None, pair_weights: jax.Array | None = None):
+                    sample_logprobs: jax.Array | None = None, pair_weights: jax.Array | None = None,
+                    sample_experts: jax.Array | None = None, moe_routing_replay: bool = False):
     """The online DPO loss of one batch and TRL's metrics; differentiable in ``params``: ``online_batch_loss`` of
     the arrays as an ``OnlineBatch`` (its fields say their shapes; ``rewards`` raw, before any EOS penalty) under the
     keywords but ``beta`` as a ``LossConfig``. ``beta``: the KL strength (a scalar, may be traced). ``ref_params``:
-    the frozen reference; None (and never run) with a reference-free ``loss_type`` (``simpo``)."""
+    the frozen reference; None (and never run) with a reference-free ``loss_type`` (``simpo``). ``sample_experts``
+    (a MoE policy: ``Samples.experts``) logs ``moe/route_flip_rate`` and, with ``moe_routing_replay``, is replayed."""
     arrays = (jnp.asarray(x) for x in (prompt_ids, prompt_mask, completion_ids, completion_mask, rewards))
-    batch = OnlineBatch(*arrays, pair_weights, ref_logprobs, sample_logprobs)
+    batch = OnlineBatch(*arrays, pair_weights, ref_logprobs, sample_logprobs, sample_experts)
     loss = LossConfig(loss_type, options, max_length, logprob_temperature, missing_eos_penalty, penalty_reward_value,
-                      tuple(eos_token_ids), judged)
+                      tuple(eos_token_ids), judged, moe_routing_replay=moe_routing_replay)
     return online_batch_loss(model, params, ref_params, batch, beta, loss)
 
 
@@ -146,7 +148,7 @@ def online_batch_loss(model: Model, params: Params, ref_params: Params, batch: O
       reference, ``objective/kl``, ``objective/non_score_reward`` and ``objective/rlhf_reward`` are not logged and
       ``rewards/*``, ``logps/*`` are TRL CPOTrainer's (beta x the average log-prob; the average log-prob).
     """
-    S, S_ref, S_loss, S_ref_loss, aux = _summed_logprobs(model, params, ref_params, batch, loss)
+    S, S_ref, S_loss, S_ref_loss, moe = _summed_logprobs(model, params, ref_params, batch, loss)
     scores, has_eos = loss.scores(batch.rewards, batch.completion_ids, batch.completion_mask)
     chosen, rejected = pair_indices(scores)
     length = batch.completion_mask.sum(-1).astype(jnp.float32)
@@ -154,9 +156,9 @@ def online_batch_loss(model: Model, params: Params, ref_params: Params, batch: O
     weights = jnp.isfinite(p_first).astype(jnp.float32) if loss.judged else None
     if batch.pair_weights is not None:
         weights = batch.pair_weights.astype(jnp.float32) * (1.0 if weights is None else weights)
-    value, metrics = with_aux_loss(*preference_loss(S_loss, S_ref_loss, length, chosen, rejected, beta=beta,
+    value, metrics = with_moe_terms(*preference_loss(S_loss, S_ref_loss, length, chosen, rejected, beta=beta,
                                                     loss_type=loss.loss_type, options=loss.options, weights=weights),
-                                   aux, loss)
+                                    moe, loss)
     S = jax.lax.stop_gradient(S)
     if batch.sample_logprobs is not None:
         sampled = jnp.where(batch.completion_mask > 0, batch.sample_logprobs, 0.0).sum(-1)
@@ -217,8 +219,9 @@ def nash_md_batch_loss(model: Model, params: Params, ref_params: Params, batch: 
     ``mixture_coef``."""
     B = batch.completion_ids.shape[0] // 2
     own = OnlineBatch(batch.prompt_ids[:B], batch.prompt_mask[:B], batch.completion_ids[:B],
-                      batch.completion_mask[:B])  # prompt rows [:B] whether shared ([B, P]) or per row ([2B, P])
-    logp, aux = policy_logprobs(model, params, own, loss)
+                      batch.completion_mask[:B],
+                      sample_experts=None if batch.sample_experts is None else batch.sample_experts[:B])  # prompt rows [:B] whether shared ([B, P]) or per row ([2B, P])
+    logp, moe = policy_logprobs(model, params, own, loss)
     ref = batch.ref_logprobs[:B] if batch.ref_logprobs is not None else batch_logprobs(
         model, jax.lax.stop_gradient(ref_params), own, loss)
     ref = jax.lax.stop_gradient(ref)
@@ -244,7 +247,7 @@ def nash_md_batch_loss(model: Model, params: Params, ref_params: Params, batch: 
         metrics["objective/judge_abstained"] = 1.0 - weights.mean()
     else:
         metrics |= {"rewards/chosen": scores[:B].mean(), "rewards/rejected": scores[B:].mean()}
-    return with_aux_loss(value, jax.tree.map(jax.lax.stop_gradient, metrics), aux, loss)
+    return with_moe_terms(value, jax.tree.map(jax.lax.stop_gradient, metrics), moe, loss)
 
 
 def xpo_batch_loss(model: Model, params: Params, ref_params: Params, batch: OnlineBatch, coefs: Coefficients,
@@ -261,7 +264,7 @@ def xpo_batch_loss(model: Model, params: Params, ref_params: Params, batch: Onli
     policy's mean summed log-prob of the chosen (rejected) completions plus the reference's),
     ``val/model_contain_eos_token``, ``val/ref_contain_eos_token``, ``alpha``, ``beta``."""
     B = batch.completion_ids.shape[0] // 2
-    S, S_ref, S_loss, S_ref_loss, aux = _summed_logprobs(model, params, ref_params, batch, loss)
+    S, S_ref, S_loss, S_ref_loss, moe = _summed_logprobs(model, params, ref_params, batch, loss)
     scores, has_eos = loss.scores(batch.rewards, batch.completion_ids, batch.completion_mask)
     chosen, rejected = pair_indices(scores)
     weights = _verdict_weights(loss, scores, batch)
@@ -283,7 +286,7 @@ def xpo_batch_loss(model: Model, params: Params, ref_params: Params, batch: Onli
     else:
         metrics |= {"objective/model_scores": scores[:B].mean(), "objective/ref_scores": scores[B:].mean(),
                     "objective/scores_margin": (scores[:B] - scores[B:]).mean()}
-    return with_aux_loss(dpo + xpo, jax.tree.map(jax.lax.stop_gradient, metrics), aux, loss)
+    return with_moe_terms(dpo + xpo, jax.tree.map(jax.lax.stop_gradient, metrics), moe, loss)
 
 
 def _online_dpo_batch_loss(model, params, ref_params, batch: OnlineBatch, coefs: Coefficients, loss: LossConfig):
@@ -299,10 +302,10 @@ ONLINE_LOSSES: dict[str, Callable] = {"online_dpo": _online_dpo_batch_loss, "nas
 def _family_batch(prompt_ids, prompt_mask, completion_ids, completion_mask, rewards, settings: dict):
     """An ``OnlineBatch`` and ``LossConfig`` from ``nash_md_loss``'s or ``xpo_loss``'s arrays and keywords."""
     arrays = (jnp.asarray(x) for x in (prompt_ids, prompt_mask, completion_ids, completion_mask, rewards))
-    ref_logprobs = settings.pop("ref_logprobs", None)
+    ref_logprobs, experts = settings.pop("ref_logprobs", None), settings.pop("sample_experts", None)
     if "eos_token_ids" in settings:
         settings["eos_token_ids"] = tuple(settings["eos_token_ids"])
-    return OnlineBatch(*arrays, ref_logprobs=ref_logprobs), LossConfig(**settings)
+    return OnlineBatch(*arrays, ref_logprobs=ref_logprobs, sample_experts=experts), LossConfig(**settings)
 
 
 def nash_md_loss(model: Model, params: Params, ref_params: Params, prompt_ids: jax.Array, prompt_mask: jax.Array,
@@ -310,7 +313,7 @@ def nash_md_loss(model: Model, params: Params, ref_params: Params, prompt_ids: j
                  mixture_coef=0.5, **settings):
     """``nash_md_batch_loss`` of arrays (``OnlineBatch``'s fields; ``rewards`` raw): Nash-MD's loss and TRL's
     metrics, differentiable in ``params``. ``settings``: ``LossConfig``'s fields (``missing_eos_penalty``,
-    ``eos_token_ids``, ``judged``, ``max_length``, ...) and ``ref_logprobs``."""
+    ``eos_token_ids``, ``judged``, ``max_length``, ...), ``ref_logprobs`` and ``sample_experts``."""
     batch, loss = _family_batch(prompt_ids, prompt_mask, completion_ids, completion_mask, rewards, settings)
     return nash_md_batch_loss(model, params, ref_params, batch, Coefficients(beta, mixture_coef=mixture_coef), loss)
 
@@ -320,7 +323,7 @@ def xpo_loss(model: Model, params: Params, ref_params: Params, prompt_ids: jax.A
              **settings):
     """``xpo_batch_loss`` of arrays (``OnlineBatch``'s fields; ``rewards`` raw): XPO's loss and TRL's metrics,
     differentiable in ``params``. ``settings``: ``LossConfig``'s fields (``loss_type``, ``missing_eos_penalty``,
-    ``eos_token_ids``, ``judged``, ...) and ``ref_logprobs``."""
+    ``eos_token_ids``, ``judged``, ...), ``ref_logprobs`` and ``sample_experts``."""
     batch, loss = _family_batch(prompt_ids, prompt_mask, completion_ids, completion_mask, rewards, settings)
     return xpo_batch_loss(model, params, ref_params, batch, Coefficients(beta, alpha=alpha), loss)
 
@@ -348,7 +351,7 @@ def dpo_loss(model: Model, params: Params, ref_params: Params, prompt_ids: jax.A
     batch = OnlineBatch(prompt_ids, prompt_mask, jnp.concatenate([chosen_ids, rejected_ids]),
                         jnp.concatenate([chosen_mask, rejected_mask]))  # rows b and B + b: pair b
     loss = LossConfig(loss_type, options, max_length, router_aux_loss_coef=router_aux_loss_coef)
-    _, _, S, S_ref, aux = _summed_logprobs(model, params, ref_params, batch, loss)
+    _, _, S, S_ref, moe = _summed_logprobs(model, params, ref_params, batch, loss)
     rows = jnp.arange(B, dtype=jnp.int32)
-    return with_aux_loss(*preference_loss(S, S_ref, batch.completion_mask.sum(-1).astype(jnp.float32), rows, rows + B,
-                                          beta=beta, loss_type=loss_type, options=options), aux, loss)
+    return with_moe_terms(*preference_loss(S, S_ref, batch.completion_mask.sum(-1).astype(jnp.float32), rows,
+                                           rows + B, beta=beta, loss_type=loss_type, options=options), moe, loss)
