@@ -218,9 +218,9 @@ def nash_md_batch_loss(model: Model, params: Params, ref_params: Params, batch: 
     log-ratio), ``objective/entropy``, ``val/model_contain_eos_token``, ``val/ref_contain_eos_token``, ``beta``,
     ``mixture_coef``."""
     B = batch.completion_ids.shape[0] // 2
-    own = OnlineBatch(batch.prompt_ids[:B], batch.prompt_mask[:B], batch.completion_ids[:B],
-                      batch.completion_mask[:B],
-                      sample_experts=None if batch.sample_experts is None else batch.sample_experts[:B])  # prompt rows [:B] whether shared ([B, P]) or per row ([2B, P])
+    own = OnlineBatch(batch.prompt_ids[:B], batch.prompt_mask[:B], batch.completion_ids[:B],  # prompt rows [:B]
+                      batch.completion_mask[:B],  # whether shared ([B, P]) or per row ([2B, P])
+                      sample_experts=None if batch.sample_experts is None else batch.sample_experts[:B])
     logp, moe = policy_logprobs(model, params, own, loss)
     ref = batch.ref_logprobs[:B] if batch.ref_logprobs is not None else batch_logprobs(
         model, jax.lax.stop_gradient(ref_params), own, loss)
