@@ -1,114 +1,32 @@
-"""Per-token log-probs and the losses of batches with TRL's metrics: online DPO, TRL's online family (Nash-MD,
-XPO; ``ONLINE_LOSSES``), offline DPO.
+"""The losses of batches with TRL's metrics: online DPO, TRL's online family (Nash-MD, XPO; ``ONLINE_LOSSES``),
+offline DPO.
 
 Rows are in TRL's *block layout*: for B prompts, rows [0, B) hold completion 0 of every prompt and rows
-[B, 2B) completion 1. The pairwise losses (``jodpo.pair_losses``, re-exported here) are each a pure function of a
-``Pair`` of log-ratios, chosen from ``LOSSES`` by name. A reference-free loss (``REFERENCE_FREE``: ``simpo``) gets
-no reference at all: its ``Pair`` holds the policy's average per-token log-probs, and the reference model is neither
-read nor run.
+[B, 2B) completion 1. The forwards that give the losses their log-probs, ``OnlineBatch`` and ``LossConfig`` are
+``jodpo.logprobs``'s (re-exported here). The pairwise losses (``jodpo.pair_losses``, re-exported here) are each a
+pure function of a ``Pair`` of log-ratios, chosen from ``LOSSES`` by name. A reference-free loss
+(``REFERENCE_FREE``: ``simpo``) gets no reference at all: its ``Pair`` holds the policy's average per-token
+log-probs, and the reference model is neither read nor run.
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 
-from jodpo.models.decoder import Model, Params, hidden_states, prefixed_hidden_states
-from jodpo.models.moe import load_balancing_loss
+from jodpo.logprobs import (LossConfig, OnlineBatch, batch_logprobs, completion_logprobs,  # noqa: F401 (re-exported)
+                            policy_logprobs, with_moe_terms)
+from jodpo.models.decoder import Model, Params
 from jodpo.pair_losses import (LOSSES, REFERENCE_FREE, LossOptions, Pair, check_loss_options,  # noqa: F401 (re-exported)
                                get_loss, needs_reference)
-from jodpo.models.heads import lm_head
-from jodpo.scoring import apply_eos_penalty, contains_eos, pair_indices
-
-
-def completion_logprobs(model: Model, params: Params, prompt_ids: jax.Array, prompt_mask: jax.Array,
-                        completion_ids: jax.Array, completion_mask: jax.Array,
-                        max_length: int | None = None, temperature: float | None = None, with_aux: bool = False):
-    """f32[N, C]: log p(completion token | everything before it) under ``params``; 0 on padding.
-
-    ``prompt_ids`` has a row per completion ``[N, P]``, or ``[B, P]`` shared by N = n x B completions in block
-    layout (row r continues prompt ``r % B``): then every prompt runs through the model once, not n times.
-    The LM head runs only at the C positions that predict completion tokens (never over the prompt).
-    ``max_length`` left-truncates the prompt for this forward only, as TRL does (at least one prompt
-    token is kept). ``temperature``: the logits are divided by ``temperature + 1e-7`` first, as open-instruct's
-    training forward does (TRL and the default use the raw logits). ``with_aux`` (a MoE model): also the forward's
-    load-balancing loss over the real tokens of prompt + completion, as transformers' ``aux_loss`` of those rows.
-    """
-    P, C = prompt_ids.shape[1], completion_ids.shape[1]
-    if max_length is not None and P + C > max_length:
-        cut = min(P + C - max_length, P - 1)
-        prompt_ids, prompt_mask, P = prompt_ids[:, cut:], prompt_mask[:, cut:], P - cut
-    shared = prompt_ids.shape[0] != completion_ids.shape[0]
-    if shared:
-        out = prefixed_hidden_states(model, params, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                                     with_router=with_aux)
-        h, router = out if with_aux else (out, None)
-    else:
-        h, _, *router = hidden_states(model, params, jnp.concatenate([prompt_ids, completion_ids], 1),
-                                      jnp.concatenate([prompt_mask, completion_mask], 1), with_router=with_aux)
-        router = router[0] if with_aux else None
-    logits_BCV = lm_head(model, params, h[:, P - 1: P + C - 1])
-    if temperature is not None:
-        logits_BCV = logits_BCV / (temperature + 1e-7)
-    picked = jnp.take_along_axis(logits_BCV, completion_ids[..., None].astype(jnp.int32), -1)[..., 0]
-    logp = jnp.where(completion_mask > 0, picked - jax.nn.logsumexp(logits_BCV, axis=-1), 0.0)
-    if not with_aux:
-        return logp
-    n = completion_ids.shape[0] // prompt_ids.shape[0]
-    mask = jnp.concatenate([jnp.concatenate([prompt_mask] * n, 0) if shared else prompt_mask, completion_mask], 1)
-    return logp, load_balancing_loss(model.moe, router, mask)
+from jodpo.scoring import pair_indices
 
 
 # --------------------------------------------------------------------------------------------------
 # The losses
 # --------------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class LossConfig:
-    """Everything static about a loss but beta (which may change per step): which loss and its ``options``, how the
-    log-probs are computed, and how raw rewards become the scores that order a pair (online DPO)."""
-
-    loss_type: str = "sigmoid"
-    options: LossOptions = LossOptions()
-    max_length: int | None = None  # prompt + completion, the prompt left-truncated in the loss's forward (TRL)
-    logprob_temperature: float | None = None  # log-probs of the logits / T (open-instruct); None: raw logits (TRL)
-    missing_eos_penalty: float | None = None  # subtracted from the reward of a completion without EOS (TRL)
-    penalty_reward_value: float | None = None  # replaces it instead (open-instruct's non_eos_penalty)
-    eos_token_ids: tuple[int, ...] = ()  # the ids that spare a completion the penalties
-    judged: bool = False  # the rewards are a judge's verdicts (``jodpo.judges.pair_scores``): never penalised
-    # a MoE policy's load-balancing loss (transformers' aux_loss of its forward) times this is added to the loss and
-    # logged as ``aux_loss`` (TRL's name); 0: off, as TRL's online trainers (they add none)
-    router_aux_loss_coef: float = 0.0
-
-    def scores(self, rewards: jax.Array, completion_ids: jax.Array, completion_mask: jax.Array):
-        """``(scores, has_eos)``: f32 rewards after the EOS penalties (a judge's verdicts as they are), which order
-        each pair, and whether each completion contains an EOS."""
-        has_eos = contains_eos(completion_ids, completion_mask, self.eos_token_ids)
-        scores = rewards.astype(jnp.float32)
-        if not self.judged:
-            scores = apply_eos_penalty(scores, has_eos, self.missing_eos_penalty, self.penalty_reward_value)
-        return scores, has_eos
-
-
-@flax.struct.dataclass
-class OnlineBatch:
-    """An online micro-batch: prompts, their two completions each (TRL's block layout) and the completions' rewards,
-    with what the loss may be given rather than compute."""
-
-    prompt_ids: jax.Array  # i32[B, P] shared by both completions (each prompt runs once), or i32[2B, P]
-    prompt_mask: jax.Array
-    completion_ids: jax.Array  # i32[2B, C], padding after the first EOS
-    completion_mask: jax.Array
-    # f32[2B] raw rewards; with ``LossConfig.judged`` a judge's verdicts (``jodpo.judges.pair_scores``: p for
-    # completion 0, 1 - p for completion 1, NaN for none); None where the pairs are given (offline DPO)
-    rewards: jax.Array | None = None
-    pair_weights: jax.Array | None = None  # f32[B]; None: every pair alike
-    ref_logprobs: jax.Array | None = None  # f32[2B, C] the reference's, when already computed
-    sample_logprobs: jax.Array | None = None  # f32[2B, C] the sampler's, when it is not the trained policy
 
 
 def ld_weights(completion_mask: jax.Array, ld_alpha: float) -> jax.Array:
@@ -167,39 +85,15 @@ def preference_loss(S: jax.Array, S_ref: jax.Array, lengths: jax.Array, chosen: 
     return loss, jax.tree.map(jax.lax.stop_gradient, metrics)
 
 
-def batch_logprobs(model: Model, params: Params, batch: OnlineBatch, loss: LossConfig) -> jax.Array:
-    """f32[2B, C] ``completion_logprobs`` of a batch's completions, as ``loss`` computes them."""
-    return completion_logprobs(model, params, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
-                               batch.completion_mask, loss.max_length, loss.logprob_temperature)
-
-
-def policy_logprobs(model: Model, params: Params, batch: OnlineBatch, loss: LossConfig):
-    """``batch_logprobs`` under the trained policy and, where ``loss.router_aux_loss_coef`` is on (a MoE policy), the
-    load-balancing loss of the same forward (None otherwise)."""
-    if not (loss.router_aux_loss_coef and model.moe is not None):
-        return batch_logprobs(model, params, batch, loss), None
-    return completion_logprobs(model, params, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
-                               batch.completion_mask, loss.max_length, loss.logprob_temperature, with_aux=True)
-
-
-def with_aux_loss(value: jax.Array, metrics: dict, aux: jax.Array | None, loss: LossConfig):
-    """A loss and its metrics with the policy's load-balancing loss added (``router_aux_loss_coef`` times it, as
-    transformers adds it to its loss; ``metrics["loss"]`` the sum) and logged as ``aux_loss``; as they are without."""
-    if aux is None:
-        return value, metrics
-    value = value + loss.router_aux_loss_coef * aux
-    return value, metrics | {"loss": jax.lax.stop_gradient(value), "aux_loss": jax.lax.stop_gradient(aux)}
-
-
 def _summed_logprobs(model: Model, params: Params, ref_params: Params, batch: OnlineBatch, loss: LossConfig):
     """Summed completion log-probs under the policy (differentiable) and the frozen reference (None, and the
     reference not run, for a reference-free loss), plainly summed and as the loss reads them (with ``ld_alpha``,
-    LD-DPO's weighted sums; else the same arrays); and the policy's load-balancing loss (``policy_logprobs``)."""
+    LD-DPO's weighted sums; else the same arrays); and the policy's MoE terms (``policy_logprobs``)."""
     ref_logprobs, reference = batch.ref_logprobs, needs_reference(loss.loss_type)
     if reference and ref_logprobs is None and ref_params is None:
         raise ValueError(f"loss_type={loss.loss_type!r} compares with a reference: give ref_params (or ref_logprobs); "
                          "only a reference-free loss (REFERENCE_FREE) runs without one")
-    logp, aux = policy_logprobs(model, params, batch, loss)
+    logp, moe = policy_logprobs(model, params, batch, loss)
     S, S_ref = logp.sum(-1), None
     if reference:
         if ref_logprobs is None:
@@ -207,9 +101,9 @@ def _summed_logprobs(model: Model, params: Params, ref_params: Params, batch: On
         ref_logprobs = jax.lax.stop_gradient(ref_logprobs)
         S_ref = ref_logprobs.sum(-1)
     if loss.options.ld_alpha is None:
-        return S, S_ref, S, S_ref, aux
+        return S, S_ref, S, S_ref, moe
     w = ld_weights(batch.completion_mask, loss.options.ld_alpha)
-    return S, S_ref, (logp * w).sum(-1), None if S_ref is None else (ref_logprobs * w).sum(-1), aux
+    return S, S_ref, (logp * w).sum(-1), None if S_ref is None else (ref_logprobs * w).sum(-1), moe
 
 
 # --------------------------------------------------------------------------------------------------
@@ -223,15 +117,17 @@ def online_dpo_loss(model: Model, params: Params, ref_params: Params, prompt_ids
                     eos_token_ids=(), penalty_reward_value=None, max_length: int | None = None,
                     options: LossOptions = LossOptions(), ref_logprobs: jax.Array | None = None,
                     judged: bool = False, logprob_temperature: float | None = None,
-                    sample_logprobs: jax.Array | None = None, pair_weights: jax.Array | None = None):
+                    sample_logprobs: jax.Array | None = None, pair_weights: jax.Array | None = None,
+                    sample_experts: jax.Array | None = None, moe_routing_replay: bool = False):
     """The online DPO loss of one batch and TRL's metrics; differentiable in ``params``: ``online_batch_loss`` of
     the arrays as an ``OnlineBatch`` (its fields say their shapes; ``rewards`` raw, before any EOS penalty) under the
     keywords but ``beta`` as a ``LossConfig``. ``beta``: the KL strength (a scalar, may be traced). ``ref_params``:
-    the frozen reference; None (and never run) with a reference-free ``loss_type`` (``simpo``)."""
+    the frozen reference; None (and never run) with a reference-free ``loss_type`` (``simpo``). ``sample_experts``
+    (a MoE policy: ``Samples.experts``) logs ``moe/route_flip_rate`` and, with ``moe_routing_replay``, is replayed."""
     arrays = (jnp.asarray(x) for x in (prompt_ids, prompt_mask, completion_ids, completion_mask, rewards))
-    batch = OnlineBatch(*arrays, pair_weights, ref_logprobs, sample_logprobs)
+    batch = OnlineBatch(*arrays, pair_weights, ref_logprobs, sample_logprobs, sample_experts)
     loss = LossConfig(loss_type, options, max_length, logprob_temperature, missing_eos_penalty, penalty_reward_value,
-                      tuple(eos_token_ids), judged)
+                      tuple(eos_token_ids), judged, moe_routing_replay=moe_routing_replay)
     return online_batch_loss(model, params, ref_params, batch, beta, loss)
 
 
@@ -252,7 +148,7 @@ def online_batch_loss(model: Model, params: Params, ref_params: Params, batch: O
       reference, ``objective/kl``, ``objective/non_score_reward`` and ``objective/rlhf_reward`` are not logged and
       ``rewards/*``, ``logps/*`` are TRL CPOTrainer's (beta x the average log-prob; the average log-prob).
     """
-    S, S_ref, S_loss, S_ref_loss, aux = _summed_logprobs(model, params, ref_params, batch, loss)
+    S, S_ref, S_loss, S_ref_loss, moe = _summed_logprobs(model, params, ref_params, batch, loss)
     scores, has_eos = loss.scores(batch.rewards, batch.completion_ids, batch.completion_mask)
     chosen, rejected = pair_indices(scores)
     length = batch.completion_mask.sum(-1).astype(jnp.float32)
@@ -260,9 +156,9 @@ def online_batch_loss(model: Model, params: Params, ref_params: Params, batch: O
     weights = jnp.isfinite(p_first).astype(jnp.float32) if loss.judged else None
     if batch.pair_weights is not None:
         weights = batch.pair_weights.astype(jnp.float32) * (1.0 if weights is None else weights)
-    value, metrics = with_aux_loss(*preference_loss(S_loss, S_ref_loss, length, chosen, rejected, beta=beta,
+    value, metrics = with_moe_terms(*preference_loss(S_loss, S_ref_loss, length, chosen, rejected, beta=beta,
                                                     loss_type=loss.loss_type, options=loss.options, weights=weights),
-                                   aux, loss)
+                                    moe, loss)
     S = jax.lax.stop_gradient(S)
     if batch.sample_logprobs is not None:
         sampled = jnp.where(batch.completion_mask > 0, batch.sample_logprobs, 0.0).sum(-1)
@@ -322,9 +218,10 @@ def nash_md_batch_loss(model: Model, params: Params, ref_params: Params, batch: 
     log-ratio), ``objective/entropy``, ``val/model_contain_eos_token``, ``val/ref_contain_eos_token``, ``beta``,
     ``mixture_coef``."""
     B = batch.completion_ids.shape[0] // 2
-    own = OnlineBatch(batch.prompt_ids[:B], batch.prompt_mask[:B], batch.completion_ids[:B],
-                      batch.completion_mask[:B])  # prompt rows [:B] whether shared ([B, P]) or per row ([2B, P])
-    logp, aux = policy_logprobs(model, params, own, loss)
+    own = OnlineBatch(batch.prompt_ids[:B], batch.prompt_mask[:B], batch.completion_ids[:B],  # prompt rows [:B]
+                      batch.completion_mask[:B],  # whether shared ([B, P]) or per row ([2B, P])
+                      sample_experts=None if batch.sample_experts is None else batch.sample_experts[:B])
+    logp, moe = policy_logprobs(model, params, own, loss)
     ref = batch.ref_logprobs[:B] if batch.ref_logprobs is not None else batch_logprobs(
         model, jax.lax.stop_gradient(ref_params), own, loss)
     ref = jax.lax.stop_gradient(ref)
@@ -350,7 +247,7 @@ def nash_md_batch_loss(model: Model, params: Params, ref_params: Params, batch: 
         metrics["objective/judge_abstained"] = 1.0 - weights.mean()
     else:
         metrics |= {"rewards/chosen": scores[:B].mean(), "rewards/rejected": scores[B:].mean()}
-    return with_aux_loss(value, jax.tree.map(jax.lax.stop_gradient, metrics), aux, loss)
+    return with_moe_terms(value, jax.tree.map(jax.lax.stop_gradient, metrics), moe, loss)
 
 
 def xpo_batch_loss(model: Model, params: Params, ref_params: Params, batch: OnlineBatch, coefs: Coefficients,
@@ -367,7 +264,7 @@ def xpo_batch_loss(model: Model, params: Params, ref_params: Params, batch: Onli
     policy's mean summed log-prob of the chosen (rejected) completions plus the reference's),
     ``val/model_contain_eos_token``, ``val/ref_contain_eos_token``, ``alpha``, ``beta``."""
     B = batch.completion_ids.shape[0] // 2
-    S, S_ref, S_loss, S_ref_loss, aux = _summed_logprobs(model, params, ref_params, batch, loss)
+    S, S_ref, S_loss, S_ref_loss, moe = _summed_logprobs(model, params, ref_params, batch, loss)
     scores, has_eos = loss.scores(batch.rewards, batch.completion_ids, batch.completion_mask)
     chosen, rejected = pair_indices(scores)
     weights = _verdict_weights(loss, scores, batch)
@@ -389,7 +286,7 @@ def xpo_batch_loss(model: Model, params: Params, ref_params: Params, batch: Onli
     else:
         metrics |= {"objective/model_scores": scores[:B].mean(), "objective/ref_scores": scores[B:].mean(),
                     "objective/scores_margin": (scores[:B] - scores[B:]).mean()}
-    return with_aux_loss(dpo + xpo, jax.tree.map(jax.lax.stop_gradient, metrics), aux, loss)
+    return with_moe_terms(dpo + xpo, jax.tree.map(jax.lax.stop_gradient, metrics), moe, loss)
 
 
 def _online_dpo_batch_loss(model, params, ref_params, batch: OnlineBatch, coefs: Coefficients, loss: LossConfig):
@@ -405,10 +302,10 @@ ONLINE_LOSSES: dict[str, Callable] = {"online_dpo": _online_dpo_batch_loss, "nas
 def _family_batch(prompt_ids, prompt_mask, completion_ids, completion_mask, rewards, settings: dict):
     """An ``OnlineBatch`` and ``LossConfig`` from ``nash_md_loss``'s or ``xpo_loss``'s arrays and keywords."""
     arrays = (jnp.asarray(x) for x in (prompt_ids, prompt_mask, completion_ids, completion_mask, rewards))
-    ref_logprobs = settings.pop("ref_logprobs", None)
+    ref_logprobs, experts = settings.pop("ref_logprobs", None), settings.pop("sample_experts", None)
     if "eos_token_ids" in settings:
         settings["eos_token_ids"] = tuple(settings["eos_token_ids"])
-    return OnlineBatch(*arrays, ref_logprobs=ref_logprobs), LossConfig(**settings)
+    return OnlineBatch(*arrays, ref_logprobs=ref_logprobs, sample_experts=experts), LossConfig(**settings)
 
 
 def nash_md_loss(model: Model, params: Params, ref_params: Params, prompt_ids: jax.Array, prompt_mask: jax.Array,
@@ -416,7 +313,7 @@ def nash_md_loss(model: Model, params: Params, ref_params: Params, prompt_ids: j
                  mixture_coef=0.5, **settings):
     """``nash_md_batch_loss`` of arrays (``OnlineBatch``'s fields; ``rewards`` raw): Nash-MD's loss and TRL's
     metrics, differentiable in ``params``. ``settings``: ``LossConfig``'s fields (``missing_eos_penalty``,
-    ``eos_token_ids``, ``judged``, ``max_length``, ...) and ``ref_logprobs``."""
+    ``eos_token_ids``, ``judged``, ``max_length``, ...), ``ref_logprobs`` and ``sample_experts``."""
     batch, loss = _family_batch(prompt_ids, prompt_mask, completion_ids, completion_mask, rewards, settings)
     return nash_md_batch_loss(model, params, ref_params, batch, Coefficients(beta, mixture_coef=mixture_coef), loss)
 
@@ -426,7 +323,7 @@ def xpo_loss(model: Model, params: Params, ref_params: Params, prompt_ids: jax.A
              **settings):
     """``xpo_batch_loss`` of arrays (``OnlineBatch``'s fields; ``rewards`` raw): XPO's loss and TRL's metrics,
     differentiable in ``params``. ``settings``: ``LossConfig``'s fields (``loss_type``, ``missing_eos_penalty``,
-    ``eos_token_ids``, ``judged``, ...) and ``ref_logprobs``."""
+    ``eos_token_ids``, ``judged``, ...), ``ref_logprobs`` and ``sample_experts``."""
     batch, loss = _family_batch(prompt_ids, prompt_mask, completion_ids, completion_mask, rewards, settings)
     return xpo_batch_loss(model, params, ref_params, batch, Coefficients(beta, alpha=alpha), loss)
 
@@ -454,7 +351,7 @@ def dpo_loss(model: Model, params: Params, ref_params: Params, prompt_ids: jax.A
     batch = OnlineBatch(prompt_ids, prompt_mask, jnp.concatenate([chosen_ids, rejected_ids]),
                         jnp.concatenate([chosen_mask, rejected_mask]))  # rows b and B + b: pair b
     loss = LossConfig(loss_type, options, max_length, router_aux_loss_coef=router_aux_loss_coef)
-    _, _, S, S_ref, aux = _summed_logprobs(model, params, ref_params, batch, loss)
+    _, _, S, S_ref, moe = _summed_logprobs(model, params, ref_params, batch, loss)
     rows = jnp.arange(B, dtype=jnp.int32)
-    return with_aux_loss(*preference_loss(S, S_ref, batch.completion_mask.sum(-1).astype(jnp.float32), rows, rows + B,
-                                          beta=beta, loss_type=loss_type, options=options), aux, loss)
+    return with_moe_terms(*preference_loss(S, S_ref, batch.completion_mask.sum(-1).astype(jnp.float32), rows,
+                                           rows + B, beta=beta, loss_type=loss_type, options=options), moe, loss)

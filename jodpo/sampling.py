@@ -61,6 +61,10 @@ class Samples:
     tokens: jax.Array  # i32[B, T]: sampled tokens, pad after the first EOS (the EOS itself kept)
     mask: jax.Array  # i32[B, T]: 1 up to and including the first EOS
     logprobs: jax.Array  # f32[B, T]: log p(token) under the raw model (temperature 1, no filters); 0 on pad
+    # i32[B, T, layers, k] (a MoE policy; None otherwise): the experts each layer of the policy chose for token t when
+    # the sampler ran it (to choose token t + 1), where token t + 1 is a real token, which the loss's log-prob of it
+    # depends on; -1 elsewhere (the last real token, padding, rows the policy did not sample). Routing replay
+    experts: jax.Array | None = None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -148,6 +152,7 @@ class _State:
     tokens: jax.Array
     mask: jax.Array
     logprobs: jax.Array
+    experts: jax.Array | None  # i32[N, T, layers, k] (a MoE policy): ``Samples.experts``, filled as the steps run
 
 
 def _emit(cfg: SamplingConfig, rng: jax.Array, state: _State, logits_BV: jax.Array) -> _State:
@@ -176,14 +181,17 @@ def sampler_params(model: Model, params: Params) -> Params:
     return compute_params(model, split_layers(model, params))
 
 
-def decode_step(model: Model, params: Params, cache: Cache, token_B: jax.Array,
-                alive_B: jax.Array) -> tuple[jax.Array, Cache]:
+def decode_step(model: Model, params: Params, cache: Cache, token_B: jax.Array, alive_B: jax.Array,
+                with_experts: bool = False):
     """The model's part of one step of the sampler's decode loop: ``token_B`` i32[B] (``alive_B`` bool[B]: a real
     token; a row that has ended runs on padding, unseen by any real token) after ``cache``; returns the next token's
     logits f32[B, V] and the cache with it written. ``params`` from ``sampler_params``, ``cache`` per layer. What
-    ``bench.py traffic`` compiles to count the bytes a decode step moves."""
-    h, cache = hidden_states(model, params, token_B[:, None], alive_B[:, None].astype(jnp.int32), cache)
-    return lm_head(model, params, h[:, -1]), cache
+    ``bench.py traffic`` compiles to count the bytes a decode step moves. ``with_experts`` (a MoE model): a third
+    output, the experts each layer chose for the token, i32[B, layers, k]."""
+    h, cache, *routing = hidden_states(model, params, token_B[:, None], alive_B[:, None].astype(jnp.int32), cache,
+                                       with_router=with_experts)
+    logits = lm_head(model, params, h[:, -1])
+    return (logits, cache, routing[0].experts[:, :, 0].transpose(1, 0, 2)) if with_experts else (logits, cache)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,15 +209,19 @@ def _decode_step(model: Model, decoders: tuple[_Decoder, ...], combine, cfg: Sam
     """One decode step, straight-line (no branch: on a GPU every ``lax.cond`` waits for its predicate to reach the
     host, and the kernels behind it then start only after it): run each model on the last token of its rows (a row
     that has ended runs on padding, unseen by any real token), combine their logits into each row's, choose the
-    next."""
+    next. A MoE policy (the first model) records the experts it chose for that token (``Samples.experts``)."""
     B = state.token.shape[0] // max(d.end for d in decoders)
-    logits, caches = [], []
-    for d, cache in zip(decoders, state.caches):
+    logits, caches, experts = [], [], state.experts
+    for i, (d, cache) in enumerate(zip(decoders, state.caches)):
         rows = slice(d.first * B, d.end * B)
-        step_logits, cache = decode_step(model, d.params, cache, state.token[rows], state.alive[rows])
-        logits.append(step_logits)
-        caches.append(cache)
-    return _emit(cfg, rng, state.replace(caches=tuple(caches)), combine(*logits))
+        out = decode_step(model, d.params, cache, state.token[rows], state.alive[rows], i == 0 and experts is not None)
+        if i == 0 and experts is not None:  # token step - 1's; a step past the budget writes the last slot, which
+            # ``_sample`` clears (no token follows it)
+            t = jnp.minimum(state.step - 1, experts.shape[1] - 1)
+            experts = jax.lax.dynamic_update_slice(experts, out[2][:, None], (d.first * B, t, 0, 0))
+        logits.append(out[0])
+        caches.append(out[1])
+    return _emit(cfg, rng, state.replace(caches=tuple(caches), experts=experts), combine(*logits))
 
 
 def _prefill(model: Model, params: Params, prompt_ids: jax.Array, prompt_mask: jax.Array, length: int, copies: int):
@@ -247,9 +259,10 @@ def _sample(model: Model, sources: tuple[tuple[Params, int, int], ...], combine,
         hit = jax.nn.one_hot(prompt_ids, model.vocab_size, dtype=bool) & prompt_mask.astype(bool)[..., None]
         seen = jnp.concatenate([jnp.any(hit, axis=1)] * n, 0)
     zeros = lambda dt: jnp.zeros((n * B, T), dt)  # noqa: E731
+    experts = None if model.moe is None else jnp.full((n * B, T, model.num_layers, model.moe.top_k), -1, jnp.int32)
     state = _State(step=jnp.zeros((), jnp.int32), token=jnp.zeros((n * B,), jnp.int32),
                    alive=jnp.zeros((n * B,), bool), caches=tuple(caches), seen=seen, done=jnp.zeros((n * B,), bool),
-                   tokens=zeros(jnp.int32), mask=zeros(jnp.int32), logprobs=zeros(jnp.float32))
+                   tokens=zeros(jnp.int32), mask=zeros(jnp.int32), logprobs=zeros(jnp.float32), experts=experts)
     state = _emit(config, rng, state, combine(*first_logits))  # token 0, from the prefills' logits
 
     def chunk(state):
@@ -261,7 +274,11 @@ def _sample(model: Model, sources: tuple[tuple[Params, int, int], ...], combine,
     # past T - 1: those steps record nothing (their cache writes land in the last slot, which nothing reads after).
     state = jax.lax.while_loop(lambda s: (s.step < T) & ~jnp.all(s.done), chunk, state)
     pad = jnp.int32(config.pad_token_id)
-    return Samples(tokens=jnp.where(state.mask > 0, state.tokens, pad), mask=state.mask, logprobs=state.logprobs)
+    if experts is not None:  # a token's experts where the next token is real: those the loss's log-probs read
+        follows = jnp.pad(state.mask[:, 1:], ((0, 0), (0, 1))) > 0
+        experts = jnp.where(follows[:, :, None, None], state.experts, -1)
+    return Samples(tokens=jnp.where(state.mask > 0, state.tokens, pad), mask=state.mask, logprobs=state.logprobs,
+                   experts=experts)
 
 
 def sample(model: Model, params: Params, prompt_ids: jax.Array, prompt_mask: jax.Array, rng: jax.Array,
@@ -277,7 +294,8 @@ def sample(model: Model, params: Params, prompt_ids: jax.Array, prompt_mask: jax
         cache copied; rows come in block layout: every prompt for sample 0, then every prompt for sample 1, ...
         (the same as sampling ``concatenate([prompt_ids] * num_samples)``, with one prefill instead of n).
     Returns:
-      ``Samples`` with ``tokens``, ``mask`` and ``logprobs`` of shape [num_samples * B, max_new_tokens].
+      ``Samples`` with ``tokens``, ``mask`` and ``logprobs`` of shape [num_samples * B, max_new_tokens]; a MoE
+      model's also with ``experts`` [num_samples * B, max_new_tokens, layers, k].
     Jittable (``model`` and ``config`` static); works on sharded params and batches.
     """
     return _sample(model, ((params, 0, num_samples),), lambda logits: logits, prompt_ids, prompt_mask, rng, config)
@@ -302,6 +320,8 @@ def sample_pair(model: Model, params: Params, ref_params: Params, prompt_ids: ja
     weights once whatever its rows, so one loop over both costs less than a loop per completion.
 
     ``Samples.logprobs`` are each row's own distribution's (the policy's, the reference's, the mixture's), raw.
+    ``Samples.experts`` (a MoE model) are the policy's on the rows it runs on (Nash-MD's mixture rows too), -1 on
+    XPO's reference rows.
     ``ref_params`` may be the policy's base with ``params`` its LoRA adapters attached: the reference is the policy
     with its adapters off. Jittable as ``sample``."""
     B = prompt_ids.shape[0]

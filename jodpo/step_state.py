@@ -51,6 +51,7 @@ class StepConfig:
     mixture_coef: tuple[float, ...] = (OWN_SETTINGS["mixture_coef"][1],)  # Nash-MD's weight of the reference in the
     # mixture, indexed as beta
     router_aux_loss_coef: float = 0.0  # a MoE policy's load-balancing loss, times this, added (0: off, as TRL's)
+    moe_routing_replay: bool = False  # a MoE policy's training forward takes the sampler's experts (routing replay)
 
     @property
     def online_method(self) -> Method:
@@ -76,7 +77,7 @@ class StepConfig:
         """The loss's settings as ``jodpo.losses`` reads them (its EOS ids: ``penalty_ids``)."""
         return LossConfig(self.loss_type, self.loss_options, self.max_length, self.logprob_temperature,
                           self.missing_eos_penalty, self.penalty_reward_value, self.penalty_ids, self.judged,
-                          self.router_aux_loss_coef)
+                          self.router_aux_loss_coef, self.moe_routing_replay)
 
     @property
     def lagging(self) -> bool:

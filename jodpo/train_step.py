@@ -128,7 +128,8 @@ def sample_with(cfg: StepConfig, params: Params, rng: jax.Array, step: jax.Array
     else:
         out = sample(cfg.model, policy, flat(prompt_ids), flat(prompt_mask), key, cfg.sampling, num_samples=n)
     # rows s * AB + b * A + a -> [a, s * B + b]
-    return jax.tree.map(lambda x: x.reshape(n, B, A, -1).transpose(2, 0, 1, 3).reshape(A, n * B, -1), out)
+    return jax.tree.map(lambda x: jnp.moveaxis(x.reshape(n, B, A, *x.shape[1:]), 2, 0).reshape(A, n * B, *x.shape[1:]),
+                        out)
 
 
 def sampler_weights(cfg: StepConfig, params: Params) -> Params:
@@ -237,9 +238,10 @@ def update(cfg: StepConfig, state: TrainState, ref_params: Params, prompt_ids: j
 
 def _online_batch(cfg: StepConfig, prompt_ids, prompt_mask, samples: Samples, rewards, pair_weights,
                   ref_logprobs=None) -> OnlineBatch:
-    """A window's ``OnlineBatch`` [A, ...]; the sampler's log-probs only where the sampler lags (``cfg.lagging``)."""
+    """A window's ``OnlineBatch`` [A, ...]; the sampler's log-probs only where the sampler lags (``cfg.lagging``),
+    a MoE policy's experts as sampled (routing replay, ``moe/route_flip_rate``)."""
     return OnlineBatch(prompt_ids, prompt_mask, samples.tokens, samples.mask, rewards.astype(jnp.float32),
-                       pair_weights, ref_logprobs, samples.logprobs if cfg.lagging else None)
+                       pair_weights, ref_logprobs, samples.logprobs if cfg.lagging else None, samples.experts)
 
 
 def _update(cfg: StepConfig, state: TrainState, ref_params: Params, batch: OnlineBatch) -> tuple[TrainState, dict]:

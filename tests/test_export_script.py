@@ -47,11 +47,15 @@ def neox_run(checkpoints, tmp_path_factory):
                                     "gemma4", "qwen3_moe"])
 def test_trained_policy_exports_to_transformers(checkpoints, tmp_path, family, neox_run):
     steps = 2 if family == "neox" else 3
-    aux = dict(router_aux_loss_coef=0.01) if family == "qwen3_moe" else {}  # the load-balancing loss on, logged
+    # the load-balancing loss on, logged; routing replay on, over two micro-batches: in float32 the sampler's experts
+    # are the trainer's own (moe/route_flip_rate 0), token for token through the window's layout
+    aux = dict(router_aux_loss_coef=0.01, moe_routing_replay=True, gradient_accumulation_steps=2) \
+        if family == "qwen3_moe" else {}
     run = neox_run if family == "neox" else _train(checkpoints, family, tmp_path, steps, **aux)
     if aux:
         lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         assert all(np.isfinite(m["aux_loss"]) and m["aux_loss"] > 0 for m in lines if "loss" in m)
+        assert [m["moe/route_flip_rate"] for m in lines if "loss" in m] == [0.0] * steps
     out, checks = export_hf.export(str(run), str(tmp_path / "hf"))
     assert "bitwise" in checks[0] and "transformers" in checks[1]
     trained = restore_params(run / "checkpoints" / str(steps))

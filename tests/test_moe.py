@@ -32,7 +32,7 @@ def test_every_layer_routes_as_transformers_and_the_aux_loss_equals_theirs(check
     ids, mask = hf_fixtures.padded_batch(np.random.default_rng(3), [11, 4, 8], model.pad_token_id, "left")
     _, _, ours = jax.jit(decoder.hidden_states, static_argnums=0, static_argnames="with_router")(
         model, params, ids, mask, with_router=True)
-    ours = np.asarray(ours)  # [N, B, L, E]
+    ours = np.asarray(ours.logits)  # [N, B, L, E]
     aux = float(moe.load_balancing_loss(model.moe, jnp.asarray(ours), mask))
     hf = _hf(path, output_router_logits=True, router_aux_loss_coef=0.5)
     with torch.no_grad():

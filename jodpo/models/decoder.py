@@ -81,10 +81,12 @@ def _source(model: Model, kind: str, j):
     return READS[kind], len(model.layers_of(READS[kind])) - 1
 
 
-def _layer(model: Model, kind: str, p: Params, xs: tuple, site: Site, mix, state=None, j=None, extra=None):
+def _layer(model: Model, kind: str, p: Params, xs: tuple, site: Site, mix, state=None, j=None, extra=None,
+           routes=None):
     """One decoder layer over groups of tokens ``xs`` (a tuple of ``[B_i, L_i, D]``): norm, the mixer
     (``mix(kind, p, normed, site, state, j)`` returns its outputs, one per group, and its updated cache state, in
-    the caller's mode), residual, MLP; then Gemma 4's per-layer block (``extra``: each group's per-layer inputs) and
+    the caller's mode), residual, MLP (``routes``: each group's forced experts ``[B_i, L_i, k]`` or None, routing
+    replay in a MoE layer); then Gemma 4's per-layer block (``extra``: each group's per-layer inputs) and
     its layer scalar. LoRA adapters are folded into the layer's weights here, one layer at a time (inside the scan and
     its rematerialisation: no merged copy of the model)."""
     p = merge_adapters(model, p)
@@ -92,14 +94,15 @@ def _layer(model: Model, kind: str, p: Params, xs: tuple, site: Site, mix, state
     outs, state = mix(kind, p, tuple(pre("ln1", x) for x in xs), site, state, j)
     new, routers = [], []
     for g, (x, a) in enumerate(zip(xs, outs)):
+        forced = None if routes is None else routes[g]
         if model.norms.post:  # Gemma, OLMo 2: the mixer's output is normed before the residual
             a = norm(model, p["post_attn"], a)
         if model.parallel_residual:
-            out, router = _feed_forward(model, p, pre("ln2", x))
+            out, router = _feed_forward(model, p, pre("ln2", x), forced)
             x = x + a + out
         else:
             x = x + a
-            out, router = _feed_forward(model, p, pre("ln2", x))
+            out, router = _feed_forward(model, p, pre("ln2", x), forced)
             x = x + (norm(model, p["post_mlp"], out) if model.norms.post else out)
         routers.append(router)
         if model.per_layer_embeddings is not None:
@@ -110,11 +113,12 @@ def _layer(model: Model, kind: str, p: Params, xs: tuple, site: Site, mix, state
     return tuple(new), state, (None if model.moe is None else tuple(routers))
 
 
-def _feed_forward(model: Model, p: Params, x_BLD: jax.Array):
-    """The layer's feed-forward kind on its normed input: the MoE block (``Model.moe``: its output and router logits)
-    or the dense MLP (a KV-sharing layer's double-wide one in Gemma 4; no router logits)."""
+def _feed_forward(model: Model, p: Params, x_BLD: jax.Array, forced: jax.Array | None = None):
+    """The layer's feed-forward kind on its normed input: the MoE block (``Model.moe``: its output and its
+    ``moe.Routing``; ``forced``: experts replayed, ``moe.block``) or the dense MLP (a KV-sharing layer's double-wide
+    one in Gemma 4; no routing)."""
     if model.moe is not None:
-        return moe.block(model, p["moe"], x_BLD)
+        return moe.block(model, p["moe"], x_BLD, forced=forced)
     return mlp(model, p["mlp_wide"] if "mlp_wide" in p else p["mlp"], x_BLD), None
 
 
@@ -125,15 +129,17 @@ _REMAT_POLICIES = {
 REMAT_POLICIES = ("none",) + tuple(_REMAT_POLICIES)
 
 
-def _stack(model: Model, params: Params, xs: tuple, mix, states=None, remat: bool = False, extra=None):
+def _stack(model: Model, params: Params, xs: tuple, mix, states=None, remat: bool = False, extra=None, routes=None):
     """``xs`` (a tuple of token groups) through every layer, one ``lax.scan`` per run of ``layer_runs`` (a repeating
     period of kinds), and inside a period one scan per group of consecutive layers of one kind (``groups``).
     ``states``: what the mixers read and write, by kind: the cache's states (each kind's stacked over its layers: a
     layer's at its index among them), or in the cache-free forwards KV sharing's slots (``attention_mixer``); the scans
     carry them (updated in place). ``extra``: each group's per-layer inputs ``[N, ...]`` (Gemma 4), scanned with the
     layers. ``remat``: each layer rematerialised as ``model.remat`` says (the forwards that are differentiated).
-    Returns the token groups, the states and, in a MoE model, every layer's router logits per group (a tuple of
-    ``[N, B_i, L_i, E]``; None otherwise)."""
+    ``routes`` (a MoE model, routing replay): each group's forced experts ``[N, B_i, L_i, k]`` (-1: the token's own
+    choice), or None for a group (or all) that routes itself; scanned with the layers.
+    Returns the token groups, the states and, in a MoE model, every layer's ``moe.Routing`` per group (a tuple of
+    them, ``[N, B_i, L_i, ...]``; None otherwise)."""
     all_sites = sites(model)
     kinds, variants = _scan_kinds(model) if states is None else (model.kinds, {})
     variant = np.array([variants[k].index(own) if k in variants else 0 for k, own in zip(kinds, model.kinds)],
@@ -145,24 +151,24 @@ def _stack(model: Model, params: Params, xs: tuple, mix, states=None, remat: boo
         per_run = lambda a, run=run, n=n: jnp.asarray(a[run.start:run.end].reshape(run.reps, n, *a.shape[1:]))  # noqa
         scanned = (run_params(model, params["layers"], run), Site(*map(per_run, all_sites)),
                    jnp.arange(run.reps, dtype=jnp.int32), None if extra is None else tuple(map(per_run, extra)),
-                   per_run(variant))
+                   jax.tree.map(per_run, routes), per_run(variant))
 
         def body(carry, scanned, period=period, lo=lo):
             x, states = carry
-            p_run, site_run, rep, extra_run, variant_run = scanned
+            p_run, site_run, rep, extra_run, routes_run, variant_run = scanned
             ys = []
             for q, kind, count in groups(period):
                 src, j = _source(model, kind, lo[kind] + rep * period.count(kind) + period[:q].count(kind))
 
                 def one(carry, layer, kind=kind, src=src):
-                    (x, states), (p, site, extra, j, v) = carry, layer
+                    (x, states), (p, site, extra, routes, j, v) = carry, layer
                     if kind in variants:  # a cache-free forward (no states): this layer's own kind's
-                        branches = [lambda p, x, site, extra, own=own: _layer(model, own, p, x, site, mix, None, None,
-                                                                              extra) for own in variants[kind]]
-                        x, _, router = jax.lax.switch(v, branches, p, x, site, extra)
+                        branches = [lambda p, x, site, extra, routes, own=own: _layer(
+                            model, own, p, x, site, mix, None, None, extra, routes) for own in variants[kind]]
+                        x, _, router = jax.lax.switch(v, branches, p, x, site, extra, routes)
                         return (x, states), router
                     mine = None if states is None else states.get(src)
-                    x, mine, router = _layer(model, kind, p, x, site, mix, mine, j, extra)
+                    x, mine, router = _layer(model, kind, p, x, site, mix, mine, j, extra, routes)
                     return (x, states if states is None or src not in states else {**states, src: mine}), router
 
                 if remat and model.remat != "none":
@@ -173,7 +179,8 @@ def _stack(model: Model, params: Params, xs: tuple, mix, states=None, remat: boo
                 p = period_params(model, p_run, period, q, count)
                 if count == 1:
                     layer = (p, Site(*(a[q] for a in site_run)),
-                             None if extra_run is None else tuple(e[q] for e in extra_run), j, variant_run[q])
+                             None if extra_run is None else tuple(e[q] for e in extra_run),
+                             jax.tree.map(lambda a: a[q], routes_run), j, variant_run[q])
                     (x, states), y = one((x, states), layer)
                     ys.append(jax.tree.map(lambda a: a[None], y))
                     continue
@@ -181,7 +188,8 @@ def _stack(model: Model, params: Params, xs: tuple, mix, states=None, remat: boo
                 js = j + (jnp.arange(count, dtype=jnp.int32) if src == kind else jnp.zeros(count, jnp.int32))
                 layers = slice(q, q + count)
                 layer = (p, Site(*(a[layers] for a in site_run)),
-                         None if extra_run is None else tuple(e[layers] for e in extra_run), js, variant_run[layers])
+                         None if extra_run is None else tuple(e[layers] for e in extra_run),
+                         jax.tree.map(lambda a: a[layers], routes_run), js, variant_run[layers])
                 (x, states), y = jax.lax.scan(one, (x, states), layer)
                 ys.append(y)
             return (x, states), jax.tree.map(lambda *a: jnp.concatenate(a), *ys)
@@ -261,9 +269,13 @@ def split_cache(model: Model, cache: Cache) -> Cache:
 
 
 def hidden_states(model: Model, params: Params, tokens_BL: jax.Array, mask_BL: jax.Array,
-                  cache: Cache | None = None, *, empty_cache: bool = False, with_router: bool = False):
-    """Final-normed hidden states ``[B, L, D]`` (compute dtype) and the updated cache; ``with_router`` (without a
-    cache, in a MoE model): a third output, every layer's router logits ``[N, B, L, E]`` (``moe.load_balancing_loss``).
+                  cache: Cache | None = None, *, empty_cache: bool = False, with_router: bool = False,
+                  routes: jax.Array | None = None):
+    """Final-normed hidden states ``[B, L, D]`` (compute dtype) and the updated cache; ``with_router`` (a MoE model):
+    a third output, every layer's ``moe.Routing`` of the tokens (router logits ``[N, B, L, E]``, for
+    ``moe.load_balancing_loss``; the experts each chose ``[N, B, L, k]``). ``routes`` (a MoE model, without a cache:
+    routing replay): i32[N, B, L, k] the experts each token takes in each layer instead of its router's choice, where
+    >= 0 (-1: its own choice; ``moe.route``).
 
     ``mask_BL`` marks real tokens (1) and padding (0). With ``cache``, the tokens follow what it holds: attention
     layers write their keys and values at ``cache["index"]`` and attend to every earlier real slot (positions continue
@@ -288,9 +300,12 @@ def hidden_states(model: Model, params: Params, tokens_BL: jax.Array, mask_BL: j
             y, kv = MIXERS[kind].full(model, p[KEYS[kind]], normed[0], ctx, site, kv)
             return (y,), kv
 
-        (x,), _, routers = _stack(model, params, (x,), mix, _shared_slots(model, (x,)), remat=True, extra=extra)
+        (x,), _, routers = _stack(model, params, (x,), mix, _shared_slots(model, (x,)), remat=True, extra=extra,
+                                  routes=None if routes is None else (routes,))
         h = norm(model, params["final_norm"], x)
         return (h, None, routers[0]) if with_router else (h, None)
+    if routes is not None:
+        raise ValueError("routes replay experts in the cache-free forwards (training); a cached forward routes itself")
 
     start = cache["index"]
     kv_mask_BS = jax.lax.dynamic_update_slice(cache["mask"], mask_BL, (0, start))
@@ -310,30 +325,37 @@ def hidden_states(model: Model, params: Params, tokens_BL: jax.Array, mask_BL: j
     if split:
         # Unrolled (see split_layers): per-layer weights and cache states, so a decode step slices nothing; each
         # layer's state is updated in place where it lives (a KV-sharing layer's: its source's, read in place).
-        all_sites, states = sites(model), list(states)
+        all_sites, states, routers = sites(model), list(states), []
         for i, p in enumerate(params["layers"]):
             kind = model.kinds[i]
             src = i if kind not in READS else model.layers_of(READS[kind])[-1]
             site = Site(*(int(a[i]) for a in all_sites))
-            (x,), states[src], _ = _layer(model, kind, p, (x,), site, mix, states[src], None,
-                                          None if extra is None else (extra[0][i],))
+            (x,), states[src], router = _layer(model, kind, p, (x,), site, mix, states[src], None,
+                                               None if extra is None else (extra[0][i],))
+            routers.append(router)
         states = tuple(states)
+        routing = None if model.moe is None else jax.tree.map(lambda *a: jnp.stack(a), *(r[0] for r in routers))
     else:
-        (x,), states, _ = _stack(model, params, (x,), mix, states=states, extra=extra)
+        (x,), states, routers = _stack(model, params, (x,), mix, states=states, extra=extra)
+        routing = None if routers is None else routers[0]
     if L > 1:
         states = _each_state(model, states, "close_state", ctx)
     x = norm(model, params["final_norm"], x)
-    return x, {"state": states, "mask": kv_mask_BS, "index": start + L}
+    cache = {"state": states, "mask": kv_mask_BS, "index": start + L}
+    return (x, cache, routing) if with_router else (x, cache)
 
 
 def prefixed_hidden_states(model: Model, params: Params, prefix_ids_BP: jax.Array, prefix_mask_BP: jax.Array,
-                           suffix_ids_NC: jax.Array, suffix_mask_NC: jax.Array, *, with_router: bool = False):
+                           suffix_ids_NC: jax.Array, suffix_mask_NC: jax.Array, *, with_router: bool = False,
+                           routes: jax.Array | None = None):
     """``hidden_states`` of ``concatenate([tile(prefix), suffix], 1)``, ``[N, P + C, D]``, computing every
     prefix once instead of once per suffix: N = n x B suffix rows in block layout (row r continues prefix
     ``r % B``). The suffix tokens attend to the prefix's keys and values, or continue its DeltaNet states (shared,
     so their gradients add up); the result equals the plain forward of the concatenated rows up to float rounding.
     Online DPO's two completions of a prompt share its forward this way (policy, reference and reward model).
-    ``with_router`` (a MoE model): also every layer's router logits of those rows, ``[N layers, N, P + C, E]``."""
+    ``with_router`` (a MoE model): also every layer's ``moe.Routing`` of those rows (``[N layers, N, P + C, ...]``).
+    ``routes`` (routing replay): the suffix tokens' forced experts, i32[N layers, N, C, k] (``hidden_states``); the
+    prefix routes itself."""
     (B, P), (N, C) = prefix_ids_BP.shape, suffix_ids_NC.shape
     if N % B:
         raise ValueError(f"{N} suffix rows do not continue {B} prefixes in block layout (need a multiple of {B})")
@@ -354,11 +376,11 @@ def prefixed_hidden_states(model: Model, params: Params, prefix_ids_BP: jax.Arra
     (xp, ep), (xs, es) = _embed(model, params, prefix_ids_BP), _embed(model, params, suffix_ids_NC)
     x = (xp, xs)
     (h_prefix, h_suffix), _, routers = _stack(model, params, x, mix, _shared_slots(model, x), remat=True,
-                                              extra=None if ep is None else (ep, es))
+                                              extra=None if ep is None else (ep, es),
+                                              routes=None if routes is None else (None, routes))
     h_prefix, h_suffix = norm(model, params["final_norm"], h_prefix), norm(model, params["final_norm"], h_suffix)
     h = jnp.concatenate([tile(h_prefix), h_suffix], 1)
     if not with_router:
         return h
-    # the router logits of the concatenated rows, as a plain forward of them has them: [N layers, N, P + C, E]
-    prefix_logits = jnp.concatenate([routers[0]] * (N // B), 1)
-    return h, jnp.concatenate([prefix_logits, routers[1]], 2)
+    # the routing of the concatenated rows, as a plain forward of them has it: [N layers, N, P + C, ...]
+    return h, jax.tree.map(lambda p, s: jnp.concatenate([jnp.concatenate([p] * (N // B), 1), s], 2), *routers)

@@ -3,8 +3,10 @@ load-balancing loss, exactly as transformers 5.24 computes the sparse blocks of 
 
 Routing: the router's logits ``x . router`` in the compute dtype, a softmax over the experts in float32, the ``top_k``
 most probable experts (ties to the lower index), their probabilities renormalised to sum to 1 where
-``MoE.norm_topk_prob`` says, then cast to the compute dtype. Each expert is a SwiGLU-style MLP of the model's
-activation. Beside them, where ``MoE.shared_dim``, a shared expert every token takes, times sigmoid of its gate.
+``MoE.norm_topk_prob`` says, then cast to the compute dtype. Routing replay forces the experts of
+chosen tokens (``route``'s ``forced_TK``: the router's probabilities of the forced experts, renormalised, weigh them);
+``block`` reports the router's own choice beside its logits (``Routing``). Each expert is a SwiGLU-style MLP of the
+model's activation. Beside them, where ``MoE.shared_dim``, a shared expert every token takes, times sigmoid of its gate.
 
 The experts are dropless: every token reaches each of its k experts (no capacity, nothing dropped, so the numbers are
 transformers'). The k copies of the tokens are sorted by expert, so that each expert's rows are contiguous, and run
@@ -21,6 +23,7 @@ Parameters, stacked over the layers (``params["layers"]["moe"]``): ``router`` ``
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -51,16 +54,38 @@ def specs(model: Model, n: int) -> dict:
     return out
 
 
-def route(model: Model, router_DE: jax.Array, x_TD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+class Routing(NamedTuple):
+    """What a MoE layer's router did with its tokens: its logits (compute dtype; the load-balancing loss reads them)
+    and the ``top_k`` experts it chose itself, int32, in its order (most probable first). The decoder's forwards stack
+    them over the layers (``decoder.hidden_states(..., with_router=True)``): the sampler records the experts of its
+    completion tokens, the training forward compares its own with them (routing replay)."""
+
+    logits: jax.Array  # [..., E]
+    experts: jax.Array  # i32[..., k]
+
+
+def route(model: Model, router_DE: jax.Array, x_TD: jax.Array,
+          forced_TK: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``(logits [T, E] in the compute dtype, weights [T, k] in the compute dtype, experts [T, k])`` of each token, as
-    transformers' ``TopKRouter``."""
+    transformers' ``TopKRouter``. ``forced_TK`` (routing replay): i32[T, k] experts that replace the top-k choice of
+    each token where they are >= 0 (-1: the token's own choice); their weights are still the router's probabilities
+    of those experts, renormalised as the family does, so the router's gradient flows through them as through its own
+    choice (Megatron's R3)."""
     m = model.moe
     logits = einsum(model, "td,de->te", x_TD, router_DE.astype(x_TD.dtype))
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     top, experts = jax.lax.top_k(probs, m.top_k)
+    if forced_TK is not None:
+        experts = jnp.where(forced_TK >= 0, forced_TK, experts)
+        top = jnp.take_along_axis(probs, experts, -1)
     if m.norm_topk_prob:
         top = top / jnp.sum(top, -1, keepdims=True)
     return logits, top.astype(x_TD.dtype), experts.astype(jnp.int32)
+
+
+def own_experts(moe: MoE, logits: jax.Array) -> jax.Array:
+    """i32[..., k]: the experts a router of these ``logits`` chooses (``route``'s top-k, ties to the lower index)."""
+    return jax.lax.top_k(jax.nn.softmax(logits.astype(jnp.float32), axis=-1), moe.top_k)[1].astype(jnp.int32)
 
 
 def _swiglu(model: Model, x, w_gate, w_up, w_down, spec_in: str = "td,df->tf", spec_out: str = "tf,fd->td"):
@@ -257,18 +282,23 @@ def dense_experts(model: Model, p: Params, x_TD: jax.Array, experts_TK: jax.Arra
     return jnp.sum(y_TED * w_TE[..., None], axis=1)
 
 
-def block(model: Model, p: Params, x_BLD: jax.Array, experts=sorted_experts) -> tuple[jax.Array, jax.Array]:
-    """The MoE feed-forward of normed hidden states: ``(output [B, L, D], router logits [B, L, E])``. ``experts``:
-    ``sorted_experts`` (dropless grouped matmuls) or ``dense_experts`` (the reference)."""
+def block(model: Model, p: Params, x_BLD: jax.Array, experts=sorted_experts,
+          forced: jax.Array | None = None) -> tuple[jax.Array, Routing]:
+    """The MoE feed-forward of normed hidden states: ``(output [B, L, D], Routing of [B, L, ...])``. ``experts``:
+    ``sorted_experts`` (dropless grouped matmuls) or ``dense_experts`` (the reference). ``forced``: i32[B, L, k] the
+    experts each token takes instead of its own choice where >= 0 (``route``); the ``Routing`` still holds the
+    router's own choice."""
     B, L, D = x_BLD.shape
     x_TD = x_BLD.reshape(B * L, D)
-    logits, weights, chosen = route(model, p["router"], x_TD)
+    forced_TK = None if forced is None else forced.reshape(B * L, -1)
+    logits, weights, chosen = route(model, p["router"], x_TD, forced_TK)
     out = experts(model, p, x_TD, chosen, weights)
     if model.moe.shared_dim:  # Qwen3.5-MoE, Qwen3-Next: a shared expert times sigmoid(its gate), added
         s = p["shared"]
         shared = _swiglu(model, x_TD, s["gate"], s["up"], s["down"])
         out = out + jax.nn.sigmoid(einsum(model, "td,dk->tk", x_TD, p["shared_gate"].astype(x_TD.dtype))) * shared
-    return out.reshape(B, L, D), logits.reshape(B, L, -1)
+    own = chosen if forced is None else own_experts(model.moe, logits)
+    return out.reshape(B, L, D), Routing(logits.reshape(B, L, -1), own.reshape(B, L, -1))
 
 
 def load_balancing_loss(moe: MoE, logits_NBLE: jax.Array, mask_BL: jax.Array) -> jax.Array:

@@ -129,6 +129,10 @@ class _Fields:
     router_aux_loss_coef: float = _f(0.0, "a MoE policy's load-balancing loss (transformers' aux_loss) times this is "
                                           "added to the loss and logged as aux_loss (TRL DPOConfig's name); 0: off, "
                                           "as TRL's online trainers")
+    moe_routing_replay: bool = _f(False, "routing replay (Megatron's and verl's R3): a MoE policy's training forward "
+                                         "takes the experts its sampler chose for each completion token instead of "
+                                         "its router's choice (the router's probabilities still weigh them); "
+                                         "moe/route_flip_rate is logged either way")
     missing_eos_penalty: float | None = _f(None, "subtracted from the reward of completions without EOS (TRL)")
     non_eos_penalty: bool = _f(False, "replace the reward of completions without EOS by penalty_reward_value")
     penalty_reward_value: float = _f(-1.0, "the reward given by non_eos_penalty (open-instruct)")

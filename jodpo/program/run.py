@@ -192,6 +192,9 @@ def build(cfg: TrainConfig, given: Given = Given()) -> Run:
     if cfg.router_aux_loss_coef and model.moe is None:  # as TRL refuses it
         raise ConfigError(f"router_aux_loss_coef={cfg.router_aux_loss_coef} adds a mixture of experts' load-balancing "
                           f"loss, and this {model.family} policy has no experts; leave it at 0")
+    if cfg.moe_routing_replay and model.moe is None:
+        raise ConfigError(f"moe_routing_replay=True replays the experts a mixture of experts' sampler chose, and this "
+                          f"{model.family} policy has no experts; leave it False")
     if cfg.use_peft:  # the policy is the frozen base plus adapters; nothing else is trained or copied
         model = model.replace(lora_rank=cfg.lora_r, lora_alpha=float(cfg.lora_alpha))
         try:
@@ -237,6 +240,9 @@ def build(cfg: TrainConfig, given: Given = Given()) -> Run:
         raise ConfigError("num_epochs, num_mini_batches, async_mode, sampler_devices, num_generations, pairing and "
                           "sync_steps shape online rollouts; this dataset has chosen/rejected columns (offline DPO): "
                           "leave them at their defaults")
+    if offline and cfg.moe_routing_replay:
+        raise ConfigError("moe_routing_replay=True replays the experts the sampler chose, and this dataset has "
+                          "chosen/rejected columns (offline DPO: nothing is sampled); leave it False")
 
     spe = D.steps_per_epoch(len(train), global_batch)
     total = run_length(cfg, global_batch, spe)
@@ -259,7 +265,7 @@ def build(cfg: TrainConfig, given: Given = Given()) -> Run:
         logprob_temperature=cfg.temperature if cfg.temperature_scaled_logprobs else None, stop_token_ids=stop,
         async_mode=cfg.async_mode, num_generations=cfg.num_generations, pairing=cfg.pairing,
         sync_steps=cfg.sync_steps, method=cfg.method, alpha=cfg.alpha, mixture_coef=cfg.mixture_coef,
-        router_aux_loss_coef=cfg.router_aux_loss_coef)
+        router_aux_loss_coef=cfg.router_aux_loss_coef, moe_routing_replay=cfg.moe_routing_replay)
     run = Run(cfg, tokenizer, step_cfg, mesh, policy_params, ref_params, rewards, judge, train, evaluation,
               cfg.prompt_buckets or D.default_buckets(cfg.max_prompt_length), global_batch, spe, total,
               Schedule(cfg, total, spe),
