@@ -26,7 +26,8 @@ import numpy as np
 
 from jodpo.models.model import Model, Params, einsum
 
-_ACTIVATIONS = {
+# transformers' hidden_act names jodpo computes -> the function
+ACTIVATIONS = {
     "gelu": lambda x: jax.nn.gelu(x, approximate=False),
     "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
     "gelu_fast": lambda x: jax.nn.gelu(x, approximate=True),
@@ -35,7 +36,6 @@ _ACTIVATIONS = {
     "swish": jax.nn.silu,
     "relu": jax.nn.relu,
 }
-ACTIVATIONS = tuple(_ACTIVATIONS)
 
 
 class Site(NamedTuple):
@@ -167,14 +167,14 @@ def per_layer_block(model: Model, p: Params, x_BLD: jax.Array, inputs_BLK: jax.A
     """``x`` plus the RMSNorm of its gated projection times the layer's per-layer inputs, projected back (Gemma 4's
     ``per_layer_input_gate``, ``per_layer_projection``, ``post_per_layer_input_norm``; after the MLP's residual)."""
     dt = x_BLD.dtype
-    h = _ACTIVATIONS[model.activation](einsum(model, "bld,dk->blk", x_BLD, p["ple"]["ple_gate"].astype(dt)))
+    h = ACTIVATIONS[model.activation](einsum(model, "bld,dk->blk", x_BLD, p["ple"]["ple_gate"].astype(dt)))
     h = einsum(model, "blk,kd->bld", h * inputs_BLK.astype(dt), p["ple"]["ple_proj"].astype(dt))
     return x_BLD + norm(model, p["ple_norm"], h)
 
 
 def mlp(model: Model, p: Params, x_BLD: jax.Array) -> jax.Array:
     dt = x_BLD.dtype
-    act = _ACTIVATIONS[model.activation]
+    act = ACTIVATIONS[model.activation]
     up = einsum(model, "bld,df->blf", x_BLD, p["up"].astype(dt))
     if model.mlp_bias:
         up = up + p["up_bias"].astype(dt)

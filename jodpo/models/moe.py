@@ -25,7 +25,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jodpo.models.layers import _ACTIVATIONS, recomputed
+from jodpo.models.layers import ACTIVATIONS, recomputed
 from jodpo.models.model import Model, MoE, Params, einsum
 
 WEIGHTS = ("router", "gate", "up", "down", "shared_gate")
@@ -61,7 +61,7 @@ def route(model: Model, router_DE: jax.Array, x_TD: jax.Array) -> tuple[jax.Arra
 
 
 def _swiglu(model: Model, x, w_gate, w_up, w_down, spec_in: str = "td,df->tf", spec_out: str = "tf,fd->td"):
-    act = _ACTIVATIONS[model.activation]
+    act = ACTIVATIONS[model.activation]
 
     def down(gate, up, w):  # the backward keeps the projections' outputs and recomputes the activation
         return einsum(model, spec_out, act(gate) * up, w)
@@ -100,7 +100,7 @@ def grouped_tiles(model: Model, p: Params, x_MD: jax.Array, sizes_E: jax.Array) 
 def _tile_forward(model: Model, w_gate, w_up, w_down, tiles_ntD, expert_n):
     """Each tile through its expert: the outputs ``[n, t, D]`` and the gate and up projections ``[n, t, F]`` (the
     backward's residuals); zeros for the tiles past the rows."""
-    E, act = w_gate.shape[0], _ACTIVATIONS[model.activation]
+    E, act = w_gate.shape[0], ACTIVATIONS[model.activation]
 
     def run(x, e):
         gate = einsum(model, "td,df->tf", x, w_gate[e])
@@ -134,7 +134,7 @@ def _tiles_bwd(model: Model, res, d_out_ntD):
     consecutive). Autodiff of the forward's scan would instead add a whole zero-padded copy of every weight's gradient
     per tile."""
     w_gate, w_up, w_down, tiles_ntD, expert_n, gate_ntF, up_ntF = res
-    E, act = w_gate.shape[0], _ACTIVATIONS[model.activation]
+    E, act = w_gate.shape[0], ACTIVATIONS[model.activation]
 
     def grads(x, gate, up, dy, e):
         a, act_vjp = jax.vjp(act, gate)
@@ -166,7 +166,7 @@ def grouped_ragged(model: Model, p: Params, x_MD: jax.Array, sizes_E: jax.Array)
     dt = x_MD.dtype
     precision = jax.lax.Precision(model.precision) if dt == jnp.float32 else None
     dot = lambda x, w: jax.lax.ragged_dot(x, w.astype(dt), sizes_E, precision=precision)  # noqa: E731
-    act = _ACTIVATIONS[model.activation]
+    act = ACTIVATIONS[model.activation]
     down = recomputed(lambda gate, up, w: dot(act(gate) * up, w))
     return down(dot(x_MD, p["gate"]), dot(x_MD, p["up"]), p["down"])
 

@@ -64,7 +64,7 @@ def model_from_hf_config(cfg, task: str, dtype: str = "float32", eos_token_ids=(
     fields = FAMILIES[family].model_fields(cfg)  # the family's own, which may set any of the shared ones below
     activation = fields.pop("activation", None) or cfg.hidden_act
     if activation not in ACTIVATIONS:
-        raise UnsupportedModelError(f"hidden_act {activation!r} is not supported (supported: {ACTIVATIONS})")
+        raise UnsupportedModelError(f"hidden_act {activation!r} is not supported (supported: {tuple(ACTIVATIONS)})")
     num_heads = cfg.num_attention_heads
     head_dim = fields.pop("head_dim", None) or getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
     mlp_dim = fields.pop("mlp_dim", None) or cfg.intermediate_size  # a MoE family without a dense MLP sets its own

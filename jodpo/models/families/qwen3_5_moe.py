@@ -12,7 +12,7 @@ for Qwen3.5-MoE: LoRA needs ``lora_target_modules``, as PEFT does."""
 from __future__ import annotations
 
 from jodpo.models.families import qwen3_5
-from jodpo.models.hf_mapping import Family, Rule, expert_rules, moe_of
+from jodpo.models.hf_mapping import Family, Rule, moe_of, with_experts, without_mlp
 from jodpo.models.model import Model
 
 
@@ -23,12 +23,10 @@ def model_fields(cfg) -> dict:
 
 def rules(model: Model) -> list[Rule]:
     """Qwen3.5's rules, the dense MLP's replaced by the MoE block's."""
-    mixers = [r for r in qwen3_5.rules(model) if r.jodpo[0][:2] != ("layers", "mlp")]
-    return mixers + expert_rules(model, "model.layers.{i}.mlp.")
+    return with_experts(qwen3_5.rules(model), model)
 
 
-LORA_MODULES = {k: v for k, v in qwen3_5.LORA_MODULES.items() if k not in ("gate_proj", "up_proj", "down_proj")}
-LORA_PATHS = {k: v for k, v in qwen3_5.LORA_PATHS.items() if k in LORA_MODULES}
+LORA_MODULES, LORA_PATHS = without_mlp(qwen3_5.LORA_MODULES, qwen3_5.LORA_PATHS)
 
 FAMILY = Family(
     name="qwen3_5_moe", module="qwen3_5_moe", classes={"qwen3_5_moe_text": "Qwen3_5Moe", "qwen3_5_moe": "Qwen3_5Moe"},
