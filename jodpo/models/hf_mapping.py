@@ -240,4 +240,5 @@ def moe_of(cfg, norm_topk_prob: bool | None = None, shared_dim: int = 0):
         raise UnsupportedModelError(f"num_experts_per_tok={k} must be between 1 and num_experts={E}")
     width = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
     norm = getattr(cfg, "norm_topk_prob", False) if norm_topk_prob is None else norm_topk_prob
-    return MoE(num_experts=E, top_k=k, expert_dim=width, norm_topk_prob=bool(norm), shared_dim=shared_dim)
+    return MoE(num_experts=E, top_k=k, expert_dim=width, norm_topk_prob=bool(norm), activation=cfg.hidden_act,
+               shared_dim=shared_dim)

@@ -18,7 +18,7 @@ from jodpo.models.model import Model
 
 def model_fields(cfg) -> dict:
     moe = moe_of(cfg, norm_topk_prob=True, shared_dim=cfg.shared_expert_intermediate_size)
-    return qwen3_5.model_fields(cfg) | dict(moe=moe, mlp_dim=moe.expert_dim)
+    return qwen3_5.model_fields(cfg) | dict(moe=moe, mlp=None)
 
 
 def rules(model: Model) -> list[Rule]:

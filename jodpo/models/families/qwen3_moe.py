@@ -13,7 +13,8 @@ from jodpo.models.model import AttentionOptions, Model
 
 
 def model_fields(cfg) -> dict:
-    return llama.model_fields(cfg) | dict(attn_options=AttentionOptions(qk_norm="head"), moe=moe_of(cfg))
+    return llama.model_fields(cfg) | dict(attn_options=AttentionOptions(qk_norm="head"), mlp=None,
+                                          moe=moe_of(cfg))
 
 
 def rules(model: Model) -> list[Rule]:
