@@ -142,6 +142,16 @@ def _size(tree) -> int:
     return sum(x.size for x in jax.tree.leaves(tree))
 
 
+def _feed_forward(model) -> str:
+    """The model's feed-forward in a few words: the dense MLP's width, the experts'."""
+    parts = [] if model.mlp is None else [f"MLP {model.mlp.width}"]
+    if model.moe is not None:
+        m = model.moe
+        parts.append(f"{m.num_experts} experts of {m.expert_dim}, {m.top_k} a token"
+                     + (f", a shared one of {m.shared_dim}" if m.shared_dim else ""))
+    return ", ".join(parts)
+
+
 def bench_memory(a) -> dict:
     import jax
     import jax.numpy as jnp
@@ -232,7 +242,7 @@ def bench_memory(a) -> dict:
         "lm_head_logits_per_micro_batch_mib": 2 * B * T * model.vocab_size * 4 / MiB,
     }
     desc = (f"{policy.family}, hidden {model.hidden_size}, {model.num_layers} layers, {model.num_heads} heads "
-            f"({model.num_kv_heads} kv) x {model.head_dim}, MLP {model.mlp_dim}, vocab {model.vocab_size}")
+            f"({model.num_kv_heads} kv) x {model.head_dim}, {_feed_forward(model)}, vocab {model.vocab_size}")
     hbm = TPU_CHIPS.get((a.tpu or "").partition(":")[0], (None, None, None))[2]
     return {"benchmark": "memory", "model": (f"{a.hf_config}: " if a.hf_config else "") + desc,
             "settings": dict(batch_per_chip=a.batch, batch=B, accumulation=A, prompt_len=P, new_tokens=T,

@@ -47,9 +47,9 @@ def _model(shape: dict):
     moe = MoE(num_experts=shape["experts"], top_k=shape["top_k"], expert_dim=shape["width"],
               norm_topk_prob=shape["norm"])
     return Model(family=shape["model_type"], task="causal_lm", vocab_size=8, hidden_size=D, num_layers=1,
-                 num_heads=16, num_kv_heads=16, head_dim=D // 16, mlp_dim=shape["width"], norms=Norms("rmsnorm", 1e-6),
-                 activation="silu", gated_mlp=True, mlp_bias=False, qkv_bias=False, out_bias=False,
-                 parallel_residual=False, rope=Rope(2, (1.0,)), tie_embeddings=False, moe=moe)
+                 num_heads=16, num_kv_heads=16, head_dim=D // 16, mlp=None, norms=Norms("rmsnorm", 1e-6),
+                 qkv_bias=False, out_bias=False, parallel_residual=False, rope=Rope(2, (1.0,)), tie_embeddings=False,
+                 moe=moe)
 
 
 def _weights(shape: dict, seed=0) -> dict:

@@ -128,6 +128,54 @@ def family_configs(pad_id: int, eos_id: int) -> dict:
     }
 
 
+def gemma4_moe_config(pad_id: int, eos_id: int):
+    """A tiny Gemma 4 26B-A4B (``enable_moe_block``; not in ``FAMILIES``, so that only tests/test_moe.py pays for it):
+    a sliding and a global layer as the 26B's (values = keys, proportional RoPE over a quarter), no per-layer
+    embeddings, no KV sharing; in each layer a dense MLP of 48 beside 6 experts of 16, two a token."""
+    from transformers import Gemma4TextConfig
+
+    return Gemma4TextConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+                            attention_k_eq_v=True, sliding_window=5, layer_types=["sliding_attention", "full_attention"],
+                            num_kv_shared_layers=0, hidden_size_per_layer_input=0, intermediate_size=48,
+                            enable_moe_block=True, num_experts=6, top_k_experts=2, moe_intermediate_size=16,
+                            final_logit_softcapping=5.0, max_position_embeddings=128, pad_token_id=pad_id,
+                            eos_token_id=eos_id, bos_token_id=eos_id)
+
+
+def qwen3_next_config(pad_id: int, eos_id: int):
+    """A tiny Qwen3-Next (not in ``FAMILIES``: tests/test_moe.py's): DeltaNet and gated attention alternating, two
+    value heads a key head (its fused projections' groups), 4 experts of 32, two a token, not renormalised, and a
+    shared expert of 48 behind its sigmoid gate."""
+    from transformers import Qwen3NextConfig
+
+    return Qwen3NextConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=16, layer_types=["linear_attention", "full_attention"],
+                           linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                           linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+                           norm_topk_prob=False, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                           intermediate_size=128, max_position_embeddings=128, tie_word_embeddings=False,
+                           pad_token_id=pad_id, eos_token_id=eos_id, bos_token_id=eos_id)
+
+
+def build_moe_extra(name: str, root: Path, tokenizer_dir: Path) -> dict[str, Path]:
+    """The causal LM and reward model (random, ``randomize``d) of ``gemma4_moe_config`` (``name`` "gemma4_moe") or
+    ``qwen3_next_config`` ("qwen3_next") with the fixtures' tokenizer: ``{"causal_lm": dir, "reward": dir}``."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    cfg = {"gemma4_moe": gemma4_moe_config, "qwen3_next": qwen3_next_config}[name](tok.pad_token_id, tok.eos_token_id)
+    cfg.num_labels = 1
+    torch.manual_seed(7)
+    out = {}
+    for task, cls in (("causal_lm", AutoModelForCausalLM), ("reward", AutoModelForSequenceClassification)):
+        out[task] = root / f"{name}-{task}"
+        randomize(cls.from_config(cfg, dtype=torch.float32)).save_pretrained(out[task])
+        tok.save_pretrained(out[task])
+    return out
+
+
 def _register_gemma4_classifier():
     """transformers has no Gemma4ForSequenceClassification: the tests' is its generic sequence classifier over the text
     model (``score.weight`` on the last non-pad token's hidden state), as transformers defines every other family's

@@ -18,7 +18,7 @@ EXPECTED = {
     # Gemma 3: five sliding layers (a cache of the window's slots) to a global one; 26 and 34 layers end on sliding ones
     "gemma-3-1b": [("SSSSSA", 4), ("S", 2)], "gemma-3-4b": [("SSSSSA", 5), ("S", 4)], "gemma-3-12b": [("SSSSSA", 8)],
     "gemma-4-e2b": [("SSSSG", 3), ("ssssg", 4)], "gemma-4-e4b": [("SSSSSG", 4), ("sssssg", 3)],
-    "gemma-4-31b": [("SSSSSG", 10)],
+    "gemma-4-31b": [("SSSSSG", 10)], "gemma-4-26b-a4b": [("SSSSSG", 5)],
     "qwen3-0.6b": [("A", 28)], "qwen3-1.7b": [("A", 28)], "qwen3-4b": [("A", 36)], "qwen3-8b": [("A", 36)],
     "qwen3.5-0.8b": [("DDDA", 6)], "qwen3.5-2b": [("DDDA", 6)], "qwen3.5-4b": [("DDDA", 8)],
     "qwen3.5-9b": [("DDDA", 8)],

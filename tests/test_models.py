@@ -58,8 +58,8 @@ def test_reward_reads_last_non_pad_token_like_transformers():
     # pad == EOS (Pythia's tokenizer): transformers reads the last token that is not pad, so a trailing
     # EOS is skipped; with no pad id jodpo falls back to the attention mask.
     model = decoder.Model(family="llama", task="reward", vocab_size=8, hidden_size=4, num_layers=1, num_heads=1,
-                       num_kv_heads=1, head_dim=4, mlp_dim=4, norms=decoder.Norms("rmsnorm", 1e-6), activation="silu",
-                       gated_mlp=True, mlp_bias=False, qkv_bias=False, out_bias=False, parallel_residual=False,
+                       num_kv_heads=1, head_dim=4, mlp=decoder.MLP(4, "silu"), norms=decoder.Norms("rmsnorm", 1e-6),
+                       qkv_bias=False, out_bias=False, parallel_residual=False,
                        rope=decoder.Rope(4, (1.0, 0.01)), tie_embeddings=False, pad_token_id=0)
     ids = jnp.array([[0, 0, 5, 6], [5, 6, 0, 0], [5, 6, 7, 0]])
     mask = jnp.array([[0, 0, 1, 1], [1, 1, 1, 1], [1, 1, 1, 1]])
@@ -125,8 +125,8 @@ def test_forward_attention_equals_jodpos_own(dtype, tol):
     it (its XLA twin here), with jodpo's masks (left padding, causality, a window, grouped kv heads, rows that see
     no key), equal the einsum attention the decode steps use: values and gradients."""
     model = decoder.Model(family="llama", task="causal_lm", vocab_size=8, hidden_size=16, num_layers=1, num_heads=4,
-                       num_kv_heads=2, head_dim=8, mlp_dim=8, norms=decoder.Norms("rmsnorm", 1e-6), activation="silu",
-                       gated_mlp=True, mlp_bias=False, qkv_bias=False, out_bias=False, parallel_residual=False,
+                       num_kv_heads=2, head_dim=8, mlp=decoder.MLP(8, "silu"), norms=decoder.Norms("rmsnorm", 1e-6),
+                       qkv_bias=False, out_bias=False, parallel_residual=False,
                        rope=decoder.Rope(8, (1.0,) * 4), tie_embeddings=False, dtype=dtype)
     rng = np.random.default_rng(4)
     B, L, S = 3, 5, 7

@@ -1,7 +1,8 @@
 """The mixture-of-experts feed-forward (jodpo.models.moe) against transformers: each layer's router and chosen experts,
 the load-balancing loss, the grouped (dropless) experts against the one-hot reference, values and gradients, the fused
 hub layout, and the settings jodpo refuses. The tiny Qwen3-MoE and OLMoE of tests/hf_fixtures.py; their logits,
-reward heads, decoding and exports are in the family-parametrized tests."""
+reward heads, decoding and exports are in the family-parametrized tests. Gemma 4 26B-A4B (experts beside a dense MLP),
+not among those (the suite's time): its logits, routing, greedy decoding and a trained model's export here."""
 import functools
 
 import jax
@@ -15,7 +16,7 @@ import jodpo
 from jodpo.errors import CheckpointError
 from jodpo.models import decoder, moe
 from jodpo.models.model import MoE
-from tests import hf_fixtures
+from tests import helpers, hf_fixtures
 
 MOE_FAMILIES = ("qwen3_moe", "olmoe", "qwen3_5_moe")
 
@@ -51,8 +52,8 @@ def test_every_layer_routes_as_transformers_and_the_aux_loss_equals_theirs(check
 def _tiny_block(E=5, k=2, D=8, F=6, shared=0, norm=True):
     m = MoE(num_experts=E, top_k=k, expert_dim=F, norm_topk_prob=norm, shared_dim=shared)
     model = decoder.Model(family="qwen3_moe", task="causal_lm", vocab_size=8, hidden_size=D, num_layers=1,
-                          num_heads=1, num_kv_heads=1, head_dim=D, mlp_dim=F, norms=decoder.Norms("rmsnorm", 1e-6),
-                          activation="silu", gated_mlp=True, mlp_bias=False, qkv_bias=False, out_bias=False,
+                          num_heads=1, num_kv_heads=1, head_dim=D, mlp=None, norms=decoder.Norms("rmsnorm", 1e-6),
+                          qkv_bias=False, out_bias=False,
                           parallel_residual=False, rope=decoder.Rope(D, (1.0,) * (D // 2)), tie_embeddings=False,
                           moe=m)
     params = jodpo.init_params(model, jax.random.key(0), std=0.5)
@@ -158,3 +159,111 @@ def test_the_loss_adds_transformers_aux_loss_of_the_policy_forward_times_the_coe
     grads = jax.grad(lambda p, c: online_batch_loss(model, p, params, batch, 0.1, LossConfig(router_aux_loss_coef=c))[0])
     router = lambda g: np.asarray(g["layers"]["moe"]["router"])  # noqa: E731
     assert np.abs(router(grads(params, 0.25)) - router(grads(params, 0.0))).max() > 1e-6
+
+
+@pytest.fixture(scope="module")
+def gemma4_moe(checkpoints, tmp_path_factory):
+    """The tiny Gemma 4 26B-A4B of tests/hf_fixtures.py (a causal LM and a reward model), built once for this module."""
+    return hf_fixtures.build_moe_extra("gemma4_moe", tmp_path_factory.mktemp("gemma4_moe"),
+                                       checkpoints["gemma4"]["causal_lm"])
+
+
+def test_gemma4_moe_logits_routing_and_greedy_decoding_equal_transformers(gemma4_moe):
+    """Gemma 4 26B-A4B's layers (experts beside the dense MLP, each between norms of its own; its router: a scale-free
+    norm of the residual stream, a scale, a scale per expert) on left-padded prompts: the logits; each layer's router
+    probabilities (what transformers' output_router_logits records for Gemma 4) and chosen experts; greedy decoding
+    against generate (a prefill, then decode steps through the experts' tiles)."""
+    path = gemma4_moe["causal_lm"]
+    model, params = jodpo.load_model(str(path))
+    assert model.mlp is not None and model.moe.router_norm
+    ids, mask = hf_fixtures.padded_batch(np.random.default_rng(0), [12, 5, 9, 1], model.pad_token_id, "left")
+    ours = np.asarray(jax.jit(jodpo.logits, static_argnums=0)(model, params, ids, mask))
+    _, _, router = jax.jit(decoder.hidden_states, static_argnums=0, static_argnames="with_router")(
+        model, params, ids, mask, with_router=True)
+    hf = _hf(path)
+    with torch.no_grad():
+        out = hf(input_ids=torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask),
+                 position_ids=torch.tensor(np.maximum(np.cumsum(mask, -1) - 1, 0), dtype=torch.long),
+                 output_router_logits=True)
+    real = mask.astype(bool)
+    ref = out.logits.numpy()
+    np.testing.assert_allclose(ours[real], ref[real], rtol=1e-4, atol=1e-4 * np.abs(ref[real]).max())
+    probs = np.asarray(jax.nn.softmax(router.logits, -1))  # [N, B, L, E]
+    theirs = np.stack([r.numpy().reshape(probs.shape[1:]) for r in out.router_logits])
+    np.testing.assert_allclose(probs[:, real], theirs[:, real], rtol=1e-4, atol=1e-5)
+    chosen = lambda p: np.sort(np.argsort(-p, -1, kind="stable")[..., :model.moe.top_k], -1)  # noqa: E731
+    np.testing.assert_array_equal(chosen(probs[:, real]), chosen(theirs[:, real]))
+    T = 8
+    with torch.no_grad():
+        want = hf.generate(input_ids=torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask),
+                           do_sample=False, max_new_tokens=T, eos_token_id=[], pad_token_id=model.pad_token_id)
+    cfg = jodpo.SamplingConfig(max_new_tokens=T, temperature=0.0, eos_token_ids=(), pad_token_id=model.pad_token_id)
+    got = jax.jit(jodpo.sample, static_argnums=(0, 5))(model, params, ids, mask, jax.random.key(0), cfg)
+    np.testing.assert_array_equal(np.asarray(got.tokens), want[:, ids.shape[1]:].numpy())
+
+
+def test_gemma4_moe_trains_three_steps_and_exports_to_transformers(gemma4_moe, tmp_path, capsys):
+    """``python -m jodpo.train`` (its main) for 3 steps of the tiny Gemma 4 26B-A4B, its export (the experts fused as
+    transformers holds them) read back by transformers to the same logits; router_aux_loss_coef is refused in one line
+    (transformers computes no load-balancing loss for Gemma 4)."""
+    from jodpo import train
+
+    fields = dict(model_name_or_path=gemma4_moe["causal_lm"], reward_model_path=gemma4_moe["reward"],
+                  dataset_name=hf_fixtures.prompt_dataset(tmp_path / "data"), output_dir=tmp_path / "run",
+                  max_steps=3, save_steps=3, per_device_train_batch_size=2, max_new_tokens=4, max_length=96,
+                  max_prompt_length=64, learning_rate=1e-2, bf16=False, logging_steps=1)
+    argv = lambda **more: [f"--config.{k}={v}" for k, v in (fields | more).items()]  # noqa: E731
+    assert train.main(argv(router_aux_loss_coef=0.01, output_dir=tmp_path / "refused")) != 0
+    assert "router_aux_loss_coef=0.01: transformers computes no load-balancing loss" in capsys.readouterr().err
+    assert train.main(argv()) == 0
+    out, checks = helpers.export_hf.export(str(tmp_path / "run"), str(tmp_path / "hf"))
+    assert "bitwise" in checks[0] and "transformers" in checks[1]
+    model, trained = jodpo.load_model(str(out))
+    _, initial = jodpo.load_model(str(gemma4_moe["causal_lm"]))
+    moe_moved = [not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(initial["layers"]["moe"]),
+                                                             jax.tree.leaves(trained["layers"]["moe"]))]
+    assert all(moe_moved), moe_moved  # the router, its scales, the experts and their norms all trained
+    hf = _hf(out)
+    ids, mask = hf_fixtures.padded_batch(np.random.default_rng(1), [5, 9], model.pad_token_id, "left")
+    with torch.no_grad():
+        theirs = hf(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits.numpy()[mask > 0]
+    ours = np.asarray(jodpo.logits(model, trained, ids, mask))[mask > 0]
+    np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-4 * np.abs(theirs).max())
+
+
+def test_qwen3_next_logits_routing_decoding_and_export_equal_transformers(checkpoints, tmp_path):
+    """The tiny Qwen3-Next (DeltaNet's fused in_proj_qkvz / in_proj_ba split per key head's group, experts not
+    renormalised, the gated shared expert): logits on left-padded prompts, each layer's router logits and chosen
+    experts, greedy decoding against generate, and an export (the projections fused again) that transformers reads
+    back to the same logits."""
+    path = hf_fixtures.build_moe_extra("qwen3_next", tmp_path, checkpoints["qwen3_5_moe"]["causal_lm"])["causal_lm"]
+    model, params = jodpo.load_model(str(path))
+    assert model.family == "qwen3_next" and not model.moe.norm_topk_prob and model.moe.shared_dim == 48
+    ids, mask = hf_fixtures.padded_batch(np.random.default_rng(2), [12, 5, 9, 1], model.pad_token_id, "left")
+    ours = np.asarray(jax.jit(jodpo.logits, static_argnums=0)(model, params, ids, mask))
+    _, _, router = jax.jit(decoder.hidden_states, static_argnums=0, static_argnames="with_router")(
+        model, params, ids, mask, with_router=True)
+    hf = _hf(path)
+    with torch.no_grad():
+        out = hf(input_ids=torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask),
+                 position_ids=torch.tensor(np.maximum(np.cumsum(mask, -1) - 1, 0), dtype=torch.long),
+                 output_router_logits=True)
+    real = mask.astype(bool)
+    ref = out.logits.numpy()
+    np.testing.assert_allclose(ours[real], ref[real], rtol=1e-4, atol=1e-4 * np.abs(ref[real]).max())
+    router = np.asarray(router.logits)
+    theirs = np.stack([r.numpy().reshape(router.shape[1:]) for r in out.router_logits])
+    np.testing.assert_allclose(router[:, real], theirs[:, real], rtol=1e-4, atol=1e-4 * np.abs(theirs).max())
+    chosen = lambda p: np.sort(np.argsort(-p, -1, kind="stable")[..., :model.moe.top_k], -1)  # noqa: E731
+    np.testing.assert_array_equal(chosen(router[:, real]), chosen(theirs[:, real]))
+    T = 8
+    with torch.no_grad():
+        want = hf.generate(input_ids=torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask),
+                           do_sample=False, max_new_tokens=T, eos_token_id=[], pad_token_id=model.pad_token_id)
+    cfg = jodpo.SamplingConfig(max_new_tokens=T, temperature=0.0, eos_token_ids=(), pad_token_id=model.pad_token_id)
+    got = jax.jit(jodpo.sample, static_argnums=(0, 5))(model, params, ids, mask, jax.random.key(0), cfg)
+    np.testing.assert_array_equal(np.asarray(got.tokens), want[:, ids.shape[1]:].numpy())
+    jodpo.save_hf(model, params, tmp_path / "export")
+    back = {k: v.numpy() for k, v in _hf(tmp_path / "export").state_dict().items()}
+    for k, v in hf.state_dict().items():  # every tensor as it was: the fused projections' groups put back in place
+        np.testing.assert_array_equal(back[k], v.numpy(), err_msg=k)

@@ -179,8 +179,8 @@ def _filtered_distribution(logits, temperature, top_k=0, top_p=1.0, min_p=0.0):
                                      dict(temperature=0.8, top_p=0.7), dict(temperature=1.0, min_p=0.15)])
 def test_empirical_frequencies_match_filtered_distribution(filters):
     model = decoder.Model(family="llama", task="causal_lm", vocab_size=12, hidden_size=8, num_layers=1, num_heads=2,
-                       num_kv_heads=1, head_dim=4, mlp_dim=8, norms=decoder.Norms("rmsnorm", 1e-6), activation="silu",
-                       gated_mlp=True, mlp_bias=False, qkv_bias=False, out_bias=False, parallel_residual=False,
+                       num_kv_heads=1, head_dim=4, mlp=decoder.MLP(8, "silu"), norms=decoder.Norms("rmsnorm", 1e-6),
+                       qkv_bias=False, out_bias=False, parallel_residual=False,
                        rope=decoder.Rope(4, (1.0, 0.01)), tie_embeddings=False)
     params = mparams.init_params(model, jax.random.key(0), std=1.0)
     N = 40000

@@ -1,5 +1,5 @@
 """Flax decoders (GPT-NeoX, Llama/Mistral/SmolLM, Qwen2, Qwen3, Qwen3.5, Gemma 2-4, OLMo 2-3, SmolLM3; the mixtures of
-experts Qwen3-MoE, OLMoE, Qwen3.5-MoE) as pure functions, and their HF loading."""
+experts Qwen3-MoE, OLMoE, Qwen3.5-MoE, Qwen3-Next, Gemma 4 26B-A4B) as pure functions, and their HF loading."""
 from jodpo.errors import CheckpointError
 from jodpo.models.decoder import Cache, Model, Params, hidden_states, init_cache, prefixed_hidden_states
 from jodpo.models.params import init_params, param_axes, param_shapes, param_specs

@@ -41,11 +41,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jodpo.models import moe
-from jodpo.models.layers import Context, Site, embed, mlp, norm, per_layer_block, per_layer_inputs, rope_tables
+from jodpo.models import mlp, moe
+from jodpo.models.layers import Context, Site, embed, norm, per_layer_block, per_layer_inputs, rope_tables
 from jodpo.models.layout import (KEYS, KINDS_OF_KEY, MIXERS, SUBTREES, Run, groups,  # noqa: F401 - re-exported
                                  layer_params, layer_runs, merge_adapters, period_params, run_params)
-from jodpo.models.model import (ATTENTIONS, PRECISIONS, READS, Cache, Model, Norms,  # noqa: F401 - re-exported
+from jodpo.models.model import (ATTENTIONS, MLP, PRECISIONS, READS, Cache, Model, Norms,  # noqa: F401 - re-exported
                                 Params, Rope, einsum)
 
 
@@ -98,11 +98,11 @@ def _layer(model: Model, kind: str, p: Params, xs: tuple, site: Site, mix, state
         if model.norms.post:  # Gemma, OLMo 2: the mixer's output is normed before the residual
             a = norm(model, p["post_attn"], a)
         if model.parallel_residual:
-            out, router = _feed_forward(model, p, pre("ln2", x), forced)
+            out, router = _feed_forward(model, kind, p, x, forced)
             x = x + a + out
         else:
             x = x + a
-            out, router = _feed_forward(model, p, pre("ln2", x), forced)
+            out, router = _feed_forward(model, kind, p, x, forced)
             x = x + (norm(model, p["post_mlp"], out) if model.norms.post else out)
         routers.append(router)
         if model.per_layer_embeddings is not None:
@@ -113,13 +113,17 @@ def _layer(model: Model, kind: str, p: Params, xs: tuple, site: Site, mix, state
     return tuple(new), state, (None if model.moe is None else tuple(routers))
 
 
-def _feed_forward(model: Model, p: Params, x_BLD: jax.Array, forced: jax.Array | None = None):
-    """The layer's feed-forward kind on its normed input: the MoE block (``Model.moe``: its output and its
-    ``moe.Routing``; ``forced``: experts replayed, ``moe.block``) or the dense MLP (a KV-sharing layer's double-wide
-    one in Gemma 4; no routing)."""
-    if model.moe is not None:
-        return moe.block(model, p["moe"], x_BLD, forced=forced)
-    return mlp(model, p["mlp_wide"] if "mlp_wide" in p else p["mlp"], x_BLD), None
+def _feed_forward(model: Model, kind: str, p: Params, x_BLD: jax.Array, forced: jax.Array | None = None):
+    """The layer's feed-forward kinds on its residual stream ``x`` (normed here, where the norms are before): the dense
+    MLP (``Model.mlp``: a KV-sharing layer's double-wide one in Gemma 4; no routing), the MoE block (``Model.moe``:
+    its output and its ``moe.Routing``; ``forced``: experts replayed, ``moe.block``), or both side by side (Gemma 4
+    26B-A4B, ``moe.beside_mlp``)."""
+    h = norm(model, p["ln2"], x_BLD) if model.norms.pre else x_BLD
+    if model.moe is None:
+        return mlp.forward(model, model.mlp, p[mlp.key(model, kind)], h), None
+    if model.mlp is None:
+        return moe.block(model, p["moe"], h, forced=forced)
+    return moe.beside_mlp(model, p["moe"], p[mlp.key(model, kind)], x_BLD, h, forced=forced)
 
 
 _REMAT_POLICIES = {

@@ -206,6 +206,22 @@ def expert_rules(model: Model, prefix: str) -> list[Rule]:
     return out
 
 
+def with_experts(rules: list[Rule], model: Model, prefix: str = "model.layers.{i}.mlp.") -> list[Rule]:
+    """A dense family's rules with its MLP's replaced by the MoE block's (``expert_rules`` under ``prefix``)."""
+    return [r for r in rules if r.jodpo[0][:2] != ("layers", "mlp")] + expert_rules(model, prefix)
+
+
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+
+
+def without_mlp(modules: dict[str, tuple[str, ...]], paths: dict[str, str]):
+    """A dense family's LoRA modules and their paths (``Family.lora_modules``, ``lora_paths``) without its MLP's
+    (``gate_proj``, ``up_proj``, ``down_proj``), which a MoE family holds as stacked experts, not the ``nn.Linear``
+    modules PEFT adapts."""
+    modules = {k: v for k, v in modules.items() if k not in MLP_MODULES}
+    return modules, {k: v for k, v in paths.items() if k in modules}
+
+
 def moe_of(cfg, norm_topk_prob: bool | None = None, shared_dim: int = 0):
     """The ``MoE`` of a transformers config whose every layer is sparse (``num_experts``, ``num_experts_per_tok``,
     ``moe_intermediate_size``, ``norm_topk_prob``), refusing in one line what jodpo cannot honour: dense layers among
@@ -224,4 +240,5 @@ def moe_of(cfg, norm_topk_prob: bool | None = None, shared_dim: int = 0):
         raise UnsupportedModelError(f"num_experts_per_tok={k} must be between 1 and num_experts={E}")
     width = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
     norm = getattr(cfg, "norm_topk_prob", False) if norm_topk_prob is None else norm_topk_prob
-    return MoE(num_experts=E, top_k=k, expert_dim=width, norm_topk_prob=bool(norm), shared_dim=shared_dim)
+    return MoE(num_experts=E, top_k=k, expert_dim=width, norm_topk_prob=bool(norm), activation=cfg.hidden_act,
+               shared_dim=shared_dim)

@@ -1,11 +1,10 @@
-"""The pieces of a decoder layer, as pure functions of ``(model, params, ...)``: norms, RoPE, the MLP, the attention
-projections and the attention itself. ``jodpo.models.decoder`` puts them together into layers, the layer stack and
-the KV cache.
+"""The pieces of a decoder layer, as pure functions of ``(model, params, ...)``: norms, RoPE, the attention
+projections and the attention itself (the feed-forward kinds are ``jodpo.models.mlp`` and ``moe``).
+``jodpo.models.decoder`` puts them together into layers, the layer stack and the KV cache.
 
 What differs between families is a field of ``Model`` read here, never the family's name:
   norms                  LayerNorm (NeoX); RMSNorm as Llama computes it; x * (1 + w) in float32 (Gemma); the
                          scale multiplied in float32 before the cast back (OLMo 2, Gemma 4); where a layer has them
-  activation, gated_mlp  GELU (NeoX), SwiGLU (Llama, Qwen), GeGLU with tanh-approximated GELU (Gemma)
   qkv_bias               biases on q, k, v (Qwen2)
   attn_options           q/k norms over each head (Qwen3, Gemma 3) or the whole projection (OLMo 2 and 3); a
                          scale-free norm over each head's values, values that are the projected keys (Gemma 4); an
@@ -26,7 +25,8 @@ import numpy as np
 
 from jodpo.models.model import Model, Params, einsum
 
-_ACTIVATIONS = {
+# transformers' hidden_act names jodpo computes -> the function
+ACTIVATIONS = {
     "gelu": lambda x: jax.nn.gelu(x, approximate=False),
     "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
     "gelu_fast": lambda x: jax.nn.gelu(x, approximate=True),
@@ -35,7 +35,6 @@ _ACTIVATIONS = {
     "swish": jax.nn.silu,
     "relu": jax.nn.relu,
 }
-ACTIVATIONS = tuple(_ACTIVATIONS)
 
 
 class Site(NamedTuple):
@@ -167,31 +166,10 @@ def per_layer_block(model: Model, p: Params, x_BLD: jax.Array, inputs_BLK: jax.A
     """``x`` plus the RMSNorm of its gated projection times the layer's per-layer inputs, projected back (Gemma 4's
     ``per_layer_input_gate``, ``per_layer_projection``, ``post_per_layer_input_norm``; after the MLP's residual)."""
     dt = x_BLD.dtype
-    h = _ACTIVATIONS[model.activation](einsum(model, "bld,dk->blk", x_BLD, p["ple"]["ple_gate"].astype(dt)))
+    act = ACTIVATIONS[model.per_layer_embeddings.activation]
+    h = act(einsum(model, "bld,dk->blk", x_BLD, p["ple"]["ple_gate"].astype(dt)))
     h = einsum(model, "blk,kd->bld", h * inputs_BLK.astype(dt), p["ple"]["ple_proj"].astype(dt))
     return x_BLD + norm(model, p["ple_norm"], h)
-
-
-def mlp(model: Model, p: Params, x_BLD: jax.Array) -> jax.Array:
-    dt = x_BLD.dtype
-    act = _ACTIVATIONS[model.activation]
-    up = einsum(model, "bld,df->blf", x_BLD, p["up"].astype(dt))
-    if model.mlp_bias:
-        up = up + p["up_bias"].astype(dt)
-    gate = None
-    if model.gated_mlp:
-        gate = einsum(model, "bld,df->blf", x_BLD, p["gate"].astype(dt))
-        if model.mlp_bias:
-            gate = gate + p["gate_bias"].astype(dt)
-
-    def down(gate, up, w):  # the backward keeps only the projections' outputs and recomputes the activation
-        h = act(gate) * up if model.gated_mlp else act(up)
-        return einsum(model, "blf,fd->bld", h, w)
-
-    out = recomputed(down)(gate, up, p["down"].astype(dt))
-    if model.mlp_bias:
-        out = out + p["down_bias"].astype(dt)
-    return out
 
 
 def queries(model: Model, p: Params, x_BLD, cos, sin):

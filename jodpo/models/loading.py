@@ -235,13 +235,15 @@ def _object_tensors(obj) -> Iterator[tuple[str, np.ndarray]]:
         yield name, t.detach().to("cpu").float().numpy()
 
 
-def _per_expert(tensors: Iterator[tuple[str, np.ndarray]]) -> Iterator[tuple[str, np.ndarray]]:
+def _per_expert(tensors: Iterator[tuple[str, np.ndarray]], fused) -> Iterator[tuple[str, np.ndarray]]:
     """The tensors with fused experts (transformers 5's in-memory layout, and some hub checkpoints':
     ``experts.gate_up_proj`` [E, 2F, D], ``experts.down_proj`` [E, D, F]) as the per-expert tensors that
-    ``hf_mapping.expert_rules`` names (``experts.{e}.gate_proj.weight`` [F, D], ...)."""
+    ``hf_mapping.expert_rules`` names (``experts.{e}.gate_proj.weight`` [F, D], ...), but where ``fused(name)``: a
+    family that reads them fused (Gemma 4, whose hub layout they are)."""
     for name, tensor in tensors:
         stem, _, last = name.rpartition(".")
-        if stem.endswith("experts") and last in ("gate_up_proj", "down_proj") and tensor.ndim == 3:
+        if (stem.endswith("experts") and last in ("gate_up_proj", "down_proj") and tensor.ndim == 3
+                and not fused(name)):
             for e, w in enumerate(tensor):
                 if last == "down_proj":
                     yield f"{stem}.{e}.down_proj.weight", w
@@ -275,7 +277,8 @@ def load_params(model: Model, path: Path, dtype=jnp.float32, place=None, tensors
     seen: set[str] = set()
     skipped: dict[str, int] = {}
     left_out = families.family_of(model).skipped
-    for name, tensor in _per_expert(iter_tensors(path) if tensors is None else tensors):
+    fused = lambda name: _strip_prefix(name, model) in slots  # noqa: E731 - a rule reads it as it is
+    for name, tensor in _per_expert(iter_tensors(path) if tensors is None else tensors, fused):
         part = next((what for prefix, what in left_out.items() if name.startswith(prefix)), None)
         if part is not None:
             skipped[part] = skipped.get(part, 0) + 1

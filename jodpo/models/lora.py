@@ -46,14 +46,15 @@ def resolve_targets(model: Model, targets) -> tuple[str, ...]:
     """``lora_target_modules`` for this model: None gives PEFT's default, ``"all-linear"`` every projection; an
     unknown name is refused with the list of this family's names."""
     known = family_of(model).lora_modules
+    gated = model.mlp is not None and model.mlp.gated  # an ungated MLP (GPT-NeoX) has no gate to adapt
     if targets is None or len(targets) == 0:
         if not family_of(model).lora_defaults:
             raise ValueError(f"PEFT has no default target modules for {model.family} models: set lora_target_modules "
                              f"(PEFT's target_modules) to some of {sorted(known)}, or 'all-linear'")
         return family_of(model).lora_defaults
     if tuple(targets) == ("all-linear",) or targets == "all-linear":
-        return tuple(n for n, ws in known.items() if all(w != "gate" or model.gated_mlp for w in ws))
-    bad = [t for t in targets if t not in known or ("gate" in known[t] and not model.gated_mlp)]
+        return tuple(n for n, ws in known.items() if all(w != "gate" or gated for w in ws))
+    bad = [t for t in targets if t not in known or ("gate" in known[t] and not gated)]
     if bad:
         raise ValueError(f"lora_target_modules {bad} are not modules of this {model.family} model; choose from "
                          f"{sorted(known)} or 'all-linear'")

@@ -117,6 +117,7 @@ class PerLayerEmbeddings:
 
     dim: int
     vocab_size: int
+    activation: str  # of the gated projection (transformers' hidden_act name: Gemma 4's hidden_activation)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,18 +137,38 @@ class DeltaNet:
 
 
 @dataclasses.dataclass(frozen=True)
+class MLP:
+    """The dense feed-forward (``Model.mlp``; ``jodpo.models.mlp``): ``down(act(gate(x)) * up(x))`` where ``gated``
+    (SwiGLU, GeGLU), ``down(act(up(x)))`` otherwise (GPT-NeoX), ``width`` wide, with biases where ``bias``. The layers
+    of the mixer kinds in ``wide_kinds`` have MLPs twice as wide (Gemma 4's KV-sharing layers: use_double_wide_mlp)."""
+
+    width: int
+    activation: str  # transformers' hidden_act name (jodpo.models.layers.ACTIVATIONS)
+    gated: bool = True
+    bias: bool = False
+    wide_kinds: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
 class MoE:
-    """A mixture-of-experts feed-forward (``Model.moe``), the kind every layer of the model has in place of the dense
-    MLP (``jodpo.models.moe``): a router over ``num_experts`` SwiGLU experts of width ``expert_dim`` (the dense MLP's
-    activation), of which each token takes the ``top_k`` most probable (softmax in float32), their probabilities
-    renormalised to sum to 1 where ``norm_topk_prob``; beside them, where ``shared_dim``, a shared expert of that width
-    whose output is times sigmoid of a learned gate (Qwen3.5-MoE, Qwen3-Next)."""
+    """A mixture-of-experts feed-forward (``Model.moe``; ``jodpo.models.moe``): a router over ``num_experts`` gated
+    experts of width ``expert_dim`` and activation ``activation``, of which each token takes the ``top_k`` most
+    probable (softmax in float32), their probabilities renormalised to sum to 1 where ``norm_topk_prob``; beside them,
+    where ``shared_dim``, a shared expert of that width whose output is times sigmoid of a learned gate (Qwen3.5-MoE,
+    Qwen3-Next). ``router_norm`` (Gemma 4): the router reads the layer's residual stream through a scale-free RMSNorm,
+    times a learned scale and hidden_size^-1/2, and the chosen experts' weights are times a learned per-expert scale.
+    A model with a dense MLP too (``Model.mlp``: Gemma 4 26B-A4B) runs both side by side, each between norms of its
+    own, and adds their outputs."""
 
     num_experts: int
     top_k: int
     expert_dim: int
     norm_topk_prob: bool
+    activation: str = "silu"  # transformers' hidden_act name
     shared_dim: int = 0
+    router_norm: bool = False
+    # transformers' forward has a load-balancing loss (aux_loss) for router_aux_loss_coef (Gemma 4's has none)
+    aux_loss: bool = True
 
     def __post_init__(self):
         if not 0 < self.top_k <= self.num_experts:
@@ -167,11 +188,9 @@ class Model:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    mlp_dim: int
+    # the dense feed-forward (width, activation, gating, biases, the wider layers); None: the experts alone (moe)
+    mlp: MLP | None
     norms: Norms
-    activation: str  # transformers' hidden_act name
-    gated_mlp: bool  # SwiGLU-style gate * up
-    mlp_bias: bool
     qkv_bias: bool
     out_bias: bool
     parallel_residual: bool
@@ -205,13 +224,12 @@ class Model:
     layer_kinds: tuple[str, ...] = ()
     deltanet: DeltaNet | None = None
     # Gemma 4: the global layers' shape; per-layer embeddings; each layer's output times a learned scalar
-    # (layer_scalar); the KV-sharing layers' MLPs twice as wide
+    # (layer_scalar)
     global_attention: GlobalAttention | None = None
     per_layer_embeddings: PerLayerEmbeddings | None = None
     layer_scalar: bool = False
-    wide_mlp: bool = False
-    # Mixture of experts: every layer's feed-forward is this MoE block instead of the dense MLP (whose activation its
-    # experts use); None: the dense MLP (mlp_dim, activation, gated_mlp, mlp_bias)
+    # Mixture of experts: every layer's feed-forward is this MoE block (beside the dense MLP where mlp is set too:
+    # Gemma 4 26B-A4B); None: the dense MLP alone
     moe: MoE | None = None
     # The source config.json (for export); not part of the identity of the compiled function.
     hf_config: str = dataclasses.field(default="{}", compare=False, repr=False)
@@ -226,6 +244,12 @@ class Model:
         if self.layer_kinds and (len(self.layer_kinds) != self.num_layers or set(self.layer_kinds) - set(KINDS)):
             raise ValueError(f"layer_kinds must name one of {KINDS} for each of the {self.num_layers} layers, got "
                              f"{self.layer_kinds}")
+        if self.mlp is None and self.moe is None:
+            raise ValueError("a model needs a feed-forward: a dense MLP (Model.mlp), a mixture of experts (Model.moe) "
+                             "or both")
+        if self.mlp is not None and set(self.mlp.wide_kinds) - set(self.kinds):
+            raise ValueError(f"MLP.wide_kinds {self.mlp.wide_kinds} must be mixer kinds of this model's layers "
+                             f"{tuple(dict.fromkeys(self.kinds))}")
         if "deltanet" in self.layer_kinds and self.deltanet is None:
             raise ValueError("a model with deltanet layers needs their shape (Model.deltanet)")
         if bool(self.layers_of(*SLIDING)) != (self.sliding_window > 0):
@@ -254,8 +278,8 @@ class Model:
 
     @property
     def wide_kinds(self) -> tuple[str, ...]:
-        """The kinds whose layers' MLPs are twice as wide (Gemma 4's KV-sharing layers, ``use_double_wide_mlp``)."""
-        return tuple(k for k in READS if self.wide_mlp and k in self.kinds)
+        """The kinds whose layers' MLPs are twice as wide (``MLP.wide_kinds``: Gemma 4's KV-sharing layers)."""
+        return () if self.mlp is None else self.mlp.wide_kinds
 
     @property
     def attention_scale(self) -> float:

@@ -1,12 +1,16 @@
 """The mixture-of-experts feed-forward kind (``Model.moe``): its parameters, its router, its experts and the
-load-balancing loss, exactly as transformers 5.24 computes the sparse blocks of Qwen3-MoE, OLMoE and Qwen3.5-MoE.
+load-balancing loss, exactly as transformers 5.24 computes the sparse blocks of Qwen3-MoE, OLMoE, Qwen3.5-MoE,
+Qwen3-Next and Gemma 4 26B-A4B.
 
 Routing: the router's logits ``x . router`` in the compute dtype, a softmax over the experts in float32, the ``top_k``
 most probable experts (ties to the lower index), their probabilities renormalised to sum to 1 where
-``MoE.norm_topk_prob`` says, then cast to the compute dtype. Routing replay forces the experts of
-chosen tokens (``route``'s ``forced_TK``: the router's probabilities of the forced experts, renormalised, weigh them);
-``block`` reports the router's own choice beside its logits (``Routing``). Each expert is a SwiGLU-style MLP of the
-model's activation. Beside them, where ``MoE.shared_dim``, a shared expert every token takes, times sigmoid of its gate.
+``MoE.norm_topk_prob`` says, then cast to the compute dtype. Gemma 4's router (``MoE.router_norm``) reads the
+residual stream through a scale-free RMSNorm times a learned scale and hidden_size^-1/2, and multiplies the
+renormalised weights by a learned scale of each chosen expert. Routing replay forces the experts of chosen tokens
+(``route``'s ``forced_TK``: the router's probabilities of the forced experts, renormalised, weigh them); ``block``
+reports the router's own choice beside its logits (``Routing``). Each expert is a gated MLP of ``MoE.activation``.
+Beside them, where ``MoE.shared_dim``, a shared expert every token takes, times sigmoid of its gate; or, where the
+model has a dense MLP too (``Model.mlp``: Gemma 4), that MLP, each branch between norms of its own (``beside_mlp``).
 
 The experts are dropless: every token reaches each of its k experts (no capacity, nothing dropped, so the numbers are
 transformers'). The k copies of the tokens are sorted by expert, so that each expert's rows are contiguous, and run
@@ -18,7 +22,8 @@ token through every expert, the outputs weighted by the routing (tests, and ``be
 
 Parameters, stacked over the layers (``params["layers"]["moe"]``): ``router`` ``[D, E]``; ``gate``, ``up``
 ``[E, D, F]``; ``down`` ``[E, F, D]``; with a shared expert ``shared`` (``gate``, ``up`` ``[D, Fs]``, ``down``
-``[Fs, D]``) and ``shared_gate`` ``[D, 1]``.
+``[Fs, D]``) and ``shared_gate`` ``[D, 1]``; Gemma 4's ``router_scale`` ``[D]``, ``expert_scale`` ``[E]`` and the
+norms beside its dense MLP (``NORMS``).
 """
 from __future__ import annotations
 
@@ -30,10 +35,12 @@ import jax.numpy as jnp
 
 from jax.sharding import PartitionSpec as P
 
-from jodpo.models.layers import _ACTIVATIONS, recomputed
+from jodpo.models import mlp
+from jodpo.models.layers import ACTIVATIONS, norm, recomputed
 from jodpo.models.model import Model, MoE, Params, einsum
 
 WEIGHTS = ("router", "gate", "up", "down", "shared_gate")
+NORMS = ("pre_norm", "post_norm", "mlp_post_norm")  # beside a dense MLP (Gemma 4): the branches' own norms
 EXPERT_AXIS = "expert"  # the mesh axis that splits the experts (jodpo.parallel.sharding)
 
 
@@ -51,6 +58,13 @@ def specs(model: Model, n: int) -> dict:
                          "up": ((n, D, Fs), ("layers", "embed", "mlp")),
                          "down": ((n, Fs, D), ("layers", "mlp", "embed"))}
         out["shared_gate"] = ((n, D, 1), ("layers", "embed", None))
+    if m.router_norm:  # Gemma 4: the router's learned scale of its normed input, and each expert's of its weight
+        out["router_scale"] = ((n, D), ("layers", "embed"))
+        out["expert_scale"] = ((n, E), ("layers", None))
+    if model.mlp is not None:  # beside a dense MLP (Gemma 4): the experts' input and output norms, the MLP's output's
+        scale = {"scale": ((n, D), ("layers", "embed"))} | (
+            {"bias": ((n, D), ("layers", "embed"))} if model.norms.kind == "layernorm" else {})
+        out |= {name: dict(scale) for name in NORMS}
     return out
 
 
@@ -64,13 +78,14 @@ class Routing(NamedTuple):
     experts: jax.Array  # i32[..., k]
 
 
-def route(model: Model, router_DE: jax.Array, x_TD: jax.Array,
-          forced_TK: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+def route(model: Model, router_DE: jax.Array, x_TD: jax.Array, forced_TK: jax.Array | None = None,
+          expert_scale_E: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``(logits [T, E] in the compute dtype, weights [T, k] in the compute dtype, experts [T, k])`` of each token, as
-    transformers' ``TopKRouter``. ``forced_TK`` (routing replay): i32[T, k] experts that replace the top-k choice of
-    each token where they are >= 0 (-1: the token's own choice); their weights are still the router's probabilities
-    of those experts, renormalised as the family does, so the router's gradient flows through them as through its own
-    choice (Megatron's R3)."""
+    transformers' ``TopKRouter`` (``expert_scale_E``: Gemma 4's ``Gemma4TextRouter``, the weights times each chosen
+    expert's scale, in float32, after the renormalisation). ``forced_TK`` (routing replay): i32[T, k] experts that
+    replace the top-k choice of each token where they are >= 0 (-1: the token's own choice); their weights are still
+    the router's probabilities of those experts, renormalised as the family does, so the router's gradient flows
+    through them as through its own choice (Megatron's R3)."""
     m = model.moe
     logits = einsum(model, "td,de->te", x_TD, router_DE.astype(x_TD.dtype))
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
@@ -80,6 +95,8 @@ def route(model: Model, router_DE: jax.Array, x_TD: jax.Array,
         top = jnp.take_along_axis(probs, experts, -1)
     if m.norm_topk_prob:
         top = top / jnp.sum(top, -1, keepdims=True)
+    if expert_scale_E is not None:
+        top = top * expert_scale_E.astype(jnp.float32)[experts]
     return logits, top.astype(x_TD.dtype), experts.astype(jnp.int32)
 
 
@@ -88,8 +105,16 @@ def own_experts(moe: MoE, logits: jax.Array) -> jax.Array:
     return jax.lax.top_k(jax.nn.softmax(logits.astype(jnp.float32), axis=-1), moe.top_k)[1].astype(jnp.int32)
 
 
+def _router_input(model: Model, p: Params, x_TD: jax.Array) -> jax.Array:
+    """What the router reads: the tokens' hidden states, or (``MoE.router_norm``, Gemma 4) their scale-free RMSNorm
+    times the learned ``router_scale`` and hidden_size^-1/2, in the compute dtype, as ``Gemma4TextRouter``."""
+    if not model.moe.router_norm:
+        return x_TD
+    return norm(model, None, x_TD) * p["router_scale"].astype(x_TD.dtype) * model.hidden_size ** -0.5
+
+
 def _swiglu(model: Model, x, w_gate, w_up, w_down, spec_in: str = "td,df->tf", spec_out: str = "tf,fd->td"):
-    act = _ACTIVATIONS[model.activation]
+    act = ACTIVATIONS[model.moe.activation]
 
     def down(gate, up, w):  # the backward keeps the projections' outputs and recomputes the activation
         return einsum(model, spec_out, act(gate) * up, w)
@@ -132,7 +157,7 @@ def grouped_tiles(model: Model, p: Params, x_MD: jax.Array, sizes_E: jax.Array) 
 def _tile_forward(model: Model, w_gate, w_up, w_down, tiles_ntD, expert_n):
     """Each tile through its expert: the outputs ``[n, t, D]`` and the gate and up projections ``[n, t, F]`` (the
     backward's residuals); zeros for the tiles past the rows."""
-    E, act = w_gate.shape[0], _ACTIVATIONS[model.activation]
+    E, act = w_gate.shape[0], ACTIVATIONS[model.moe.activation]
 
     def run(x, e):
         gate = einsum(model, "td,df->tf", x, w_gate[e])
@@ -166,7 +191,7 @@ def _tiles_bwd(model: Model, res, d_out_ntD):
     consecutive). Autodiff of the forward's scan would instead add a whole zero-padded copy of every weight's gradient
     per tile."""
     w_gate, w_up, w_down, tiles_ntD, expert_n, gate_ntF, up_ntF = res
-    E, act = w_gate.shape[0], _ACTIVATIONS[model.activation]
+    E, act = w_gate.shape[0], ACTIVATIONS[model.moe.activation]
 
     def grads(x, gate, up, dy, e):
         a, act_vjp = jax.vjp(act, gate)
@@ -199,7 +224,7 @@ def grouped_ragged(model: Model, p: Params, x_MD: jax.Array, sizes_E: jax.Array)
     dt = x_MD.dtype
     precision = jax.lax.Precision(model.precision) if dt == jnp.float32 else None
     dot = lambda x, w: jax.lax.ragged_dot(x, w.astype(dt), sizes_E, precision=precision)  # noqa: E731
-    act = _ACTIVATIONS[model.activation]
+    act = ACTIVATIONS[model.moe.activation]
     down = recomputed(lambda gate, up, w: dot(act(gate) * up, w))
     y_MD = down(dot(x_MD, p["gate"]), dot(x_MD, p["up"]), p["down"])
     return jnp.where((jnp.arange(x_MD.shape[0]) < jnp.sum(sizes_E))[:, None], y_MD, 0)
@@ -282,16 +307,19 @@ def dense_experts(model: Model, p: Params, x_TD: jax.Array, experts_TK: jax.Arra
     return jnp.sum(y_TED * w_TE[..., None], axis=1)
 
 
-def block(model: Model, p: Params, x_BLD: jax.Array, experts=sorted_experts,
-          forced: jax.Array | None = None) -> tuple[jax.Array, Routing]:
+def block(model: Model, p: Params, x_BLD: jax.Array, experts=sorted_experts, forced: jax.Array | None = None,
+          router_BLD: jax.Array | None = None) -> tuple[jax.Array, Routing]:
     """The MoE feed-forward of normed hidden states: ``(output [B, L, D], Routing of [B, L, ...])``. ``experts``:
     ``sorted_experts`` (dropless grouped matmuls) or ``dense_experts`` (the reference). ``forced``: i32[B, L, k] the
     experts each token takes instead of its own choice where >= 0 (``route``); the ``Routing`` still holds the
-    router's own choice."""
+    router's own choice. ``router_BLD``: what the router reads where it is not ``x`` (Gemma 4: the layer's residual
+    stream)."""
     B, L, D = x_BLD.shape
     x_TD = x_BLD.reshape(B * L, D)
+    r_TD = x_TD if router_BLD is None else router_BLD.reshape(B * L, D)
     forced_TK = None if forced is None else forced.reshape(B * L, -1)
-    logits, weights, chosen = route(model, p["router"], x_TD, forced_TK)
+    logits, weights, chosen = route(model, p["router"], _router_input(model, p, r_TD), forced_TK,
+                                    p.get("expert_scale"))
     out = experts(model, p, x_TD, chosen, weights)
     if model.moe.shared_dim:  # Qwen3.5-MoE, Qwen3-Next: a shared expert times sigmoid(its gate), added
         s = p["shared"]
@@ -299,6 +327,19 @@ def block(model: Model, p: Params, x_BLD: jax.Array, experts=sorted_experts,
         out = out + jax.nn.sigmoid(einsum(model, "td,dk->tk", x_TD, p["shared_gate"].astype(x_TD.dtype))) * shared
     own = chosen if forced is None else own_experts(model.moe, logits)
     return out.reshape(B, L, D), Routing(logits.reshape(B, L, -1), own.reshape(B, L, -1))
+
+
+def beside_mlp(model: Model, p: Params, p_mlp: Params, x_BLD: jax.Array, normed_BLD: jax.Array,
+               experts=sorted_experts, forced: jax.Array | None = None) -> tuple[jax.Array, Routing]:
+    """The experts beside a dense MLP, as Gemma 4 26B-A4B's layer (``enable_moe_block``): the MLP on the layer's normed
+    input (``pre_feedforward_layernorm``), its output normed (``mlp_post_norm``: ``post_feedforward_layernorm_1``),
+    plus the experts on the residual stream ``x`` normed by their own ``pre_norm`` (``pre_feedforward_layernorm_2``),
+    routed from ``x`` itself (``MoE.router_norm``), their output normed (``post_norm``:
+    ``post_feedforward_layernorm_2``). ``(output [B, L, D], Routing)``; the decoder norms the sum
+    (``post_feedforward_layernorm``) before the residual."""
+    dense = norm(model, p["mlp_post_norm"], mlp.forward(model, model.mlp, p_mlp, normed_BLD))
+    sparse, routing = block(model, p, norm(model, p["pre_norm"], x_BLD), experts, forced, router_BLD=x_BLD)
+    return dense + norm(model, p["post_norm"], sparse), routing
 
 
 def load_balancing_loss(moe: MoE, logits_NBLE: jax.Array, mask_BL: jax.Array) -> jax.Array:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jodpo.models import moe
+from jodpo.models import mlp, moe
 from jodpo.models.decoder import KINDS_OF_KEY, MIXERS, Model, Params, layer_params, merge_adapters
 from jodpo.models.layout import subtree_layers
 
@@ -21,11 +21,7 @@ def param_specs(model: Model) -> dict:
     """Nested dict of ``(shape, logical_axes)`` mirroring ``params``; the one source of shapes. What every layer has
     is stacked over all N layers; each mixer kind's parameters (``decoder.KEYS``) over the layers of that kind (or
     kinds: ``"attn"``, the full and sliding attention layers'); a wide MLP's over its layers (``layout.owners``)."""
-    D, N, F, V = model.hidden_size, model.num_layers, model.mlp_dim, model.vocab_size
-
-    def over(key, shape_axes):  # a subtree's leaves stacked over its own layers (layout.subtree_layers)
-        n = len(subtree_layers(model, key))
-        return jax.tree.map(lambda s: ((n, *s[0][1:]), s[1]), shape_axes, is_leaf=_is_spec)
+    D, N, V = model.hidden_size, model.num_layers, model.vocab_size
 
     def norm():
         p = {"scale": ((N, D), ("layers", "embed"))}
@@ -33,25 +29,18 @@ def param_specs(model: Model) -> dict:
             p["bias"] = ((N, D), ("layers", "embed"))
         return p
 
-    mlp = {"up": ((N, D, F), ("layers", "embed", "mlp")), "down": ((N, F, D), ("layers", "mlp", "embed"))}
-    if model.gated_mlp:
-        mlp["gate"] = ((N, D, F), ("layers", "embed", "mlp"))
-    if model.mlp_bias:
-        mlp["up_bias"] = ((N, F), ("layers", "mlp"))
-        mlp["down_bias"] = ((N, D), ("layers", "embed"))
-        if model.gated_mlp:
-            mlp["gate_bias"] = ((N, F), ("layers", "mlp"))
     final = {k: (shape[1:], axes[1:]) for k, (shape, axes) in norm().items()}
     layers = {"ln1": norm(), "ln2": norm()} if model.norms.pre else {}
     layers |= {key: MIXERS[kinds[0]].specs(model, len(model.layers_of(*kinds)))
                for key, kinds in KINDS_OF_KEY.items() if model.layers_of(*kinds)}
-    if model.moe is not None:  # every layer's feed-forward is the MoE block (jodpo.models.moe)
+    m = model.mlp
+    if m is not None:  # the dense MLP (jodpo.models.mlp); Gemma 4's KV-sharing layers' twice as wide (mlp_wide)
+        narrow = len(subtree_layers(model, "mlp"))  # (every layer's, unless some are wide)
+        wide = len(model.layers_of(*m.wide_kinds))
+        layers |= {key: mlp.specs(m, D, n, width) for key, n, width in (("mlp", narrow, m.width),
+                                                                        ("mlp_wide", wide, 2 * m.width)) if n}
+    if model.moe is not None:  # the experts, in place of the dense MLP or beside it (jodpo.models.moe)
         layers["moe"] = moe.specs(model, N)
-    else:
-        layers["mlp"] = over("mlp", mlp)
-    if model.wide_kinds:  # Gemma 4's KV-sharing layers: twice the MLP width
-        layers["mlp_wide"] = over("mlp_wide", jax.tree.map(
-            lambda s: (tuple(2 * F if ax == "mlp" else d for d, ax in zip(*s)), s[1]), mlp, is_leaf=_is_spec))
     if model.norms.post:  # Gemma, OLMo 2: the attention's and the MLP's outputs normed before their residuals
         layers |= {"post_attn": norm(), "post_mlp": norm()}
     specs = {"embed": ((V, D), ("vocab", "embed")), "layers": layers, "final_norm": final}
@@ -116,7 +105,8 @@ def buffers(model: Model) -> tuple[str, ...]:
     return ("scalar",) if model.layer_scalar else ()
 
 
-_NORMS = ("ln1", "ln2", "final_norm", "post_attn", "post_mlp", "q_norm", "k_norm", "ple_norm", "per_layer_norm")
+_NORMS = ("ln1", "ln2", "final_norm", "post_attn", "post_mlp", "q_norm", "k_norm", "ple_norm",
+          "per_layer_norm") + moe.NORMS
 
 
 def compute_params(model: Model, params: Params) -> Params:

@@ -192,6 +192,9 @@ def build(cfg: TrainConfig, given: Given = Given()) -> Run:
     if cfg.router_aux_loss_coef and model.moe is None:  # as TRL refuses it
         raise ConfigError(f"router_aux_loss_coef={cfg.router_aux_loss_coef} adds a mixture of experts' load-balancing "
                           f"loss, and this {model.family} policy has no experts; leave it at 0")
+    if cfg.router_aux_loss_coef and not model.moe.aux_loss:  # transformers' forward computes none to add
+        raise ConfigError(f"router_aux_loss_coef={cfg.router_aux_loss_coef}: transformers computes no load-balancing "
+                          f"loss for {model.family}'s experts; leave it at 0")
     if cfg.moe_routing_replay and model.moe is None:
         raise ConfigError(f"moe_routing_replay=True replays the experts a mixture of experts' sampler chose, and this "
                           f"{model.family} policy has no experts; leave it False")

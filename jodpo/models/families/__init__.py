@@ -1,6 +1,6 @@
 """Every family jodpo implements, one module each (``gpt_neox``, ``llama``, ``qwen2``, ``qwen3``, ``qwen3_5``,
-``gemma2``, ``gemma3``, ``gemma4``, ``olmo2``, ``smollm3``; the mixtures of experts ``qwen3_moe``, ``olmoe``,
-``qwen3_5_moe``): a
+``gemma2``, ``gemma3``, ``gemma4`` (with its mixture of experts), ``olmo2``, ``smollm3``; the mixtures of experts
+``qwen3_moe``, ``olmoe``, ``qwen3_5_moe``, ``qwen3_next``): a
 transformers config -> ``Model``, and HF tensor names <-> jodpo parameters (``jodpo.models.hf_mapping``).
 
 A new family is a new module here defining ``FAMILY`` (a ``Family``) and one line in ``FAMILIES``; where its
@@ -12,15 +12,15 @@ import json
 
 from jodpo.errors import UnsupportedModelError
 from jodpo.models.families import (gemma2, gemma3, gemma4, gpt_neox, llama, olmo2, olmoe, qwen2, qwen3, qwen3_5,
-                                   qwen3_5_moe, qwen3_moe, smollm3)
+                                   qwen3_5_moe, qwen3_moe, qwen3_next, smollm3)
 from jodpo.models.hf_mapping import Family, Rule, rope_of
 from jodpo.models.layers import ACTIVATIONS
-from jodpo.models.model import SLIDING, Model
+from jodpo.models.model import MLP, SLIDING, Model
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (gpt_neox.FAMILY, llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY,
                                                    qwen3_5.FAMILY, gemma2.FAMILY, gemma3.FAMILY, gemma4.FAMILY,
                                                    olmo2.FAMILY, smollm3.FAMILY, qwen3_moe.FAMILY, olmoe.FAMILY,
-                                                   qwen3_5_moe.FAMILY)}
+                                                   qwen3_5_moe.FAMILY, qwen3_next.FAMILY)}
 # HF model_type -> the family that implements it
 MODEL_TYPES = {model_type: f.name for f in FAMILIES.values() for model_type in f.classes}
 # architecture name in config.json -> (family, task)
@@ -29,9 +29,9 @@ ARCHITECTURES = {prefix + suffix: (f.name, task) for f in FAMILIES.values() for 
 ARCHITECTURES |= {name: (f.name, task) for f in FAMILIES.values() for name, task in f.more_classes.items()}
 SUPPORTED = ("GPT-NeoX/Pythia (gpt_neox), Llama 2/3, Mistral, SmolLM, TinyLlama (llama, mistral), Qwen2 (qwen2), "
              "Qwen3 (qwen3), Qwen3-MoE (qwen3_moe), Qwen3.5/3.6 dense (qwen3_5_text, and qwen3_5's language model), "
-             "Qwen3.5/3.6-MoE (qwen3_5_moe_text, and qwen3_5_moe's language model), Gemma 2 (gemma2), "
-             "Gemma 3 (gemma3_text, and gemma3's language model), Gemma 4 dense (gemma4_text, and gemma4's language "
-             "model), OLMo 2 and 3 (olmo2, olmo3), OLMoE (olmoe), SmolLM3 (smollm3)")
+             "Qwen3.5/3.6-MoE (qwen3_5_moe_text, and qwen3_5_moe's language model), Qwen3-Next (qwen3_next), Gemma 2 (gemma2), "
+             "Gemma 3 (gemma3_text, and gemma3's language model), Gemma 4 and Gemma 4 MoE (gemma4_text, and gemma4's "
+             "language model), OLMo 2 and 3 (olmo2, olmo3), OLMoE (olmoe), SmolLM3 (smollm3)")
 # HF tensors that carry no parameters (buffers some checkpoints include).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "attention.bias", "attention.masked_bias")
 
@@ -62,12 +62,14 @@ def model_from_hf_config(cfg, task: str, dtype: str = "float32", eos_token_ids=(
     tie = bool(cfg.tie_word_embeddings)
     cfg = cfg.get_text_config()  # the config itself, but for a multimodal model's (Gemma 3 4B-27B)
     fields = FAMILIES[family].model_fields(cfg)  # the family's own, which may set any of the shared ones below
-    activation = fields.pop("activation", None) or cfg.hidden_act
-    if activation not in ACTIVATIONS:
-        raise UnsupportedModelError(f"hidden_act {activation!r} is not supported (supported: {ACTIVATIONS})")
+    if "mlp" not in fields:  # a gated MLP of intermediate_size and hidden_act without biases, unless the family says
+        fields["mlp"] = MLP(cfg.intermediate_size, cfg.hidden_act)
+    for ff in (fields["mlp"], fields.get("moe")):
+        if ff is not None and ff.activation not in ACTIVATIONS:
+            raise UnsupportedModelError(f"hidden_act {ff.activation!r} is not supported (supported: "
+                                        f"{tuple(ACTIVATIONS)})")
     num_heads = cfg.num_attention_heads
     head_dim = fields.pop("head_dim", None) or getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
-    mlp_dim = fields.pop("mlp_dim", None) or cfg.intermediate_size  # a MoE family without a dense MLP sets its own
     if "rope" not in fields:
         fields["rope"] = rope_of(dict(cfg.rope_parameters), head_dim, cfg.max_position_embeddings)
     window = int(getattr(cfg, "sliding_window", None) or 0)
@@ -81,8 +83,8 @@ def model_from_hf_config(cfg, task: str, dtype: str = "float32", eos_token_ids=(
     eos_ids = tuple(dict.fromkeys(int(e) for e in [*eos, *eos_token_ids] if e is not None))
     return Model(
         family=family, task=task, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-        num_layers=cfg.num_hidden_layers, num_heads=num_heads, head_dim=head_dim, mlp_dim=mlp_dim,
-        activation=activation, tie_embeddings=tie and task == "causal_lm",
+        num_layers=cfg.num_hidden_layers, num_heads=num_heads, head_dim=head_dim,
+        tie_embeddings=tie and task == "causal_lm",
         pad_token_id=cfg.pad_token_id, eos_token_ids=eos_ids, dtype=dtype,
         hf_config=cfg.to_json_string(), **fields)
 

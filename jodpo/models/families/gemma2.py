@@ -8,7 +8,7 @@ from __future__ import annotations
 from jodpo.errors import UnsupportedModelError
 from jodpo.models.families import llama
 from jodpo.models.hf_mapping import Family
-from jodpo.models.model import Norms
+from jodpo.models.model import MLP, Norms
 
 
 def model_fields(cfg) -> dict:
@@ -16,9 +16,9 @@ def model_fields(cfg) -> dict:
         raise UnsupportedModelError(f"{cfg.model_type} with use_bidirectional_attention=True (an embedding model) is "
                                     "not a causal LM; jodpo trains causal Gemma models")
     return dict(num_kv_heads=cfg.num_key_value_heads or cfg.num_attention_heads,
-                norms=Norms("rmsnorm", cfg.rms_norm_eps, offset=1.0, sites="sandwich"), gated_mlp=True, mlp_bias=False,
-                qkv_bias=bool(cfg.attention_bias), out_bias=bool(cfg.attention_bias), parallel_residual=False,
-                activation=cfg.hidden_activation, embed_scale=float(cfg.hidden_size ** 0.5),
+                norms=Norms("rmsnorm", cfg.rms_norm_eps, offset=1.0, sites="sandwich"),
+                mlp=MLP(cfg.intermediate_size, cfg.hidden_activation), qkv_bias=bool(cfg.attention_bias),
+                out_bias=bool(cfg.attention_bias), parallel_residual=False, embed_scale=float(cfg.hidden_size ** 0.5),
                 query_scale=float(cfg.query_pre_attn_scalar ** -0.5),
                 attn_softcap=float(cfg.attn_logit_softcapping or 0.0),
                 final_softcap=float(cfg.final_logit_softcapping or 0.0))

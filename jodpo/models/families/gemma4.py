@@ -1,5 +1,6 @@
-"""Gemma 4 (text; dense: E2B, E4B, 31B): exactly transformers' ``models/gemma4``, as ``Gemma4ForCausalLM`` and the
-language model of ``Gemma4ForConditionalGeneration`` (its vision and audio towers left out, one line says so).
+"""Gemma 4 (text; dense: E2B, E4B, 31B; mixture of experts: 26B-A4B): exactly transformers' ``models/gemma4``, as
+``Gemma4ForCausalLM`` and the language model of ``Gemma4ForConditionalGeneration`` (its vision and audio towers left
+out, one line says so).
 - RMSNorms as ``x * w`` (not Gemma 3's ``1 + w``), scaled in float32; four a layer; q and k norms per head and a
   scale-free value norm; attention scores unscaled (scale 1); GeGLU; embeddings times sqrt(hidden); logits soft-capped;
 - sliding layers (the mixer kind ``sliding_attention``: the ``Model``'s shape, ``head_dim`` and RoPE, a cache of the
@@ -13,11 +14,15 @@ language model of ``Gemma4ForConditionalGeneration`` (its vision and audio tower
 - KV sharing: the last ``num_kv_shared_layers`` layers (kinds ``shared_sliding_attention``, ``shared_global_attention``)
   reuse the keys and values of the last earlier layer of their type, and with ``use_double_wide_mlp`` have MLPs twice
   as wide;
-- each layer's output times its learned ``layer_scalar``.
-The MoE checkpoints (26B-A4B: ``enable_moe_block``) are refused in one line. transformers has no
-``Gemma4ForSequenceClassification``: a reward head is read and written as its generic sequence classifiers are
-(``score.weight`` over the text model), which transformers' own classes of other families are. PEFT's default LoRA
-targets (a regex over the language model's ``q_proj`` and ``v_proj``) are ``q_proj, v_proj``."""
+- each layer's output times its learned ``layer_scalar``;
+- the MoE checkpoints (26B-A4B: ``enable_moe_block``): in every layer experts beside the dense MLP
+  (``jodpo.models.moe.beside_mlp``), routed from the residual stream by Gemma 4's router (a scale-free RMSNorm, a
+  learned scale and hidden_size^-1/2; top ``top_k_experts`` of ``num_experts``, renormalised, times a learned scale of
+  each expert), the fused ``experts.gate_up_proj`` read and written as transformers holds it; transformers computes
+  no load-balancing loss for them (``router_aux_loss_coef`` is refused).
+transformers has no ``Gemma4ForSequenceClassification``: a reward head is read and written as its generic sequence
+classifiers are (``score.weight`` over the text model), which transformers' own classes of other families are. PEFT's
+default LoRA targets (a regex over the language model's ``q_proj`` and ``v_proj``) are ``q_proj, v_proj``."""
 from __future__ import annotations
 
 import numpy as np
@@ -28,16 +33,27 @@ from jodpo.models.families import llama
 from jodpo.models.hf_mapping import (Family, Rule, head_bias, in_heads, linear, norm_rules, out_heads, rope_of,
                                      same)
 from jodpo.models.layout import KEYS
-from jodpo.models.model import READS, AttentionOptions, GlobalAttention, Model, Norms, PerLayerEmbeddings
+from jodpo.models.model import MLP, READS, AttentionOptions, GlobalAttention, Model, MoE, Norms, PerLayerEmbeddings
 
 LAYER_KINDS = {"sliding_attention": "sliding_attention", "full_attention": "global_attention"}
 SHARED = {"sliding_attention": "shared_sliding_attention", "global_attention": "shared_global_attention"}
 
 
+def _moe(cfg) -> MoE:
+    """The experts of a Gemma 4 MoE checkpoint (26B-A4B: ``enable_moe_block``), beside its dense MLP in every layer:
+    ``num_experts`` of width ``moe_intermediate_size``, ``top_k_experts`` a token, always renormalised, Gemma 4's
+    router (``MoE.router_norm``)."""
+    k, E = cfg.top_k_experts, cfg.num_experts
+    if not (E and cfg.moe_intermediate_size):
+        raise UnsupportedModelError(f"enable_moe_block=True needs num_experts and moe_intermediate_size, got "
+                                    f"num_experts={E}, moe_intermediate_size={cfg.moe_intermediate_size}")
+    if not (k and 0 < k <= E):
+        raise UnsupportedModelError(f"top_k_experts={k} must be between 1 and num_experts={E}")
+    return MoE(num_experts=E, top_k=k, expert_dim=cfg.moe_intermediate_size, norm_topk_prob=True,
+               activation=cfg.hidden_activation, router_norm=True, aux_loss=False)
+
+
 def model_fields(cfg) -> dict:
-    if getattr(cfg, "enable_moe_block", False):
-        raise UnsupportedModelError("Gemma 4's mixture-of-experts checkpoints (26B-A4B: enable_moe_block) are not "
-                                    "supported; the dense ones are (E2B, E4B, 31B)")
     if getattr(cfg, "use_bidirectional_attention", None) == "all":
         raise UnsupportedModelError("gemma4 with use_bidirectional_attention='all' (an embedding model) is not a "
                                     "causal LM; jodpo trains causal Gemma models")
@@ -52,14 +68,16 @@ def model_fields(cfg) -> dict:
     head_dim = sliding.head_dim
     # transformers' heterogeneous config refuses cfg.head_dim and cfg.num_key_value_heads (they differ by layer type)
     fields = dict(
-        norms=Norms("rmsnorm", cfg.rms_norm_eps, scale_f32=True, sites="sandwich"), gated_mlp=True, mlp_bias=False,
-        parallel_residual=False, num_kv_heads=sliding.num_key_value_heads, head_dim=head_dim,
-        attn_options=AttentionOptions(qk_norm="head", v_norm=True), query_scale=1.0, activation=cfg.hidden_activation,
+        norms=Norms("rmsnorm", cfg.rms_norm_eps, scale_f32=True, sites="sandwich"), parallel_residual=False,
+        num_kv_heads=sliding.num_key_value_heads, head_dim=head_dim,
+        attn_options=AttentionOptions(qk_norm="head", v_norm=True), query_scale=1.0,
         embed_scale=float(cfg.hidden_size ** 0.5),
         final_softcap=float(cfg.final_logit_softcapping or 0.0), layer_kinds=kinds, layer_scalar=True,
         rope=rope_of(dict(cfg.rope_parameters.get("sliding_attention") or {"rope_theta": 1e4}), head_dim,
                      cfg.max_position_embeddings),
-        wide_mlp=bool(cfg.use_double_wide_mlp and cfg.num_kv_shared_layers),
+        # the KV-sharing layers' MLPs twice as wide where use_double_wide_mlp
+        mlp=MLP(cfg.intermediate_size, cfg.hidden_activation, wide_kinds=tuple(
+            k for k in dict.fromkeys(kinds) if k in READS and cfg.use_double_wide_mlp)),
         qkv_bias=bool(cfg.attention_bias), out_bias=bool(cfg.attention_bias))
     if "full_attention" in per_type:
         full = per_type["full_attention"]
@@ -69,7 +87,10 @@ def model_fields(cfg) -> dict:
             k_eq_v=bool(cfg.attention_k_eq_v))
     if cfg.hidden_size_per_layer_input:
         fields["per_layer_embeddings"] = PerLayerEmbeddings(dim=cfg.hidden_size_per_layer_input,
-                                                            vocab_size=cfg.vocab_size_per_layer_input)
+                                                            vocab_size=cfg.vocab_size_per_layer_input,
+                                                            activation=cfg.hidden_activation)
+    if getattr(cfg, "enable_moe_block", False):
+        fields["moe"] = _moe(cfg)
     return fields
 
 
@@ -110,6 +131,8 @@ def rules(model: Model) -> list[Rule]:
                 (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")) if which]
     for kind in dict.fromkeys(model.kinds):
         out += _attention_rules(model, kind)
+    if model.moe is not None:
+        out += _expert_rules(model)
     pe = model.per_layer_embeddings
     if pe is not None:
         N, D, Dp = model.num_layers, model.hidden_size, pe.dim
@@ -121,6 +144,24 @@ def rules(model: Model) -> list[Rule]:
                 linear(layers + ("ple", "ple_gate"), L + "per_layer_input_gate.weight"),
                 linear(layers + ("ple", "ple_proj"), L + "per_layer_projection.weight"),
                 same(layers + ("ple_norm", "scale"), L + "post_per_layer_input_norm.weight")]
+    return out
+
+
+def _expert_rules(model: Model) -> list[Rule]:
+    """The experts beside the dense MLP (26B-A4B), in the layout transformers holds and saves them: ``router.proj``
+    [E, D], ``router.scale`` [D], ``router.per_expert_scale`` [E], the fused ``experts.gate_up_proj`` [E, 2F, D] and
+    ``experts.down_proj`` [E, D, F], and the branches' norms."""
+    L, moe = "model.layers.{i}.", ("layers", "moe")
+    out = [linear(moe + ("router",), L + "router.proj.weight"), same(moe + ("router_scale",), L + "router.scale"),
+           same(moe + ("expert_scale",), L + "router.per_expert_scale"),
+           Rule((L + "experts.gate_up_proj",), (moe + ("gate",), moe + ("up",)),
+                lambda w: tuple(np.split(w.transpose(0, 2, 1), 2, -1)),
+                lambda g, u: (np.concatenate([g, u], -1).transpose(0, 2, 1),)),
+           Rule((L + "experts.down_proj",), (moe + ("down",),), lambda w: (w.transpose(0, 2, 1),),
+                lambda w: (w.transpose(0, 2, 1),))]
+    for ours, theirs in (("pre_norm", "pre_feedforward_layernorm_2"), ("post_norm", "post_feedforward_layernorm_2"),
+                         ("mlp_post_norm", "post_feedforward_layernorm_1")):
+        out += norm_rules(model, moe + (ours,), L + theirs)
     return out
 
 

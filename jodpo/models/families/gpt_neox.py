@@ -6,12 +6,13 @@ from __future__ import annotations
 import numpy as np
 
 from jodpo.models.hf_mapping import Family, Rule, linear, norm_rules, out_heads, same
-from jodpo.models.model import Model, Norms
+from jodpo.models.model import MLP, Model, Norms
 
 
 def model_fields(cfg) -> dict:
-    return dict(num_kv_heads=cfg.num_attention_heads, norms=Norms("layernorm", cfg.layer_norm_eps), gated_mlp=False,
-                mlp_bias=True, qkv_bias=cfg.attention_bias, out_bias=cfg.attention_bias,
+    return dict(num_kv_heads=cfg.num_attention_heads, norms=Norms("layernorm", cfg.layer_norm_eps),
+                mlp=MLP(cfg.intermediate_size, cfg.hidden_act, gated=False, bias=True), qkv_bias=cfg.attention_bias,
+                out_bias=cfg.attention_bias,
                 parallel_residual=cfg.use_parallel_residual)
 
 

@@ -5,14 +5,16 @@ Gemma 2 and 3): q/k norms and Gemma's four norms a layer are there too, read fro
 from __future__ import annotations
 
 from jodpo.models.hf_mapping import Family, Rule, head_bias, in_heads, linear, norm_rules, out_heads, same
-from jodpo.models.model import Model, Norms
+from jodpo.models.model import MLP, Model, Norms
 
 
 def model_fields(cfg) -> dict:
     bias = bool(getattr(cfg, "attention_bias", False))
-    return dict(num_kv_heads=cfg.num_key_value_heads or cfg.num_attention_heads,
-                norms=Norms("rmsnorm", cfg.rms_norm_eps), gated_mlp=True,
-                mlp_bias=bool(getattr(cfg, "mlp_bias", False)), qkv_bias=bias, out_bias=bias, parallel_residual=False)
+    fields = dict(num_kv_heads=cfg.num_key_value_heads or cfg.num_attention_heads,
+                  norms=Norms("rmsnorm", cfg.rms_norm_eps), qkv_bias=bias, out_bias=bias, parallel_residual=False)
+    if getattr(cfg, "intermediate_size", None):  # (Qwen3.5-MoE's config, the experts' alone, has none)
+        fields["mlp"] = MLP(cfg.intermediate_size, cfg.hidden_act, bias=bool(getattr(cfg, "mlp_bias", False)))
+    return fields
 
 
 def rules(model: Model) -> list[Rule]:
@@ -35,9 +37,9 @@ def rules(model: Model) -> list[Rule]:
     elif model.attn_options.qk_norm == "head":
         out += [same(attn + ("q_norm", "scale"), L + "self_attn.q_norm.weight"),
                 same(attn + ("k_norm", "scale"), L + "self_attn.k_norm.weight")]
-    for ours, theirs in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
+    for ours, theirs in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")) if model.mlp else ():
         out.append(linear(mlp + (ours,), L + f"mlp.{theirs}.weight"))
-        if model.mlp_bias:
+        if model.mlp.bias:
             out.append(same(mlp + (ours + "_bias",), L + f"mlp.{theirs}.bias"))
     if model.norms.pre:
         out += norm_rules(model, ("layers", "ln1"), L + "input_layernorm")

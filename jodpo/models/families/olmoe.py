@@ -15,7 +15,8 @@ from jodpo.models.model import AttentionOptions
 def model_fields(cfg) -> dict:
     if getattr(cfg, "clip_qkv", None) is not None:
         raise UnsupportedModelError(f"clip_qkv={cfg.clip_qkv}: clamping q, k and v is not supported (clip_qkv=null)")
-    return llama.model_fields(cfg) | dict(attn_options=AttentionOptions(qk_norm="whole"), moe=moe_of(cfg))
+    return llama.model_fields(cfg) | dict(attn_options=AttentionOptions(qk_norm="whole"), mlp=None,
+                                          moe=moe_of(cfg))
 
 
 FAMILY = Family(

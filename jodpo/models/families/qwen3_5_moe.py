@@ -13,19 +13,18 @@ for Qwen3.5-MoE: LoRA needs ``lora_target_modules``, as PEFT does."""
 from __future__ import annotations
 
 from jodpo.models.families import qwen3_5
-from jodpo.models.hf_mapping import Family, Rule, expert_rules, moe_of
+from jodpo.models.hf_mapping import Family, Rule, moe_of, with_experts
 from jodpo.models.model import Model
 
 
 def model_fields(cfg) -> dict:
     moe = moe_of(cfg, norm_topk_prob=True, shared_dim=cfg.shared_expert_intermediate_size)
-    return qwen3_5.model_fields(cfg) | dict(moe=moe, mlp_dim=moe.expert_dim)
+    return qwen3_5.model_fields(cfg) | dict(moe=moe, mlp=None)
 
 
 def rules(model: Model) -> list[Rule]:
     """Qwen3.5's rules, the dense MLP's replaced by the MoE block's."""
-    mixers = [r for r in qwen3_5.rules(model) if r.jodpo[0][:2] != ("layers", "mlp")]
-    return mixers + expert_rules(model, "model.layers.{i}.mlp.")
+    return with_experts(qwen3_5.rules(model), model)
 
 
 # PEFT's names reach the shared expert's nn.Linear modules (gate_proj, up_proj, down_proj, its gate

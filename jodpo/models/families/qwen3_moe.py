@@ -10,22 +10,21 @@ target modules for Qwen3-MoE: LoRA needs ``lora_target_modules``, as PEFT does."
 from __future__ import annotations
 
 from jodpo.models.families import llama
-from jodpo.models.hf_mapping import Family, Rule, expert_rules, moe_of
+from jodpo.models.hf_mapping import Family, Rule, moe_of, with_experts, without_mlp
 from jodpo.models.model import AttentionOptions, Model
 
 
 def model_fields(cfg) -> dict:
-    return llama.model_fields(cfg) | dict(attn_options=AttentionOptions(qk_norm="head"), moe=moe_of(cfg))
+    return llama.model_fields(cfg) | dict(attn_options=AttentionOptions(qk_norm="head"), mlp=None,
+                                          moe=moe_of(cfg))
 
 
 def rules(model: Model) -> list[Rule]:
     """Llama's rules (with the q/k norms), the dense MLP's replaced by the MoE block's."""
-    dense = [r for r in llama.rules(model) if r.jodpo[0][:2] != ("layers", "mlp")]
-    return dense + expert_rules(model, "model.layers.{i}.mlp.")
+    return with_experts(llama.rules(model), model)
 
 
-LORA_MODULES = {k: v for k, v in llama.LORA_MODULES.items() if k not in ("gate_proj", "up_proj", "down_proj")}
-LORA_PATHS = {k: v for k, v in llama.LORA_PATHS.items() if k in LORA_MODULES}
+LORA_MODULES, LORA_PATHS = without_mlp(llama.LORA_MODULES, llama.LORA_PATHS)
 
 FAMILY = Family(
     name="qwen3_moe", module="qwen3_moe", classes={"qwen3_moe": "Qwen3Moe"}, model_fields=model_fields, rules=rules,
