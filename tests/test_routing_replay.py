@@ -20,8 +20,8 @@ E, K, LAYERS = 6, 2, 2
 def _model(dtype="float32"):
     m = MoE(num_experts=E, top_k=K, expert_dim=8, norm_topk_prob=True, shared_dim=0)
     return decoder.Model(family="qwen3_moe", task="causal_lm", vocab_size=48, hidden_size=16, num_layers=LAYERS,
-                         num_heads=2, num_kv_heads=1, head_dim=8, mlp_dim=8, norms=decoder.Norms("rmsnorm", 1e-6),
-                         activation="silu", gated_mlp=True, mlp_bias=False, qkv_bias=False, out_bias=False,
+                         num_heads=2, num_kv_heads=1, head_dim=8, mlp=None, norms=decoder.Norms("rmsnorm", 1e-6),
+                         qkv_bias=False, out_bias=False,
                          parallel_residual=False, rope=decoder.Rope(8, (1.0,) * 4), tie_embeddings=False, moe=m,
                          dtype=dtype)
 
@@ -145,7 +145,7 @@ def test_replay_without_the_samplers_experts_or_experts_is_refused(near_ties):
     with pytest.raises(ValueError, match="sample_experts"):
         losses.online_dpo_loss(model, params, params, ids, mask, ids, mask, jnp.zeros(2), beta=0.1,
                                moe_routing_replay=True)
-    dense = model.replace(moe=None)
+    dense = model.replace(moe=None, mlp=decoder.MLP(8, "silu"))
     with pytest.raises(ValueError, match="no experts"):
         losses.completion_logprobs(dense, jodpo.init_params(dense, jax.random.key(0)), ids, mask, ids, mask,
                                    routes=jnp.zeros((2, 5, LAYERS, K), jnp.int32))
