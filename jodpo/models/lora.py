@@ -46,7 +46,8 @@ def resolve_targets(model: Model, targets) -> tuple[str, ...]:
     """``lora_target_modules`` for this model: None gives PEFT's default, ``"all-linear"`` every projection; an
     unknown name is refused with the list of this family's names."""
     known = family_of(model).lora_modules
-    gated = model.mlp is not None and model.mlp.gated  # an ungated MLP (GPT-NeoX) has no gate to adapt
+    # an ungated MLP (GPT-NeoX) has no gate to adapt; a shared expert (Qwen3.5-MoE) is gated
+    gated = (model.mlp is not None and model.mlp.gated) or (model.moe is not None and model.moe.shared_dim > 0)
     if targets is None or len(targets) == 0:
         if not family_of(model).lora_defaults:
             raise ValueError(f"PEFT has no default target modules for {model.family} models: set lora_target_modules "
