@@ -1,7 +1,8 @@
 """The expert mesh axis on 8 fake CPU devices equals one device: the tiny Qwen3-MoE (4 experts, two a token) with its
 experts split by expert over (data, expert) = (2, 4) and (fsdp, expert, tensor) = (2, 2, 2): the completions'
-log-probs and their gradient; online DPO (policy and reward model both MoE) for two steps on the first mesh, and the
-1-device run resumed from its checkpoint 1 on the second."""
+log-probs and their gradient; the same with LoRA on the experts and the router (the adapters split by expert); online
+DPO (policy and reward model both MoE) for two steps on the first mesh, and the 1-device run resumed from its
+checkpoint 1 on the second."""
 import json
 import shutil
 import subprocess
@@ -59,6 +60,30 @@ for shape in ({'data': 2, 'expert': 4, 'fsdp': 1}, {'fsdp': 2, 'expert': 2, 'ten
     for (k, x), y in zip(jax.tree.leaves_with_path(ga), jax.tree.leaves(gb)):
         np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-4, atol=1e-5 * float(np.abs(x).max() or 1),
                                    err_msg=jax.tree_util.keystr(k))
+# LoRA on the experts and the router (PEFT's all-linear on Qwen3-MoE): the adapters split by expert like the experts,
+# merged into them inside the layer, the split experts' run equal to one device's, every adapter's gradient too
+from jodpo.models import lora
+lora_model = model.replace(lora_rank=2, lora_alpha=4.0)
+targets = lora.resolve_targets(lora_model, ['all-linear'])
+ad = lora.init_adapters(lora_model, targets, jax.random.key(0))
+ad = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.key(1), x.shape), ad)
+def g(a, base):
+    lp = jodpo.completion_logprobs(lora_model, lora.attach(base, a), prompt, pmask, comp, cmask)
+    return jnp.sum(lp * jnp.arange(1, 6)), lp
+(_, a), ga = jax.jit(jax.value_and_grad(g, has_aux=True))(ad, one)
+mesh = S.make_mesh(data=2, fsdp=1, expert=4)
+_, split = jodpo.load_model(path, place=S.placer(mesh))
+split_ad = jax.device_put(ad, S.param_shardings(lora_model, mesh, lora.adapter_specs(lora_model, targets)))
+ran.clear()
+(_, b), gb = jax.jit(jax.value_and_grad(g, has_aux=True))(split_ad, split)
+assert ran, 'the adapted experts did not run split by expert'
+assert {k: gb[k]['a'].sharding.spec[1] for k in ('gate_up_proj@moe', 'down_proj@moe')} == dict.fromkeys(
+    ('gate_up_proj@moe', 'down_proj@moe'), 'expert')
+np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-5)
+for (k, x), y in zip(jax.tree.leaves_with_path(ga), jax.tree.leaves(gb)):
+    assert np.abs(np.asarray(x)).max() > 0, jax.tree_util.keystr(k)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-4, atol=1e-5 * float(np.abs(x).max()),
+                               err_msg=jax.tree_util.keystr(k))
 for argv in jobs:
     ran.clear()
     assert train.main(argv + ['--debug']) == 0, argv

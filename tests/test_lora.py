@@ -27,6 +27,7 @@ LLAMA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                             ("gemma2", ["all-linear"]), ("gemma3", None),
                                             ("smollm3", ["q_proj", "v_proj"]), ("olmo3", ["all-linear"]),
                                             ("gemma4", None), ("gemma4", ["all-linear"]), ("qwen3_moe", ["all-linear"]),
+                                            ("olmoe", ["q_proj", "gate_proj", "up_proj", "gate"]),
                                             ("qwen3_5_moe", ["all-linear"])])
 def test_adapters_are_the_base_at_start_and_equal_peft(checkpoints, tmp_path, family, targets):
     path = checkpoints[family]["causal_lm"]
@@ -45,12 +46,19 @@ def test_adapters_are_the_base_at_start_and_equal_peft(checkpoints, tmp_path, fa
             assert [m for m in LLAMA_MODULES if re.fullmatch(default, layer + m)] == list(names)
         else:
             assert list(names) == default
-    if family == "qwen3_5_moe":  # PEFT's all-linear: the shared expert's three projections and its gate too
+    if "moe" in family:  # what PEFT adapts: Qwen3.5-MoE's all-linear reaches its shared expert and its gate too;
+        # Qwen3-MoE's and OLMoE's expert and router names become target_parameters (gate_up_proj at twice the rank)
         from peft import LoraConfig, get_peft_model
         from transformers import AutoModelForCausalLM
 
-        peft = get_peft_model(AutoModelForCausalLM.from_pretrained(path), LoraConfig(target_modules="all-linear"))
-        assert {n.rpartition(".")[2] for n in peft.peft_config["default"].target_modules} == set(names)
+        given = "all-linear" if targets == ["all-linear"] else targets
+        peft = get_peft_model(AutoModelForCausalLM.from_pretrained(path),
+                              LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=given))
+        theirs, ours = peft.peft_config["default"], lora.peft_config(model, names, 0.05, str(path))
+        assert {n.rpartition(".")[2] for n in theirs.target_modules} == set(ours["target_modules"])
+        assert set(theirs.target_parameters or ()) == set(ours.get("target_parameters", ()))
+        assert (theirs.rank_pattern, theirs.alpha_pattern) == (ours.get("rank_pattern", {}), ours.get("alpha_pattern",
+                                                                                                        {}))
     adapters = lora.init_adapters(model, names, jax.random.PRNGKey(0))
     ids, mask = hf_fixtures.padded_batch(np.random.default_rng(0), [7, 5], model.pad_token_id, "right")
     plain = np.asarray(jodpo.logits(base_model, base, ids, mask))
@@ -64,7 +72,9 @@ def test_adapters_are_the_base_at_start_and_equal_peft(checkpoints, tmp_path, fa
     np.testing.assert_allclose(merged, adapted, rtol=1e-5, atol=1e-5)
     lora.save_peft(model, adapters, tmp_path / "adapter", names, 0.05, str(path))
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
-    assert config["r"] == 4 and config["lora_alpha"] == 8.0 and config["target_modules"] == list(names)
+    assert config["r"] == 4 and config["lora_alpha"] == 8.0
+    if "target_parameters" not in config:
+        assert config["target_modules"] == list(names)
     np.testing.assert_allclose(references.peft_logits(path, tmp_path / "adapter", ids, mask)[keep], adapted[keep], rtol=1e-4,
                                atol=1e-4)
 
@@ -77,6 +87,17 @@ def test_unknown_target_module_names_the_family_s_modules(checkpoints):
     qwen3_5, _ = jodpo.load_model(str(checkpoints["qwen3_5"]["causal_lm"]))
     with pytest.raises(ValueError, match="no default target modules for qwen3_5.*in_proj_qkv"):
         lora.resolve_targets(qwen3_5.replace(lora_rank=2, lora_alpha=2.0), None)
+    # Qwen3-MoE's gate_proj and up_proj are one parameter (PEFT refuses one without the other); parameters are named
+    # in lora_target_parameters only where LoRA adapts some (PEFT's target_parameters)
+    qwen3_moe, _ = jodpo.load_model(str(checkpoints["qwen3_moe"]["causal_lm"]))
+    with pytest.raises(ValueError, match=r"\['gate_proj'\] without \['up_proj'\].*gate_up_proj"):
+        lora.resolve_targets(qwen3_moe.replace(lora_rank=2, lora_alpha=2.0), ["gate_proj"])
+    assert lora.resolve_targets(qwen3_moe, None, ["mlp.experts.down_proj", "gate.weight"]) == ("down_proj",
+                                                                                            "gate.weight")
+    with pytest.raises(ValueError, match=r"lora_target_parameters \['weight'\] are not.*'gate_up_proj'"):
+        lora.resolve_targets(qwen3_moe, None, ["weight"])
+    with pytest.raises(ValueError, match=r"lora_target_parameters \['gate_up_proj'\]: this gpt_neox model has no"):
+        lora.resolve_targets(model, ["dense"], ["gate_up_proj"])
     with pytest.raises(C.ConfigError, match="lora_r >= 1"):
         C.TrainConfig(use_peft=True, lora_r=0)
 

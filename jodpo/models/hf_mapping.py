@@ -43,6 +43,15 @@ class Family:
     # prefixes of tensors left out -> what they are, for the one line that says so (a vision tower, Qwen3.5's
     # multi-token-prediction layer)
     skipped: dict[str, str] = dataclasses.field(default_factory=dict)
+    # PEFT's target_parameters jodpo can adapt (parameters no nn.Linear holds: transformers 5's stacked experts, a
+    # router module): name -> (the submodule path in a layer its name continues, the jodpo weights it holds), in the
+    # order the HF modules declare them ("gate_up_proj" -> ("mlp.experts", ("gate", "up")): layers.{i}.mlp.experts.
+    # gate_up_proj); the names never coincide with lora_modules'
+    lora_parameters: dict[str, tuple[str, tuple[str, ...]]] = dataclasses.field(default_factory=dict)
+    # target_modules names that PEFT rewrites into target_parameters on this model type (transformers 4's module names
+    # of the experts and the router: "gate_proj" -> "gate_up_proj"); a parameter several of them fuse into gets
+    # their number times the rank and alpha (PEFT's rank_pattern and alpha_pattern)
+    lora_module_parameters: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -54,6 +54,9 @@ class _Fields:
     lora_dropout: float = _f(0.05, "recorded in the PEFT export; no effect in training (TRL's disable_dropout zeroes it)")
     lora_target_modules: tuple[str, ...] | None = _f(None, "HF module names to adapt (None: PEFT's default per model "
                                                            "type; ['all-linear']: every projection)")
+    lora_target_parameters: tuple[str, ...] | None = _f(None, "HF parameters to adapt besides the modules (PEFT's "
+                                                              "target_parameters: Qwen3-MoE's and OLMoE's "
+                                                              "gate_up_proj, down_proj, gate.weight)")
     # --- data
     dataset_name: str = _f("", "hub dataset id, or a local file/directory (json, jsonl, parquet, csv)")
     dataset_config: str | None = _f(None, "the dataset's config (subset) name")

@@ -201,7 +201,7 @@ def build(cfg: TrainConfig, given: Given = Given()) -> Run:
     if cfg.use_peft:  # the policy is the frozen base plus adapters; nothing else is trained or copied
         model = model.replace(lora_rank=cfg.lora_r, lora_alpha=float(cfg.lora_alpha))
         try:
-            targets = lora.resolve_targets(model, cfg.lora_target_modules)
+            targets = lora.resolve_targets(model, cfg.lora_target_modules, cfg.lora_target_parameters)
         except ValueError as e:
             raise ConfigError(str(e)) from None
         policy_params = lora.init_adapters(model, targets, jax.random.fold_in(jax.random.PRNGKey(cfg.seed), 1),

@@ -90,7 +90,8 @@ def lora_parts(run_cfg: dict, model: Model, adapters: dict, step_dir: Path, sour
     the base weights read again (float32) from the run's ``model_name_or_path`` (None without ``read_base``: a PEFT
     adapter directory holds the adapters alone, and a base given in memory has no path to read)."""
     lora_model = model.replace(lora_rank=run_cfg["lora_r"], lora_alpha=float(run_cfg["lora_alpha"]))
-    targets = lora.resolve_targets(lora_model, run_cfg.get("lora_target_modules"))
+    targets = lora.resolve_targets(lora_model, run_cfg.get("lora_target_modules"),
+                                   run_cfg.get("lora_target_parameters"))
     specs = lora.adapter_specs(lora_model, targets)
     need = _shapes(jax.tree.map(lambda s: jax.ShapeDtypeStruct(s[0], "float32"), specs,
                                 is_leaf=lambda x: isinstance(x, tuple) and isinstance(x[0], tuple)))

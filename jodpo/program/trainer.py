@@ -57,7 +57,8 @@ class OnlineDPOTrainer:
       conversational prompts. ``eval_dataset`` may be a dict of sets: each is evaluated, its metrics named
       ``eval_<name>/...`` (transformers' ``eval_<name>_...``, with jodpo's ``/``). None: the config's datasets.
     processing_class / reward_processing_classes: the tokenizers (default: the models' own).
-    peft_config: a peft ``LoraConfig`` or its dict: use_peft with its r, lora_alpha, target_modules, lora_dropout.
+    peft_config: a peft ``LoraConfig`` or its dict: use_peft with its r, lora_alpha, target_modules,
+      target_parameters, lora_dropout.
     callbacks: transformers ``TrainerCallback``s (or their classes), called as TRL's trainer calls them with
       ``(args, state, control, **kwargs)``: ``on_train_begin``, ``on_step_end``, ``on_log`` (each logged line),
       ``on_evaluate`` (``metrics``), ``on_save`` (the checkpoint is written in the background), ``on_train_end``;
@@ -340,10 +341,11 @@ def _lora_fields(peft_config) -> dict:
     kind = str(d.get("peft_type", "LORA")).split(".")[-1].upper()
     if kind != "LORA":
         raise ConfigError(f"peft_config: a {kind} config; jodpo trains LoRA adapters (peft.LoraConfig)")
-    targets = d.get("target_modules")
+    targets, parameters = d.get("target_modules"), d.get("target_parameters")
     if isinstance(targets, str):
         targets = [targets]
     fields = {"use_peft": True, "lora_r": int(d.get("r", 8)), "lora_alpha": d.get("lora_alpha", 8),
               "lora_dropout": float(d.get("lora_dropout", 0.0)),
-              "lora_target_modules": None if targets is None else tuple(sorted(targets))}
+              "lora_target_modules": None if targets is None else tuple(sorted(targets)),
+              "lora_target_parameters": tuple(sorted(parameters)) if parameters else None}
     return {k: coerce(k, v) for k, v in fields.items()}

@@ -278,7 +278,6 @@ TABLE: dict[str, Answer] = {
     # --- TRL's ModelConfig and ScriptArguments (its example scripts parse them with the config)
     "dtype": mapped("float32", "float32 or bfloat16: sets param_dtype and frozen_param_dtype (others refused)",
                     lambda v: _dtype(v, "dtype")),
-    "lora_target_parameters": only(None, "jodpo's LoRA adapts modules (lora_target_modules), not parameters"),
     "lora_modules_to_save": only(None, "jodpo's LoRA trains the adapters alone"),
     "lora_task_type": only("CAUSAL_LM", "the policy is a causal LM"),
     "use_rslora": only(False, "jodpo's adapters are scaled by lora_alpha / lora_r (rank-stabilised scaling is not "
