@@ -157,7 +157,7 @@ CASES = {  # name: (argv after --config CFG, the phrase the one-line message mus
     "greedy online training": (["--config.temperature=0"], "temperature=0 decodes greedily, so both completions of a "
                                                            "prompt are the same"),
     "mesh does not fit the devices": (["--config.mesh_data=2", "--config.mesh_fsdp=1"],
-                                      "mesh (data=2, fsdp=1, tensor=1) needs 2 devices, there are 1"),
+                                      "mesh (data=2, fsdp=1, expert=1, tensor=1) needs 2 devices, there are 1"),
     "sampler takes every device": (["--config.sampler_devices=1"],
                                    "sampler_devices=1 leaves none of the 1 devices to train on"),
 }
