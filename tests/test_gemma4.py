@@ -84,6 +84,12 @@ def test_kv_sharing_layers_read_the_layer_transformers_stores(name):
     assert {stores[cfg.layer_types[i]] for i in readers} == set(stores.values())  # both types read, 4 sliding to 1
     for i in readers:
         assert model.layers_of(decoder.READS[model.kinds[i]])[-1] == stores[cfg.layer_types[i]], i
+    # a reader computes with its source kind's attention description: the global layers' own shape, the sliding window
+    raw = json.loads((helpers.ROOT / "benchmarks" / "configs" / f"{name}.json").read_text())
+    g, w = model.attention_of("shared_global_attention"), model.attention_of("shared_sliding_attention")
+    assert g is model.global_attention and w == model.attention_of("sliding_attention")
+    assert (g.head_dim, g.window, w.head_dim, w.window) == (raw["global_head_dim"], 0, raw["head_dim"],
+                                                            raw["sliding_window"])
 
 
 def test_kv_sharing_layers_keep_no_cache_of_their_own(checkpoints):

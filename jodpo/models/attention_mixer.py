@@ -23,8 +23,10 @@ that reads this one's (``model.READS``) attends to; ``full`` and ``prefixed`` re
 
 This kind: keys and values of every token in a cache ``[B, kv_heads, slots, head_dim]`` (head-major, as the decode
 steps read them), RoPE, q/k norms, biases, grouped kv heads, soft-capping, an output gate, a value norm, values that
-are the keys; ``full`` and ``prefixed`` also serve the sliding kind (``window``). ``reads=True`` runs a layer that
-projects no keys or values of its own but attends to another layer's (``jodpo.models.shared_kv``).
+are the keys. Its functions compute with the ``Attention`` description of ``kind`` (``Model.attention_of``: heads,
+RoPE, options, window), this kind's by default: the other softmax-attention kinds run them with theirs (the sliding
+kind's ``full`` and ``prefixed``, with its window; the global kind's, another shape and RoPE). ``reads=True`` runs a
+layer that projects no keys or values of its own but attends to another layer's (``jodpo.models.shared_kv``).
 """
 from __future__ import annotations
 
@@ -32,29 +34,21 @@ import jax
 import jax.numpy as jnp
 
 from jodpo.models.layers import Context, Site, attention, forward_attention, keys_values, layer_rope, queries
-from jodpo.models.model import Model, Params, einsum
+from jodpo.models.model import Attention, Model, Params, einsum
 
+KIND = "attention"
 WEIGHTS = ("q", "k", "v", "o", "o_gate")  # the projections LoRA can adapt (jodpo.models.lora)
 
 
-def view(model: Model) -> Model:
-    """The ``Model`` as this kind's layers compute (``global_attention``'s is another shape)."""
-    return model
-
-
-def context(model: Model, ctx: Context) -> Context:
-    """``ctx`` with this kind's RoPE tables (the decoder's own)."""
-    return ctx
-
-
-def specs(model: Model, n: int, reads: bool = False) -> dict:
+def specs(model: Model, n: int, reads: bool = False, kind: str = KIND) -> dict:
     """The parameters; ``reads``: a layer that reuses another's keys and values has no k or v projection (nor norm)."""
-    D, H, K, Dh = model.hidden_size, model.num_heads, model.num_kv_heads, model.head_dim
+    a = model.attention_of(kind)
+    D, H, K, Dh = model.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim
     out = {
         "q": ((n, D, H, Dh), ("layers", "embed", "heads", "head_dim")),
         "o": ((n, H, Dh, D), ("layers", "heads", "head_dim", "embed")),
     }
-    o = model.attn_options
+    o = a.options
     kv = [] if reads else ["k"] + ([] if o.k_eq_v else ["v"])
     for name in kv:
         out[name] = ((n, D, K, Dh), ("layers", "embed", "kv_heads", "head_dim"))
@@ -79,17 +73,18 @@ def specs(model: Model, n: int, reads: bool = False) -> dict:
     return out
 
 
-def empty_kv(model: Model, batch: int, length: int, dtype) -> tuple:
+def empty_kv(model: Model, batch: int, length: int, dtype, kind: str = KIND) -> tuple:
     """KV sharing's slot before any layer of this kind filled it: keys and values ``[B, L, K, Dh]``."""
-    shape = (batch, length, model.num_kv_heads, model.head_dim)
+    a = model.attention_of(kind)
+    shape = (batch, length, a.num_kv_heads, a.head_dim)
     return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
 
 
-def _queries(model: Model, p: Params, x, rope):
+def _queries(model: Model, attn: Attention, p: Params, x, rope):
     """Rotated queries of the new tokens, and the output gate's pre-activation (None without one)."""
-    q = queries(model, p, x, *rope)
+    q = queries(model, attn, p, x, *rope)
     gate = None
-    if model.attn_options.output_gate:
+    if attn.options.output_gate:
         gate = einsum(model, "bld,dhk->blhk", x, p["o_gate"].astype(x.dtype))
         if model.qkv_bias:
             gate = gate + p["o_gate_bias"].astype(x.dtype)
@@ -111,50 +106,54 @@ def _within(window: int, dist):
     return (dist >= 0) & (dist < window) if window else dist >= 0
 
 
-def full(model: Model, p: Params, x, ctx: Context, site: Site, kv=None, reads: bool = False, window: int = 0):
-    """``window``: a sliding-window layer's (``jodpo.models.sliding_attention``), which rotates with the local RoPE
-    tables where the model has them."""
-    rope = layer_rope(model, ctx.rope[0], site, local=bool(window))
-    q, gate = _queries(model, p, x, rope)
-    k, v = kv if reads else keys_values(model, p, x, *rope)
-    a = forward_attention(model, q, k, v, ctx.mask[0][:, None, :] & _within(window, ctx.dist[0])[None])
+def full(model: Model, p: Params, x, ctx: Context, site: Site, kv=None, reads: bool = False, kind: str = KIND):
+    """A windowed kind's layers (``jodpo.models.sliding_attention``) attend within ``Attention.window`` and rotate
+    with the local RoPE tables where the rope has them."""
+    attn = model.attention_of(kind)
+    rope = layer_rope(attn, ctx.rope[0], site)
+    q, gate = _queries(model, attn, p, x, rope)
+    k, v = kv if reads else keys_values(model, attn, p, x, *rope)
+    a = forward_attention(model, q, k, v, ctx.mask[0][:, None, :] & _within(attn.window, ctx.dist[0])[None])
     return _output(model, p, a, gate, x.dtype), (kv if reads or kv is None else (k, v))
 
 
-def prefixed(model: Model, p: Params, xs, ctx: Context, site: Site, kv=None, reads: bool = False, window: int = 0):
+def prefixed(model: Model, p: Params, xs, ctx: Context, site: Site, kv=None, reads: bool = False, kind: str = KIND):
     """The prefix's tokens attend among themselves; the suffix rows (block layout: row r continues prefix r % B)
     attend to their prefix's keys and values (shared: their gradients add up) and to their own."""
-    (xp, xs_), (rope_p, rope_s) = xs, (layer_rope(model, r, site, local=bool(window)) for r in ctx.rope)
-    (qp, gp), (qs, gs) = _queries(model, p, xp, rope_p), _queries(model, p, xs_, rope_s)
+    attn = model.attention_of(kind)
+    (xp, xs_), (rope_p, rope_s) = xs, (layer_rope(attn, r, site) for r in ctx.rope)
+    (qp, gp), (qs, gs) = _queries(model, attn, p, xp, rope_p), _queries(model, attn, p, xs_, rope_s)
     if reads:
         (kp, vp), (ks, vs) = kv
     else:
-        (kp, vp), (ks, vs) = keys_values(model, p, xp, *rope_p), keys_values(model, p, xs_, *rope_s)
+        (kp, vp), (ks, vs) = keys_values(model, attn, p, xp, *rope_p), keys_values(model, attn, p, xs_, *rope_s)
     n = xs_.shape[0] // xp.shape[0]
     tile = lambda a: jnp.concatenate([a] * n, 0)  # noqa: E731
     prefix_mask, suffix_keys = ctx.mask[0], ctx.mask[1]  # [B, P]; [N, P + C] (the tiled prefix's, then its own)
-    ap = forward_attention(model, qp, kp, vp, prefix_mask[:, None, :] & _within(window, ctx.dist[0])[None])
+    ap = forward_attention(model, qp, kp, vp, prefix_mask[:, None, :] & _within(attn.window, ctx.dist[0])[None])
     a_s = forward_attention(model, qs, jnp.concatenate([tile(kp), ks], 1), jnp.concatenate([tile(vp), vs], 1),
-                            suffix_keys[:, None, :] & _within(window, ctx.dist[1])[None])
+                            suffix_keys[:, None, :] & _within(attn.window, ctx.dist[1])[None])
     out = _output(model, p, ap, gp, xp.dtype), _output(model, p, a_s, gs, xs_.dtype)
     return out, (kv if reads or kv is None else ((kp, vp), (ks, vs)))
 
 
-def init_state(model: Model, batch: int, length: int, dtype) -> dict:
-    shape = (batch, model.num_kv_heads, length, model.head_dim)
+def init_state(model: Model, batch: int, length: int, dtype, kind: str = KIND) -> dict:
+    a = model.attention_of(kind)
+    shape = (batch, a.num_kv_heads, length, a.head_dim)
     return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
 
 
-def cached(model: Model, p: Params, x, state: dict, j, ctx: Context, site: Site,
-           reads: bool = False) -> tuple[jax.Array, dict]:
+def cached(model: Model, p: Params, x, state: dict, j, ctx: Context, site: Site, reads: bool = False,
+           kind: str = KIND) -> tuple[jax.Array, dict]:
     """The new tokens' keys and values are written at slot ``ctx.start`` (only those slots: the cache is updated in
     place, never copied); they attend to every earlier real slot, or, when ``ctx.empty`` promises an empty cache (a
     prefill), among themselves with the forwards' kernel (``Model.attention``). ``reads``: ``state`` is another layer's
     (KV sharing), which already holds these tokens' keys and values: read, never written."""
-    rope = layer_rope(model, ctx.rope[0], site)
-    q, gate = _queries(model, p, x, rope)
+    attn = model.attention_of(kind)
+    rope = layer_rope(attn, ctx.rope[0], site)
+    q, gate = _queries(model, attn, p, x, rope)
     if not reads:
-        k, v = keys_values(model, p, x, *rope)
+        k, v = keys_values(model, attn, p, x, *rope)
         at = (0, 0, ctx.start, 0) if j is None else (j, 0, 0, ctx.start, 0)
 
         def write(slab, new):  # [B, L, K, Dh] -> the slab's head-major layout, at the new tokens' slots

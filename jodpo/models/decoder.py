@@ -298,7 +298,7 @@ def hidden_states(model: Model, params: Params, tokens_BL: jax.Array, mask_BL: j
                          "stacked params with a stacked cache or none")
     if cache is None:
         pos = _positions(mask_BL, jnp.zeros((B,), jnp.int32))
-        ctx = Context(mask=(mask_BL,), dist=(dist_LL,), rope=(rope_tables(model, pos),), positions=(pos,))
+        ctx = Context(mask=(mask_BL,), dist=(dist_LL,), rope=(rope_tables(model.rope, pos),), positions=(pos,))
 
         def mix(kind, p, normed, site, kv, j):
             y, kv = MIXERS[kind].full(model, p[KEYS[kind]], normed[0], ctx, site, kv)
@@ -316,8 +316,8 @@ def hidden_states(model: Model, params: Params, tokens_BL: jax.Array, mask_BL: j
     S = cache["mask"].shape[1]
     pos = _positions(mask_BL, jnp.sum(cache["mask"], -1, dtype=jnp.int32))
     dist_LS = (start + jnp.arange(L, dtype=jnp.int32))[:, None] - jnp.arange(S, dtype=jnp.int32)[None, :]
-    ctx = Context(mask=(mask_BL, kv_mask_BS), dist=(dist_LL, dist_LS), rope=(rope_tables(model, pos),), start=start,
-                  empty=empty_cache, positions=(pos,))
+    ctx = Context(mask=(mask_BL, kv_mask_BS), dist=(dist_LL, dist_LS), rope=(rope_tables(model.rope, pos),),
+                  start=start, empty=empty_cache, positions=(pos,))
 
     def mix(kind, p, normed, site, state, j):
         y, state = MIXERS[kind].cached(model, p[KEYS[kind]], normed[0], state, j, ctx, site)
@@ -372,7 +372,7 @@ def prefixed_hidden_states(model: Model, params: Params, prefix_ids_BP: jax.Arra
     slots = jnp.arange(P + C, dtype=jnp.int32)
     ctx = Context(mask=(pmask, jnp.concatenate([tile(pmask), smask], 1)),
                   dist=(slots[:P, None] - slots[None, :P], slots[P:, None] - slots[None, :]),
-                  rope=tuple(rope_tables(model, p) for p in pos), positions=pos)
+                  rope=tuple(rope_tables(model.rope, p) for p in pos), positions=pos)
 
     def mix(kind, p, normed, site, kv, j):  # query slot - key slot, as in the concatenated sequence
         return MIXERS[kind].prefixed(model, p[KEYS[kind]], normed, ctx, site, kv)

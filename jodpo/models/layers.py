@@ -2,14 +2,16 @@
 projections and the attention itself (the feed-forward kinds are ``jodpo.models.mlp`` and ``moe``).
 ``jodpo.models.decoder`` puts them together into layers, the layer stack and the KV cache.
 
-What differs between families is a field of ``Model`` read here, never the family's name:
+What differs between families is a field of ``Model`` read here, never the family's name; the attention pieces
+read what differs between a model's attention kinds from the kind's ``Attention`` description
+(``Model.attention_of``), the rest from the ``Model``:
   norms                  LayerNorm (NeoX); RMSNorm as Llama computes it; x * (1 + w) in float32 (Gemma); the
                          scale multiplied in float32 before the cast back (OLMo 2, Gemma 4); where a layer has them
   qkv_bias               biases on q, k, v (Qwen2)
-  attn_options           q/k norms over each head (Qwen3, Gemma 3) or the whole projection (OLMo 2 and 3); a
+  Attention.options      q/k norms over each head (Qwen3, Gemma 3) or the whole projection (OLMo 2 and 3); a
                          scale-free norm over each head's values, values that are the projected keys (Gemma 4); an
                          output gate (Qwen3.5)
-  rope                   partial rotary (NeoX); the sliding-window layers' own RoPE base (local_inv_freq, Gemma 3,
+  Attention.rope         partial rotary (NeoX); the sliding-window layers' own RoPE base (local_inv_freq, Gemma 3,
                          OLMo 3); YaRN's scale of cos and sin; layers without RoPE (nope_layers, SmolLM3)
   query_scale            the scores' scale (Gemma's query_pre_attn_scalar)
   attn_softcap           cap * tanh(scores / cap) before the mask (Gemma 2)
@@ -23,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jodpo.models.model import Model, Params, einsum
+from jodpo.models.model import Attention, Model, Params, Rope, einsum
 
 # transformers' hidden_act names jodpo computes -> the function
 ACTIVATIONS = {
@@ -40,7 +42,8 @@ ACTIVATIONS = {
 class Site(NamedTuple):
     """A layer's scalars that change no shapes, scan inputs of the layer stack (``decoder.sites``): whether it rotates
     its queries and keys (SmolLM3's NoPE layers do not). Ints, or traced int32 scalars inside a scan. (A layer's
-    window is its kind's: ``Model.sliding_window`` on the sliding kinds, whose caches hold that many slots.)"""
+    window is its kind's: ``Attention.window``, ``Model.sliding_window`` on the sliding kinds, whose caches hold that
+    many slots.)"""
 
     rope: Any
 
@@ -110,9 +113,9 @@ def embed(model: Model, params: Params, tokens: jax.Array) -> jax.Array:
     return x
 
 
-def rope(model: Model, x_BLHD: jax.Array, cos_BLR: jax.Array, sin_BLR: jax.Array) -> jax.Array:
-    """Rotary embedding on the first ``rope.rotary_dim`` dims, rotate-half convention (HF, NeoX and Llama)."""
-    r = model.rope.rotary_dim
+def rope(attn: Attention, x_BLHD: jax.Array, cos_BLR: jax.Array, sin_BLR: jax.Array) -> jax.Array:
+    """Rotary embedding on the first ``attn.rope.rotary_dim`` dims, rotate-half convention (HF, NeoX and Llama)."""
+    r = attn.rope.rotary_dim
     x_rot, x_pass = x_BLHD[..., :r], x_BLHD[..., r:]
     x1, x2 = x_rot[..., : r // 2], x_rot[..., r // 2:]
     rotated = jnp.concatenate([-x2, x1], -1)
@@ -128,10 +131,9 @@ def _tables(inv_freq, positions_BL, scale: float = 1.0):
     return jnp.cos(emb), jnp.sin(emb)
 
 
-def rope_tables(model: Model, positions_BL: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``(cos, sin)`` of the positions, ``[B, L, R]``; with ``rope.local_inv_freq`` the global layers' and the local
+def rope_tables(r: Rope, positions_BL: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(cos, sin)`` of the positions, ``[B, L, R]``; with ``r.local_inv_freq`` the global layers' and the local
     layers' stacked, ``[2, B, L, R]`` (``layer_rope`` picks a layer's)."""
-    r = model.rope
     main = _tables(r.inv_freq, positions_BL, r.scale)
     if not r.local_inv_freq:
         return main
@@ -139,13 +141,13 @@ def rope_tables(model: Model, positions_BL: jax.Array) -> tuple[jax.Array, jax.A
     return jnp.stack([main[0], local[0]]), jnp.stack([main[1], local[1]])
 
 
-def layer_rope(model: Model, tables, site: Site, local: bool = False) -> tuple[jax.Array, jax.Array]:
-    """One layer's ``(cos, sin)`` out of ``rope_tables``: the local ones on a sliding-window layer (``local``) of a
-    model that has them; on a layer without RoPE (``site.rope`` 0) cos 1 and sin 0, which rotate nothing
-    (x * 1 + rotate_half(x) * 0 is x exactly)."""
-    if model.rope.local_inv_freq:
-        tables = tuple(t[1] if local else t[0] for t in tables)
-    if model.rope.nope_layers:
+def layer_rope(attn: Attention, tables, site: Site) -> tuple[jax.Array, jax.Array]:
+    """One layer's ``(cos, sin)`` out of ``rope_tables(attn.rope, ...)``: the local ones on a sliding-window layer
+    (``attn.window``) where the rope has them; on a layer without RoPE (``site.rope`` 0) cos 1 and sin 0, which rotate
+    nothing (x * 1 + rotate_half(x) * 0 is x exactly)."""
+    if attn.rope.local_inv_freq:
+        tables = tuple(t[1] if attn.window else t[0] for t in tables)
+    if attn.rope.nope_layers:
         on = jnp.asarray(site.rope) > 0
         tables = (jnp.where(on, tables[0], 1.0), jnp.where(on, tables[1], 0.0))
     return tables
@@ -172,25 +174,25 @@ def per_layer_block(model: Model, p: Params, x_BLD: jax.Array, inputs_BLK: jax.A
     return x_BLD + norm(model, p["ple_norm"], h)
 
 
-def queries(model: Model, p: Params, x_BLD, cos, sin):
+def queries(model: Model, attn: Attention, p: Params, x_BLD, cos, sin):
     """Rotated queries [B, L, H, Dh] of the new tokens."""
     dt = x_BLD.dtype
     q = einsum(model, "bld,dhk->blhk", x_BLD, p["q"].astype(dt))
     if model.qkv_bias:
         q = q + p["q_bias"].astype(dt)
-    if model.attn_options.qk_norm:
-        q = _qk_norm(model, p["q_norm"], q)
-    return rope(model, q, cos, sin)
+    if attn.options.qk_norm:
+        q = _qk_norm(model, attn, p["q_norm"], q)
+    return rope(attn, q, cos, sin)
 
 
-def keys_values(model: Model, p: Params, x_BLD, cos, sin):
-    """Rotated keys and values [B, L, K, Dh] of the new tokens (``attn_options.k_eq_v``: the values are the keys as
+def keys_values(model: Model, attn: Attention, p: Params, x_BLD, cos, sin):
+    """Rotated keys and values [B, L, K, Dh] of the new tokens (``attn.options.k_eq_v``: the values are the keys as
     projected, before their norm and RoPE; ``v_norm``: normed without a scale)."""
     dt = x_BLD.dtype
     k = einsum(model, "bld,dhk->blhk", x_BLD, p["k"].astype(dt))
     if model.qkv_bias:
         k = k + p["k_bias"].astype(dt)
-    o = model.attn_options
+    o = attn.options
     if o.k_eq_v:
         v = k
     else:
@@ -198,32 +200,28 @@ def keys_values(model: Model, p: Params, x_BLD, cos, sin):
         if model.qkv_bias:
             v = v + p["v_bias"].astype(dt)
     if o.qk_norm:
-        k = _qk_norm(model, p["k_norm"], k)
+        k = _qk_norm(model, attn, p["k_norm"], k)
     if o.v_norm:
         v = norm(model, None, v)
-    return rope(model, k, cos, sin), v
+    return rope(attn, k, cos, sin), v
 
 
-def _qk_norm(model: Model, p: Params, x_BLHD):
+def _qk_norm(model: Model, attn: Attention, p: Params, x_BLHD):
     """The q or k norm: over each head's ``[Dh]``, or (``"whole"``) over the whole projection's ``[H, Dh]``."""
-    return norm(model, p, x_BLHD, 2 if model.attn_options.qk_norm == "whole" else 1)
-
-
-def qkv(model: Model, p: Params, x_BLD, cos, sin):
-    """Rotated queries [B, L, H, Dh] and keys, values [B, L, K, Dh] of the new tokens."""
-    return (queries(model, p, x_BLD, cos, sin), *keys_values(model, p, x_BLD, cos, sin))
+    return norm(model, p, x_BLHD, 2 if attn.options.qk_norm == "whole" else 1)
 
 
 def attention(model: Model, q_BLHD, k_BKSD, v_BKSD, attend_BLS) -> jax.Array:
     """Softmax attention of L queries over S key slots (float32 scores): ``[B, L, H, Dh]``, before the output
     projection. Keys and values are head-major ``[B, K, S, Dh]`` (the cache's layout), so the batched dots read
-    them in place rather than transposing a whole cache slab every decode step."""
+    them in place rather than transposing a whole cache slab every decode step. The scale: ``model.query_scale``, or
+    the heads' ``Dh ** -0.5`` (the shapes are the layer's kind's: ``Attention``)."""
     dt = q_BLHD.dtype
     B, L, H, Dh = q_BLHD.shape
-    K = model.num_kv_heads
+    K = k_BKSD.shape[1]
     q_BLKGD = q_BLHD.reshape(B, L, K, H // K, Dh)  # head h reads kv head h // G, as transformers' repeat_kv
     scores = einsum(model, "blkgd,bksd->bkgls", q_BLKGD, k_BKSD.astype(dt), preferred_element_type=jnp.float32)
-    scores = scores * model.attention_scale
+    scores = scores * (Dh ** -0.5 if model.query_scale is None else model.query_scale)
     if model.attn_softcap:  # as transformers: after the scale, before the mask
         scores = jnp.tanh(scores / model.attn_softcap) * model.attn_softcap
     scores = jnp.where(attend_BLS[:, None, None], scores, jnp.finfo(jnp.float32).min)

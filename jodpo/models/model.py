@@ -18,7 +18,8 @@ Cache = dict[str, Any]
 # attention with a recurrent state); softmax attention of another shape (Gemma 4's global layers: ``Model.
 # global_attention``); and the kinds that reuse the keys and values of another kind's last layer (KV sharing: Gemma 4's
 # last layers) instead of projecting their own. Each owns its parameters, forwards and cache state
-# (``jodpo.models.attention_mixer``, ``sliding_attention``, ``deltanet``, ``global_attention``, ``shared_kv``).
+# (``jodpo.models.attention_mixer``, ``sliding_attention``, ``deltanet``, ``global_attention``, ``shared_kv``); the
+# softmax-attention kinds compute with their ``Attention`` description (``Model.attention_of``).
 KINDS = ("attention", "sliding_attention", "deltanet", "global_attention", "shared_sliding_attention",
          "shared_global_attention")
 # KV sharing: a kind whose layers read the keys and values of the last layer of another kind before them
@@ -62,7 +63,7 @@ NORM_SITES = ("pre", "sandwich", "post")
 @dataclasses.dataclass(frozen=True)
 class AttentionOptions:
     """How a softmax-attention layer forms its queries, keys and values and gates its output, beyond the projections
-    every family has (``Model.attn_options``; the global layers' view sets their own ``k_eq_v``)."""
+    every family has (``Attention.options``: ``Model.attn_options``, or Gemma 4's global layers' own)."""
 
     # an RMSNorm over the queries and keys after the projection, before RoPE: "" none; "head" over each head, one
     # scale per head dim shared by the heads (Qwen3, Gemma 3 and 4); "whole" over the whole q and k projections,
@@ -85,7 +86,7 @@ QK_NORMS = ("", "head", "whole")
 @dataclasses.dataclass(frozen=True)
 class Rope:
     """Rotary position embeddings (rotate-half, as transformers) of a model's attention layers (``Model.rope``; Gemma
-    4's global layers have their own, ``GlobalAttention.rope``)."""
+    4's global layers have their own, ``Model.global_attention.rope``)."""
 
     rotary_dim: int  # the leading head dims that rotate (partial rotary: Pythia's quarter)
     # inverse frequencies, scaling (linear, llama3, YaRN) applied; zeros rotate nothing (Gemma 4's proportional RoPE)
@@ -98,15 +99,23 @@ class Rope:
 
 
 @dataclasses.dataclass(frozen=True)
-class GlobalAttention:
-    """The shape and RoPE of a model's global attention layers where they differ from the sliding ones (Gemma 4:
-    ``global_head_dim``, ``num_global_key_value_heads``, the "proportional" RoPE of ``rope_parameters
-    ["full_attention"]``); every other attention setting is the ``Model``'s."""
+class Attention:
+    """What a softmax-attention mixer kind's layers compute with (``Model.attention_of``): their heads' shape, RoPE,
+    options and window. The kinds ``attention`` and ``sliding_attention`` have the ``Model``'s fields (``num_heads``,
+    ``num_kv_heads``, ``head_dim``, ``rope``, ``attn_options``; the sliding kind ``sliding_window`` too); Gemma 4's
+    ``global_attention`` layers have one of their own (``Model.global_attention``: ``global_head_dim``,
+    ``num_global_key_value_heads``, ``attention_k_eq_v``, the "proportional" RoPE of ``rope_parameters
+    ["full_attention"]``). What every attention layer shares (norms, the scores' scale and soft-cap, biases, the
+    kernel, dtype and precision) stays the ``Model``'s."""
 
+    num_heads: int
     num_kv_heads: int
     head_dim: int
     rope: Rope
-    k_eq_v: bool = False  # no v projection: the values are the keys before their norm and RoPE (attention_k_eq_v)
+    options: AttentionOptions = AttentionOptions()
+    # a token attends to itself and the window - 1 slots before it, padding included, as transformers; 0 = to every
+    # earlier slot. A windowed kind rotates with the local RoPE tables where its rope has them (Rope.local_inv_freq)
+    window: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,7 +210,7 @@ class Model:
     sliding_window: int = 0
     attn_options: AttentionOptions = AttentionOptions()  # q/k norms, value norm, keys as values, output gate
     embed_scale: float = 1.0  # embeddings times this, rounded to the compute dtype (Gemma: sqrt(hidden_size))
-    query_scale: float | None = None  # attention scores' scale (Gemma: query_pre_attn_scalar**-0.5); None: head_dim**-0.5
+    query_scale: float | None = None  # the scores' scale (Gemma: query_pre_attn_scalar**-0.5); None: head_dim**-0.5
     attn_softcap: float = 0.0  # attention scores soft-capped as cap * tanh(s / cap) (Gemma 2); 0 = off
     final_softcap: float = 0.0  # logits soft-capped likewise (Gemma 2); 0 = off
     pad_token_id: int | None = None
@@ -223,9 +232,9 @@ class Model:
     # Hybrid decoders: each layer's mixer kind (KINDS), () = every layer softmax attention; the DeltaNet layers' shape
     layer_kinds: tuple[str, ...] = ()
     deltanet: DeltaNet | None = None
-    # Gemma 4: the global layers' shape; per-layer embeddings; each layer's output times a learned scalar
-    # (layer_scalar)
-    global_attention: GlobalAttention | None = None
+    # Gemma 4: the global layers' attention (their heads' shape, RoPE and options; window 0); per-layer embeddings;
+    # each layer's output times a learned scalar (layer_scalar)
+    global_attention: Attention | None = None
     per_layer_embeddings: PerLayerEmbeddings | None = None
     layer_scalar: bool = False
     # Mixture of experts: every layer's feed-forward is this MoE block (beside the dense MLP where mlp is set too:
@@ -256,7 +265,10 @@ class Model:
             raise ValueError(f"a model has sliding_attention layers exactly when it has a sliding_window, got kinds "
                              f"{self.kinds} and a window of {self.sliding_window}")
         if "global_attention" in self.layer_kinds and self.global_attention is None:
-            raise ValueError("a model with global_attention layers needs their shape (Model.global_attention)")
+            raise ValueError("a model with global_attention layers needs their description (Model.global_attention)")
+        if self.global_attention is not None and self.global_attention.window:
+            raise ValueError(f"Model.global_attention.window must be 0 (global layers attend to every earlier slot; a "
+                             f"windowed kind is sliding_attention), got {self.global_attention.window}")
         for reader, source in READS.items():  # a reader reads the last layer of its source kind: all must come first
             if self.layers_of(reader) and not (self.layers_of(source) and
                                                self.layers_of(source)[-1] < self.layers_of(reader)[0]):
@@ -281,10 +293,17 @@ class Model:
         """The kinds whose layers' MLPs are twice as wide (``MLP.wide_kinds``: Gemma 4's KV-sharing layers)."""
         return () if self.mlp is None else self.mlp.wide_kinds
 
-    @property
-    def attention_scale(self) -> float:
-        """The attention scores' scale."""
-        return self.head_dim ** -0.5 if self.query_scale is None else self.query_scale
+    def attention_of(self, kind: str) -> Attention:
+        """The ``Attention`` description the layers of a softmax-attention mixer kind compute with (a KV-sharing
+        kind's: the kind's it reads, ``READS``)."""
+        kind = READS.get(kind, kind)
+        if kind == "global_attention" and self.global_attention is not None:
+            return self.global_attention
+        if kind not in ("attention", "sliding_attention"):
+            raise ValueError(f"attention_of: {kind!r} is not a softmax-attention kind of this model (kinds "
+                             f"{tuple(dict.fromkeys(self.kinds))})")
+        return Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.rope, self.attn_options,
+                         self.sliding_window if kind in SLIDING else 0)
 
 
 def attention_note(model: Model) -> str | None:

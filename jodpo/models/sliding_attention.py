@@ -1,7 +1,8 @@
 """The sliding-window attention mixer kind (``Model.sliding_window``: Gemma 2-4's local layers, Mistral, Qwen2 and 3 and
 SmolLM3 with windows, OLMo 3's sliding layers): softmax attention over the last ``window`` slots (padding included, as
-transformers counts them), rotated with the local RoPE tables where the model has them. Its parameters and cache-free
-forwards are the softmax-attention kind's (``jodpo.models.attention_mixer``, with the window; the parameters stacked
+transformers counts them), rotated with the local RoPE tables where the model has them; its ``Attention`` description
+is the ``Model``'s with the window (``Model.attention_of``). Its parameters and cache-free forwards are the
+softmax-attention kind's (``jodpo.models.attention_mixer``, with this kind's description; the parameters stacked
 with that kind's, ``params["layers"]["attn"]``); its cache is a ring of ``min(window, length)`` slots
 ``[B, kv_heads, ring, head_dim]``: slot s of the sequence lives at ``s % ring``, so a decode step writes one slot in
 place and reads the window's slots only, however long the sequence.
@@ -23,33 +24,35 @@ from jodpo.models.attention_mixer import _output, _queries, _within
 from jodpo.models.layers import Context, Site, attention, forward_attention, keys_values, layer_rope
 from jodpo.models.model import READS, Model, Params
 
+KIND = "sliding_attention"
 WEIGHTS = attention_mixer.WEIGHTS
 
 
 def specs(model: Model, n: int, reads: bool = False) -> dict:
-    return attention_mixer.specs(model, n, reads)
+    return attention_mixer.specs(model, n, reads, kind=KIND)
 
 
 def empty_kv(model: Model, batch: int, length: int, dtype) -> tuple:
-    return attention_mixer.empty_kv(model, batch, length, dtype)
+    return attention_mixer.empty_kv(model, batch, length, dtype, kind=KIND)
 
 
 def full(model: Model, p: Params, x, ctx: Context, site: Site, kv=None, reads: bool = False):
-    return attention_mixer.full(model, p, x, ctx, site, kv, reads, window=model.sliding_window)
+    return attention_mixer.full(model, p, x, ctx, site, kv, reads, kind=KIND)
 
 
 def prefixed(model: Model, p: Params, xs, ctx: Context, site: Site, kv=None, reads: bool = False):
-    return attention_mixer.prefixed(model, p, xs, ctx, site, kv, reads, window=model.sliding_window)
+    return attention_mixer.prefixed(model, p, xs, ctx, site, kv, reads, kind=KIND)
 
 
 def init_state(model: Model, batch: int, length: int, dtype) -> dict:
     """The ring: the window's slots, or the sequence's where it is shorter."""
-    return attention_mixer.init_state(model, batch, min(model.sliding_window, length), dtype)
+    window = model.attention_of(KIND).window
+    return attention_mixer.init_state(model, batch, min(window, length), dtype, kind=KIND)
 
 
 def _read(model: Model) -> bool:
     """Whether layers of another kind read this kind's keys and values (KV sharing)."""
-    return any(READS.get(k) == "sliding_attention" for k in model.kinds)
+    return any(READS.get(k) == KIND for k in model.kinds)
 
 
 def open_state(model: Model, state: dict, length: int) -> dict:
@@ -111,13 +114,14 @@ def cached(model: Model, p: Params, x, state: dict, j, ctx: Context, site: Site,
     ``ctx.empty`` promises an empty cache) and to the ring's slots within their window, then the last of them written
     in the ring, or kept in the room beside it (``open_state``). ``reads``: ``state`` is another layer's (KV
     sharing), already written, its new tokens' in the room."""
-    W, size, L = model.sliding_window, state["k"].shape[-2], x.shape[1]
-    rope = layer_rope(model, ctx.rope[0], site, local=True)
-    q, gate = _queries(model, p, x, rope)
+    attn = model.attention_of(KIND)
+    W, size, L = attn.window, state["k"].shape[-2], x.shape[1]
+    rope = layer_rope(attn, ctx.rope[0], site)
+    q, gate = _queries(model, attn, p, x, rope)
     mine = (lambda a: a) if j is None else (lambda a: a[j])  # noqa: E731
     if L == 1:
         if not reads:
-            k, v = keys_values(model, p, x, *rope)
+            k, v = keys_values(model, attn, p, x, *rope)
             at = (0, 0, ctx.start % size, 0) if j is None else (j, 0, 0, ctx.start % size, 0)
 
             def write(ring, new):  # [B, 1, K, Dh] -> the ring's head-major layout, at the token's slot
@@ -131,7 +135,7 @@ def cached(model: Model, p: Params, x, state: dict, j, ctx: Context, site: Site,
     if reads:
         k, v = mine(state["new_k"]), mine(state["new_v"])
     else:
-        k, v = keys_values(model, p, x, *rope)
+        k, v = keys_values(model, attn, p, x, *rope)
         if "new_k" in state:  # KV-sharing layers read them: kept in the room until every layer has run
             keep = (lambda room, new: new.astype(room.dtype)) if j is None else (  # noqa: E731
                 lambda room, new: jax.lax.dynamic_update_index_in_dim(room, new.astype(room.dtype), j, 0))

@@ -25,15 +25,16 @@ classifiers are (``score.weight`` over the text model), which transformers' own 
 default LoRA targets (a regex over the language model's ``q_proj`` and ``v_proj``) are ``q_proj, v_proj``."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from jodpo.errors import UnsupportedModelError
-from jodpo.models import global_attention
 from jodpo.models.families import llama
 from jodpo.models.hf_mapping import (Family, Rule, head_bias, in_heads, linear, norm_rules, out_heads, rope_of,
                                      same)
 from jodpo.models.layout import KEYS
-from jodpo.models.model import MLP, READS, AttentionOptions, GlobalAttention, Model, MoE, Norms, PerLayerEmbeddings
+from jodpo.models.model import MLP, READS, Attention, AttentionOptions, Model, MoE, Norms, PerLayerEmbeddings
 
 LAYER_KINDS = {"sliding_attention": "sliding_attention", "full_attention": "global_attention"}
 SHARED = {"sliding_attention": "shared_sliding_attention", "global_attention": "shared_global_attention"}
@@ -66,11 +67,11 @@ def model_fields(cfg) -> dict:
     per_type = {t: cfg.per_layer_config[t] for t in set(types)}  # transformers' per-layer-type shapes
     sliding = per_type.get("sliding_attention", cfg)
     head_dim = sliding.head_dim
+    options = AttentionOptions(qk_norm="head", v_norm=True)
     # transformers' heterogeneous config refuses cfg.head_dim and cfg.num_key_value_heads (they differ by layer type)
     fields = dict(
         norms=Norms("rmsnorm", cfg.rms_norm_eps, scale_f32=True, sites="sandwich"), parallel_residual=False,
-        num_kv_heads=sliding.num_key_value_heads, head_dim=head_dim,
-        attn_options=AttentionOptions(qk_norm="head", v_norm=True), query_scale=1.0,
+        num_kv_heads=sliding.num_key_value_heads, head_dim=head_dim, attn_options=options, query_scale=1.0,
         embed_scale=float(cfg.hidden_size ** 0.5),
         final_softcap=float(cfg.final_logit_softcapping or 0.0), layer_kinds=kinds, layer_scalar=True,
         rope=rope_of(dict(cfg.rope_parameters.get("sliding_attention") or {"rope_theta": 1e4}), head_dim,
@@ -81,10 +82,10 @@ def model_fields(cfg) -> dict:
         qkv_bias=bool(cfg.attention_bias), out_bias=bool(cfg.attention_bias))
     if "full_attention" in per_type:
         full = per_type["full_attention"]
-        fields["global_attention"] = GlobalAttention(
-            num_kv_heads=full.num_key_value_heads, head_dim=full.head_dim,
+        fields["global_attention"] = Attention(
+            num_heads=cfg.num_attention_heads, num_kv_heads=full.num_key_value_heads, head_dim=full.head_dim,
             rope=rope_of(dict(cfg.rope_parameters["full_attention"]), full.head_dim, cfg.max_position_embeddings),
-            k_eq_v=bool(cfg.attention_k_eq_v))
+            options=dataclasses.replace(options, k_eq_v=bool(cfg.attention_k_eq_v)))
     if cfg.hidden_size_per_layer_input:
         fields["per_layer_embeddings"] = PerLayerEmbeddings(dim=cfg.hidden_size_per_layer_input,
                                                             vocab_size=cfg.vocab_size_per_layer_input,
@@ -96,8 +97,8 @@ def model_fields(cfg) -> dict:
 
 def _attention_rules(model: Model, kind: str) -> list[Rule]:
     """A mixer kind's q/k/v/o projections and norms, over that kind's layers (a KV-sharing kind's: q and o only)."""
-    m = global_attention.view(model) if "global" in kind else model
-    H, K, Dh, L, attn = m.num_heads, m.num_kv_heads, m.head_dim, "model.layers.{i}.self_attn.", ("layers", KEYS[kind])
+    a = model.attention_of(kind)
+    H, K, Dh, L, attn = a.num_heads, a.num_kv_heads, a.head_dim, "model.layers.{i}.self_attn.", ("layers", KEYS[kind])
     own = kind not in READS
     out = [in_heads(attn + ("q",), L + "q_proj.weight", H, Dh), out_heads(attn + ("o",), L + "o_proj.weight", H, Dh),
            same(attn + ("q_norm", "scale"), L + "q_norm.weight")]
@@ -105,7 +106,7 @@ def _attention_rules(model: Model, kind: str) -> list[Rule]:
         out.append(head_bias(attn + ("q_bias",), L + "q_proj.bias", H, Dh))
     if model.out_bias:
         out.append(same(attn + ("o_bias",), L + "o_proj.bias"))
-    for name in (("k",) + (() if m.attn_options.k_eq_v else ("v",))) if own else ():
+    for name in (("k",) + (() if a.options.k_eq_v else ("v",))) if own else ():
         out.append(in_heads(attn + (name,), L + f"{name}_proj.weight", K, Dh))
         if model.qkv_bias:
             out.append(head_bias(attn + (f"{name}_bias",), L + f"{name}_proj.bias", K, Dh))
