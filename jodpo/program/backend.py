@@ -197,7 +197,9 @@ def attention_kernel(cfg, model) -> str:
         capability = float(getattr(jax.devices()[0], "compute_capability", 0) or 0)
     except ValueError:  # not a CUDA device
         capability = 0.0
-    fits = capability >= 8.0 and model.head_dim <= 128 and not model.attn_softcap
+    # every attention kind's heads (Gemma 4's global layers: 512), not only the model's default
+    head_dim = max([model.attention_of(k).head_dim for k in dict.fromkeys(model.kinds) if k != "deltanet"] or [0])
+    fits = capability >= 8.0 and head_dim <= 128 and not model.attn_softcap
     return "cudnn" if fits and cfg.bf16 and not cfg.deterministic else "xla"
 
 
