@@ -18,10 +18,16 @@ settled by another one of the same family, chips and training, on the assumption
 model (every dimension of the larger of two Qwen3, Qwen3.5 or Gemma 3 models is at least the smaller's; Gemma 4's
 sizes grow in memory though not in every dimension: benchmarks/configs/README.md): a larger model that fits
 says yes (``yes<``), a smaller one refused says no (``no>``); everything else is left open (``?``).
+
+Each compile runs for at most ``--timeout`` seconds (900); its wall and CPU seconds and its peak host memory (the
+process's own high-water resident set) go into the cell's JSON (``host``). A compile still running then is stopped and
+its cell kept as not compiled in that time (``not compiled in 900 s``), with those numbers: it settles nothing, and
+the grid is not held up by it (``--retry-timeouts`` compiles such cells again, e.g. with a longer ``--timeout``).
 """
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -49,6 +55,10 @@ def add_parser(sub) -> None:
     p.add_argument("--out", type=Path, default=Path("runs/tpu-grid"), help="one JSON per cell, kept between calls")
     p.add_argument("--max-cells", type=int, default=10 ** 6, help="compile at most this many cells in this call")
     p.add_argument("--table-only", action="store_true", help="compile nothing: the tables of the cells there")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds a cell's compile may run; one still "
+                   "running then is stopped and kept as not compiled in that time")
+    p.add_argument("--retry-timeouts", action="store_true", help="compile again the cells kept as not compiled "
+                   "in time")
 
 
 def cell_path(out: Path, model: str, tpu: str, rank: int, expert: int = 1) -> Path:
@@ -63,6 +73,8 @@ def verdict(path: Path, hbm: float) -> tuple[bool | None, str] | None:
     if not path.exists():
         return None
     step = json.loads(path.read_text())["compiled"]["online_step"]
+    if "timeout_s" in step:  # stopped while it compiled: no verdict
+        return None, f"not compiled in {step['timeout_s']:g} s"
     if "error" in step:  # a refusal names the sizes; any other failure settles nothing
         return ((False, f"temporaries {step['needed_gib']:.1f} > {step['available_gib']:.2f}") if "needed_gib" in step
                 else (None, step["error"][:80]))
@@ -141,8 +153,9 @@ def settle(models: list[str], tpus: list[str], ranks: list[int], compiled: dict,
         for tpu in tpus:
             for rank in ranks:
                 k = (m, tpu, rank)
-                if compiled.get(k) is not None and compiled[k][0] is None:
-                    out[k] = f"error: {compiled[k][1]}"  # not a verdict: the cell's JSON says what failed
+                if compiled.get(k) is not None and compiled[k][0] is None:  # not a verdict: its JSON says why
+                    timed_out = compiled[k][1].startswith("not compiled in")
+                    out[k] = compiled[k][1] if timed_out else f"error: {compiled[k][1]}"
                 elif compiled.get(k) is not None:
                     out[k] = f"**yes** {compiled[k][1]}" if compiled[k][0] else f"**no** ({compiled[k][1]})"
                 elif k in why:
@@ -163,6 +176,47 @@ def next_cell(a, cells: dict):
                                      -a.models.index(k[0])), default=None)
 
 
+def _high_water_kib(pid: int) -> int:
+    """The process's peak resident set so far (``VmHWM``, KiB; 0 once it has exited). Its own program's: the
+    counter starts again at exec, where ``ru_maxrss`` would count the parent that spawned it."""
+    try:
+        return int(next(x for x in Path(f"/proc/{pid}/status").read_text().splitlines()
+                        if x.startswith("VmHWM:")).split()[1])
+    except (OSError, StopIteration):
+        return 0
+
+
+def run_cell(cmd: list[str], path: Path, timeout_s: float) -> dict:
+    """One cell's compile (``cmd``, a process of its own that writes ``path``) for at most ``timeout_s`` seconds.
+    Returns its wall and CPU seconds (``os.wait4``) and its peak host memory (its high-water resident set, read every
+    0.2 s), also kept in the cell's JSON (``host``). A compile still running at ``timeout_s`` is stopped and its
+    cell written as not compiled in that time; a process that fails otherwise stops the grid."""
+    t = time.perf_counter()
+    proc = subprocess.Popen(cmd)
+    timed_out, peak_kib = False, 0
+    while True:
+        peak_kib = max(peak_kib, _high_water_kib(proc.pid))
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            break
+        if time.perf_counter() - t > timeout_s:
+            proc.kill()
+            _, status, usage = os.wait4(proc.pid, 0)
+            timed_out = True
+            break
+        time.sleep(0.2)
+    proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait for it again
+    host = {"wall_s": round(time.perf_counter() - t, 1), "cpu_s": round(usage.ru_utime + usage.ru_stime, 1),
+            "peak_rss_gib": round(peak_kib / 2 ** 20, 2)}
+    if timed_out:
+        path.write_text(json.dumps({"compiled": {"online_step": {"timeout_s": timeout_s}}, "host": host}, indent=2))
+    elif proc.returncode != 0:
+        raise SystemExit(f"tpu-grid: {' '.join(cmd[1:])} failed (exit status {proc.returncode})")
+    else:
+        path.write_text(json.dumps({**json.loads(path.read_text()), "host": host}, indent=2))
+    return host
+
+
 def bench_tpu_grid(a) -> dict:
     a.out.mkdir(parents=True, exist_ok=True)
     per_model = {(m, r): floor_gib(m, r) for m in a.models for r in a.lora_ranks}
@@ -174,6 +228,11 @@ def bench_tpu_grid(a) -> dict:
                     for rank in a.lora_ranks for tpu in a.tpus for m in a.models}
         return settle(a.models, a.tpus, a.lora_ranks, compiled, floors)
 
+    if a.retry_timeouts and not a.table_only:  # this call's cells kept as not compiled in time: open again
+        for path in (cell_path(a.out, m, tpu, r, a.mesh_expert) for m in a.models for tpu in a.tpus
+                     for r in a.lora_ranks):
+            if path.exists() and "timeout_s" in json.loads(path.read_text())["compiled"]["online_step"]:
+                path.unlink()
     timings = {}
     while not a.table_only and len(timings) < a.max_cells and (k := next_cell(a, cells())) is not None:
         m, tpu, rank = k
@@ -181,14 +240,12 @@ def bench_tpu_grid(a) -> dict:
         cmd = [sys.executable, str(BENCH), "memory", "--hf-config", m, "--tpu", tpu, *RECIPE,
                "--lora-rank", str(rank), "--mesh-expert", str(a.mesh_expert), "--out", str(path)]
         print(" ".join(cmd[1:]), flush=True)
-        t = time.perf_counter()
-        subprocess.run(cmd, check=True)
-        timings[path.name] = round(time.perf_counter() - t, 1)
+        timings[path.name] = run_cell(cmd, path, a.timeout)
     final = cells()
     k = next_cell(a, final)
     return {"benchmark": "tpu-grid", "tpus": a.tpus, "models": a.models, "lora_ranks": a.lora_ranks,
             "cells": {f"{m} {tpu} {rank}": c for (m, tpu, rank), c in final.items()},
-            "next": None if k is None else f"{k[0]} {k[1]} {k[2]}", "compiled_now_s": timings, "out": str(a.out)}
+            "next": None if k is None else f"{k[0]} {k[1]} {k[2]}", "compiled_now": timings, "out": str(a.out)}
 
 
 def table(r: dict) -> str:
@@ -205,4 +262,7 @@ def table(r: dict) -> str:
 
 def print_tpu_grid(r: dict) -> None:
     print(table(r))
-    print(f"next to compile (model, topology, LoRA rank): {r['next'] or 'none: every cell is settled'}")
+    late = sum(c.startswith("not compiled in") for c in r["cells"].values())
+    none = "none: every cell is settled" if not late else \
+        f"none open; {late} not compiled in their time (--retry-timeouts, with a longer --timeout)"
+    print(f"next to compile (model, topology, LoRA rank): {r['next'] or none}")
