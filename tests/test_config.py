@@ -85,7 +85,12 @@ def test_auto_attention_is_cudnn_only_where_it_runs_and_pays(monkeypatch):
 
     from jodpo.program.backend import attention_kernel
 
-    model = types.SimpleNamespace(head_dim=128, attn_softcap=0.0)
+    def fake(head_dim, softcap=0.0, global_dim=None):  # a model's attention kinds and their heads
+        dims = {"attention": head_dim} | ({} if global_dim is None else {"global_attention": global_dim})
+        return types.SimpleNamespace(head_dim=head_dim, attn_softcap=softcap, kinds=tuple(dims),
+                                     attention_of=lambda kind: types.SimpleNamespace(head_dim=dims[kind]))
+
+    model = fake(128)
     assert C.TrainConfig().attn_implementation == "auto"
     h100 = types.SimpleNamespace(compute_capability="9.0")
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
@@ -93,8 +98,9 @@ def test_auto_attention_is_cudnn_only_where_it_runs_and_pays(monkeypatch):
     assert attention_kernel(C.TrainConfig(bf16=True), model) == "cudnn"
     assert attention_kernel(C.TrainConfig(bf16=False), model) == "xla"
     assert attention_kernel(C.TrainConfig(bf16=True, deterministic=True), model) == "xla"
-    assert attention_kernel(C.TrainConfig(bf16=True), types.SimpleNamespace(head_dim=256, attn_softcap=0.0)) == "xla"
-    assert attention_kernel(C.TrainConfig(bf16=True), types.SimpleNamespace(head_dim=64, attn_softcap=50.0)) == "xla"
+    assert attention_kernel(C.TrainConfig(bf16=True), fake(256)) == "xla"
+    assert attention_kernel(C.TrainConfig(bf16=True), fake(128, global_dim=512)) == "xla"  # Gemma 4's global layers
+    assert attention_kernel(C.TrainConfig(bf16=True), fake(64, softcap=50.0)) == "xla"
     assert attention_kernel(C.TrainConfig(bf16=True, attn_implementation="xla"), model) == "xla"
     monkeypatch.setattr(jax, "devices", lambda *a: [types.SimpleNamespace(compute_capability="7.0")])  # a V100
     assert attention_kernel(C.TrainConfig(bf16=True), model) == "xla"
