@@ -1,25 +1,28 @@
 """``bench.py device``: the GPU check that fits a short lease (``scripts/device_check.sh`` runs it on a lent machine).
 
-Three phases, each in processes of its own under its own time limit, one after the other:
+Four phases, each in processes of its own under its own time limit, one after the other:
 
 1. **tests**: the suite's tests that carry weight (``WEIGHTY``: precision, every family's logits and reward scores,
    KV-cache decoding, the sampler against transformers and a Python loop, the step against TRL's recorded step,
    resume, and the tests marked ``gpu``), selected by name (``pytest -k``), so a new family's parametrized tests
    are in it the day they land; the files of ``FIRST`` run first, so a phase that runs out of time has covered them.
    jax's default backend is whatever the machine has: the GPU on a lent one.
-2. **step**: the fused online step and the sampler alone at a ~1.7B GPT-NeoX shape in bf16 (hidden 2304, 24 layers,
+2. **moe**: one OLMoE-shaped mixture-of-experts layer in bf16 (``bench.py moe``: 2,048 tokens' forward and backward,
+   a decode step), its grouped matmuls as ``jax.lax.ragged_dot`` under each of XLA:GPU's lowerings (``MOE_FLAG_SETS``:
+   a process each) against the tiles and the one-hot reference, timed in the same process.
+3. **step**: the fused online step and the sampler alone at a ~1.7B GPT-NeoX shape in bf16 (hidden 2304, 24 layers,
    18 heads: 1.76B parameters, random weights; ``device_measure``): episodes/s, completion tokens/s, MFU against the
    chip's nominal dense bf16 peak and the matmul peak measured in the run, the sampler's share of its bandwidth bound;
    then ``IN_PROCESS`` variants, each one choice changed, timed in the same process.
-3. **variants**: ``FLAG_SETS``, the sampler in a process under other XLA flags (command buffers that capture the
+4. **variants**: ``FLAG_SETS``, the sampler in a process under other XLA flags (command buffers that capture the
    decode loop), and with ``--baseline DIR`` (a copy of an earlier ``jodpo`` package) the same on that version: the
    sampler as it was, measured side by side in the same call.
 
 Each phase's results go to ``DIR/device_check.json`` as soon as the phase ends (a phase that runs out of time is
 recorded as ``timed out``, with what it finished: the tests that reported, the measurements made), and
 ``DIR/device_check.md`` is the table for docs/gpu.md. ``--dry-run`` is the suite's check of this code on a CPU:
-the test phase only collects (each group must select tests, the logits every family), the step and variants phases
-run at a tiny shape.
+the test phase only collects (each group must select tests, the logits every family), the MoE phase runs one process
+at the tests' tiny shape, the step and variants phases run at a tiny shape.
 """
 from __future__ import annotations
 
@@ -41,9 +44,12 @@ WEIGHTY = {
     "step_vs_trl": ("one_step_equals_trl",),
     "resume": ("resumes_exactly", "resume_exactly", "kill_and_resume", "resume_without_determinism"),
     "gpu": ("test_gpu",),
+    "moe": ("test_moe", "test_routing_replay"),  # ragged_dot's grouped matmuls, routing replay in bf16
 }
-# test files run first (the sampler, the step against TRL, precision, the GPU's own): the rest of the selection follows
-FIRST = ("test_sampling.py", "test_losses_vs_trl.py", "test_precision.py", "test_gpu.py")
+# test files run first (the mixtures of experts, the sampler, the step against TRL, precision, the GPU's own): the
+# rest of the selection follows
+FIRST = ("test_moe.py", "test_routing_replay.py", "test_sampling.py", "test_losses_vs_trl.py", "test_precision.py",
+         "test_gpu.py")
 # one choice changed each, timed in the step phase's process against its default (device_measure.run), by name
 IN_PROCESS = {
     "update (xla attention, remat full)": {"what": "update"},
@@ -54,6 +60,10 @@ IN_PROCESS = {
     "step, remat dots": {"what": "step", "remat": "dots"},
     "sampler and step, Qwen3.5-2B shape": {"what": "family", "config": "qwen3.5-2b"},
     "sampler and step, Gemma 4 E2B shape": {"what": "family", "config": "gemma-4-e2b"},
+    # the mixture of experts: OLMoE's layers (64 experts, 8 per token), 4 of its 16 (1.8B parameters: the 7B's
+    # float32 Adam state and reward model would not fit beside the rest)
+    "sampler and step, OLMoE-1B-7B shape, 4 layers": {"what": "family", "config": "olmoe-1b-7b",
+                                                      "override": {"num_hidden_layers": 4}},
     "sampler, 4x rows": {"what": "sampler", "batch_factor": 4},
     "sampler, scan unroll 2": {"what": "sampler", "unroll": 2},
     "sampler, cudnn prefill": {"what": "sampler", "attention": "cudnn"},
@@ -73,7 +83,17 @@ DRY_SHRINK = {
                         num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
                         global_head_dim=32, hidden_size_per_layer_input=8, num_kv_shared_layers=1,
                         layer_types=["sliding_attention", "full_attention", "full_attention"]),
+    "olmoe-1b-7b": dict(vocab_size=512, hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+                        num_key_value_heads=2, num_experts=4, num_experts_per_tok=2),
 }
+# the MoE phase: one OLMoE-shaped layer's forward+backward (bench.py moe, bf16) in a process per XLA flag set: jax
+# 0.11.2's XLA:GPU lowers ragged_dot to one dense matmul over every expert's weights (E times the FLOPs: seen in the
+# sampler's optimised HLO, 2026-11-28); its experimental grouped-GEMM and fusion lowerings are flags
+MOE_FLAG_SETS = (("ragged_dot as XLA lowers it", ""),
+                 ("ragged_dot, grouped GEMM", "--xla_gpu_experimental_use_ragged_dot_grouped_gemm=true"),
+                 ("ragged_dot, fusion", "--xla_gpu_experimental_use_ragged_dot_fusion=true"))
+MOE_ARGS = {"1.7b": ["--shapes", "olmoe-1b-7b", "--tokens", "2048", "--ragged-max-tokens", "2048"],
+            "tiny": ["--shapes", "tiny", "--tokens", "24", "--decode-tokens", "2", "--ragged-max-tokens", "24"]}
 # XLA's command buffers (CUDA graphs) for the decode loop and its branches too, not only runs of kernels
 COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
 # the variants phase: (name, XLA flags added, on the --baseline package)
@@ -92,8 +112,9 @@ def add_parser(sub) -> None:
     p.add_argument("--out", type=Path, default=Path("device-check"), help="folder of device_check.json/.md and logs")
     p.add_argument("--dry-run", action="store_true", help="collect the tests only, and the step at a tiny shape")
     p.add_argument("--tests-timeout", type=float, default=100, help="seconds for the test phase")
-    p.add_argument("--step-timeout", type=float, default=210, help="seconds for the step phase and its variants")
+    p.add_argument("--step-timeout", type=float, default=200, help="seconds for the step phase and its variants")
     p.add_argument("--variant-timeout", type=float, default=40, help="seconds for each process of the variants phase")
+    p.add_argument("--moe-timeout", type=float, default=40, help="seconds for each process of the MoE phase")
     p.add_argument("--baseline", type=Path, help="a folder holding an earlier jodpo package, measured side by side")
     p.add_argument("--groups", nargs="+", choices=tuple(WEIGHTY), default=tuple(WEIGHTY), help="weighty test groups")
     p.add_argument("--variants", nargs="+", choices=tuple(IN_PROCESS), help="in-process variants (default: all)")
@@ -196,6 +217,18 @@ def bench_device(a) -> dict:
             phase.update(json.loads(out.read_text()))
         return phase
 
+    moe = {}
+    for name, flags in MOE_FLAG_SETS[:1] if a.dry_run else MOE_FLAG_SETS:  # (the dry run: one process, XLA:CPU's)
+        tag = "moe-" + name.replace(", ", "-").replace(" ", "_")
+        moe[name] = run_phase([sys.executable, str(BENCH), "moe", *MOE_ARGS["tiny" if a.dry_run else "1.7b"],
+                               "--dtype", "bfloat16", "--repeats", str(a.steps), "--out", str(a.out / f"{tag}.json")],
+                              a.moe_timeout, a.out / f"{tag}.log",
+                              {"XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()})
+        if (a.out / f"{tag}.json").exists():
+            moe[name]["rows"] = json.loads((a.out / f"{tag}.json").read_text())["rows"]
+        result["phases"]["moe"] = moe
+        save()
+
     names = a.variants or (DRY_IN_PROCESS if a.dry_run else tuple(IN_PROCESS))
     result["phases"]["step"] = measure("step", a.step_timeout, variants=[{"name": n, **IN_PROCESS[n]} for n in names],
                                        shrink=DRY_SHRINK if a.dry_run else None)
@@ -208,8 +241,8 @@ def bench_device(a) -> dict:
         variants[name] = measure(name.replace(", ", "-").replace(" ", "_"), a.variant_timeout, flags, env, step=False)
         result["phases"]["variants"] = variants
         save()
-    result["complete"] = all(p["status"] == "passed" for p in [*result["phases"].values(), *variants.values()]
-                             if "status" in p)
+    result["complete"] = all(p["status"] == "passed" for p in [*result["phases"].values(), *variants.values(),
+                                                                *moe.values()] if "status" in p)
     save()
     return result
 
@@ -266,7 +299,24 @@ def table(r: dict) -> str:
                     f"{pct(x['mfu_nominal'])}{nominal} (target {pct(STEP_TARGET)}), {pct(x['mfu_measured_peak'])} "
                     f"of the {s['matmul_peak_tflops']:.3g} TFLOP/s measured |")
     rows.append(f"| step phase | {s['status']}, {s['seconds']} s of {s['timeout_s']:.0f} |")
-    return "\n".join(rows + variant_rows(r)) + "\n"
+    return "\n".join(rows + variant_rows(r) + moe_rows(r)) + "\n"
+
+
+def moe_rows(r: dict) -> list[str]:
+    """The MoE phase: one layer's forward+backward and decode step, per lowering of ``ragged_dot``, against the tiles
+    (the CPU's scan over one expert's rows at a time) and the one-hot reference, timed in the same process."""
+    rows = ["", "| MoE layer (bench.py moe, bf16) | phase, tokens | tiles | ragged_dot | dense | ragged_dot / tiles |",
+            "| --- | --- | --- | --- | --- | --- |"]
+    for name, x in r["phases"].get("moe", {}).items():
+        if "rows" not in x:
+            rows.append(f"| {name} | {x['status']} after {x['seconds']} s | | | | |")
+        for row in x.get("rows", ()):
+            m = row["median_s"]
+            ragged = f"{m['ragged_dot']:.4f} s" if "ragged_dot" in m else "-"
+            ratio = f"{row['ratio_ragged_dot_over_tiles']:.2f}x" if "ratio_ragged_dot_over_tiles" in row else "-"
+            rows.append(f"| {name} | {row['shape']} {row['phase']}, {row['tokens']} | {m['tiles']:.4f} s | {ragged} | "
+                        f"{m['dense']:.4f} s | {ratio} |")
+    return rows if len(rows) > 3 else []
 
 
 def variant_rows(r: dict) -> list[str]:

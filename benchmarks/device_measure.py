@@ -181,12 +181,13 @@ def run(spec: dict) -> None:
                 "loss": float(metrics["loss"]),
                 **mfu(1e9 * step_flops(vars(a), lens_p, c, a.prompt_len, a.new_tokens)["step"]["useful"], med)}
 
-    def family(name: str, shrink: dict | None):
-        """Sampler and fused step of a real config (``shrink``: fields overridden, the dry run's tiny model), random
-        weights in bf16: seconds and tokens/s (its FLOPs are not GPT-NeoX's: no MFU)."""
+    def family(name: str, shrink: dict | None, override: dict | None = None):
+        """Sampler and fused step of a real config (``override``: fields changed, e.g. fewer layers of a model too
+        big for the chip's memory with its optimizer state; ``shrink``: the dry run's tiny model), random weights in
+        bf16: seconds and tokens/s (its FLOPs are not GPT-NeoX's: no MFU)."""
         from jodpo.models.loading import model_from_dir
 
-        raw = json.loads(hf_config_file(name).read_text()) | (shrink or {})
+        raw = json.loads(hf_config_file(name).read_text()) | (override or {}) | (shrink or {})
         models = []
         with tempfile.TemporaryDirectory() as tmp:
             for task, arch in (("causal_lm", "ForCausalLM"), ("reward", "ForSequenceClassification")):
@@ -210,7 +211,7 @@ def run(spec: dict) -> None:
 
         first, med, times, _ = repeat(step)
         tokens = int(np.asarray(samples_f.mask).sum())
-        return {"config": name, "parameters": sum(x.size for x in jax.tree.leaves(holder["state"].params)),
+        return {"config": name, **({"override": override} if override else {}), "parameters": sum(x.size for x in jax.tree.leaves(holder["state"].params)),
                 "sampler_median_s": med_s, "sampler_compile_plus_first_s": first_s, "rows": 2 * a.batch,
                 "tokens_per_s": tokens / med_s, "compile_plus_first_s": first, "times_s": times, "median_s": med,
                 "episodes_per_s": a.batch / med}
@@ -228,17 +229,15 @@ def run(spec: dict) -> None:
         choices = {k: v.pop(k) for k in ("attention", "remat") if k in v}
         model_v, rm_v = model.replace(**choices), rm.replace(**{k: x for k, x in choices.items() if k == "attention"})
         batch = a.batch * v.pop("batch_factor", 1)
-        if what == "family":
-            v = {"config": v.pop("config")} | v
-        cfg_v = dataclasses.replace(cfg, model=model_v, reward_model=rm_v, sampling=dataclasses.replace(
-            cfg.sampling, **{k: x for k, x in v.items() if k != "config"}))
+        config, override = v.pop("config", None), v.pop("override", None)
+        cfg_v = dataclasses.replace(cfg, model=model_v, reward_model=rm_v, sampling=dataclasses.replace(cfg.sampling, **v))
         try:
             if what == "sampler":
                 variants[name] = sampler(cfg_v, batch)[1]
             elif what == "step":
                 variants[name] = fused_step(cfg_v)
             elif what == "family":
-                variants[name] = family(v["config"], (spec.get("shrink") or {}).get(v["config"]))
+                variants[name] = family(config, (spec.get("shrink") or {}).get(config), override)
             else:  # the update alone, on the pairs sampled above
                 holder = {"state": state}
 

@@ -36,6 +36,8 @@ def add_parser(sub) -> None:
     s.add_argument("--ragged-max-tokens", type=int, default=64,
                    help="time ragged_dot only up to this many tokens (jax's CPU version holds [experts, rows, hidden])")
     s.add_argument("--repeats", type=int, default=3)
+    s.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="jodpo's compute dtype (the weights stay float32, as a run's); transformers' stays float32")
     s.add_argument("--out", type=Path)
 
 
@@ -89,7 +91,7 @@ def bench_moe(args) -> dict:
     rows, clock = [], Phases()
     for name in args.shapes:
         shape = SHAPES[name]
-        model, p = _model(shape), _weights(shape)
+        model, p = _model(shape).replace(dtype=getattr(args, "dtype", "float32")), _weights(shape)
         block, implementation = _torch_block(shape, p)
         pj = {k: jnp.asarray(v) for k, v in p.items()}
         experts = {"tiles": functools.partial(moe.sorted_experts, grouped=moe.grouped_tiles),
@@ -116,7 +118,7 @@ def bench_moe(args) -> dict:
             rng = np.random.default_rng(1)
             x = rng.standard_normal((T, shape["hidden"]), np.float32)
             w = rng.standard_normal((T, shape["hidden"]), np.float32)
-            xj, wj = jnp.asarray(x), jnp.asarray(w)
+            xj, wj = jnp.asarray(x, model.dtype), jnp.asarray(w, model.dtype)
             kinds = ["tiles", "dense"] + (["ragged_dot"] if T <= args.ragged_max_tokens else [])
             fns = {k: jax_step(k, train) for k in kinds}
             sides = {k: (lambda f=f: jax.block_until_ready(f(pj, xj, wj))) for k, f in fns.items()}
@@ -147,12 +149,13 @@ def bench_moe(args) -> dict:
             rows.append(row)
         rows[-1]["transformers_experts_implementation"] = rows[-2]["transformers_experts_implementation"] = \
             implementation
-    return {"benchmark": "moe", "repeats": args.repeats, "device": str(jax.devices()[0]),
+    return {"benchmark": "moe", "repeats": args.repeats, "device": str(jax.devices()[0]), "dtype": model.dtype,
             "torch_threads": torch.get_num_threads(), "rows": rows, "cores_taken_by_others_share": clock.foreign}
 
 
 def print_moe(result: dict) -> None:
-    print(f"one MoE layer (router + experts), float32, median of {result['repeats']} (s); ratios: x / tiles")
+    print(f"one MoE layer (router + experts), {result.get('dtype', 'float32')}, median of {result['repeats']} (s); "
+          f"ratios: x / tiles")
     print(f"{'shape':>14s}{'phase':>8s}{'T':>6s}{'tiles':>9s}{'ragged':>9s}{'dense':>9s}{'transf.':>9s}"
           f"{'transf./t':>11s}{'dense/t':>9s}{'ragged/t':>10s}  experts read  transformers' experts")
     for r in result["rows"]:

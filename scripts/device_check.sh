@@ -12,8 +12,9 @@ set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 py="${PYTHON:-python3}"
-# What the GPU image lacks of jodpo's dependencies and the references (the CPU suite's versions).
-WHEELS="datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 tensorboardX==2.6.5 trl==1.16.0 gguf==0.19.0"
+# What the GPU image lacks of jodpo's dependencies and the references, and transformers at the CPU suite's version
+# (the image's 5.17 predates the fixtures' newer families).
+WHEELS="transformers==5.24.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 tensorboardX==2.6.5 trl==1.16.0 gguf==0.19.0"
 
 if [ "${1:-}" = --wheels ]; then
   # shellcheck disable=SC2086

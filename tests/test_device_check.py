@@ -27,7 +27,7 @@ def test_the_selection_covers_every_weighty_group_and_every_family(dry_run):
     tests = r["phases"]["tests"]
     assert tests["status"] == "passed" and r["dry_run"] is True
     groups = tests["groups"]
-    assert set(groups) == {"precision", "logits", "sampler", "step_vs_trl", "resume", "gpu"}
+    assert set(groups) == {"precision", "logits", "sampler", "step_vs_trl", "resume", "gpu", "moe"}
     for name, g in groups.items():
         assert g["collected"], f"the device check's group {name} selects no test"
         assert all(x.startswith("tests/test_") and "::" in x for x in g["collected"])
@@ -65,11 +65,15 @@ def test_the_step_phase_numbers_agree(dry_run):
     gemma = v["sampler and step, Gemma 4 E2B shape"]  # two attention shapes, per-layer embeddings, KV sharing
     assert gemma["config"] == "gemma-4-e2b" and 0 < gemma["parameters"] < 10 ** 6 and gemma["tokens_per_s"] > 0
     assert v["sampler, scan unroll 2"]["completion_tokens"] == x["completion_tokens"]  # unrolling samples the same
+    (moe_name, m), = r["phases"]["moe"].items()  # the dry run: one MoE process, XLA:CPU's flags
+    assert m["status"] == "passed" and [row["phase"] for row in m["rows"]] == ["train", "decode"]
+    assert all({"tiles", "ragged_dot", "dense"} <= set(row["median_s"]) for row in m["rows"])
     assert r["complete"] is True and r["command"].startswith("python benchmarks/bench.py device")
     table = (out / "device_check.md").read_text()
     assert table.strip() in stdout  # the table printed is the one written
     assert "| tests: logits | " in table and "| fused step, " in table and "| step phase | passed" in table
     assert "| sampler and step, Qwen3.5-2B shape | sampler " in table and "x the speed |" in table
+    assert f"| {moe_name} | tiny train, 24 | " in table
     import tarfile
 
     assert {p.name for p in out.iterdir()} == {"device_check.json", "device_check.md", "tests.log", "raw.tar.gz"}
