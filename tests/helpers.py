@@ -171,3 +171,39 @@ def assert_same_run(a: Path, b: Path, whole_arrays: bool = False) -> None:
             # Each Adam step moves an entry by at most lr (1e-3); where an entry's gradient is near cancellation, the
             # layouts' float noise changes its step by a few percent of that (1.2e-5 seen on a LoRA factor): 5% of lr.
             np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=5e-5, err_msg=str(path))
+
+
+def assert_equals_transformers(model, params, hf, seed: int = 0, router: str | None = None, new_tokens: int = 8):
+    """jodpo's ``(model, params)`` against the transformers model ``hf`` on left-padded prompts: the logits (1e-4 of
+    the largest); where ``router`` says, each layer's router against transformers' ``output_router_logits`` (``"probs"``:
+    they record its softmax, as Gemma 4's; ``"logits"``: its logits) and the experts it chose; greedy decoding of
+    ``new_tokens`` against ``generate``."""
+    import torch
+
+    from jodpo.models import decoder
+
+    ids, mask = hf_fixtures.padded_batch(np.random.default_rng(seed), [12, 5, 9, 1], model.pad_token_id, "left")
+    ours = np.asarray(jax.jit(jodpo.logits, static_argnums=0)(model, params, ids, mask))
+    with torch.no_grad():
+        out = hf(input_ids=torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask),
+                 position_ids=torch.tensor(np.maximum(np.cumsum(mask, -1) - 1, 0), dtype=torch.long),
+                 **({"output_router_logits": True} if router else {}))
+    real = mask.astype(bool)
+    ref = out.logits.numpy()
+    np.testing.assert_allclose(ours[real], ref[real], rtol=1e-4, atol=1e-4 * np.abs(ref[real]).max())
+    if router:
+        _, _, routing = jax.jit(decoder.hidden_states, static_argnums=0, static_argnames="with_router")(
+            model, params, ids, mask, with_router=True)
+        got = np.asarray(jax.nn.softmax(routing.logits, -1) if router == "probs" else routing.logits)  # [N, B, L, E]
+        theirs = np.stack([r.numpy().reshape(got.shape[1:]) for r in out.router_logits])
+        atol = 1e-5 if router == "probs" else 1e-4 * np.abs(theirs).max()
+        np.testing.assert_allclose(got[:, real], theirs[:, real], rtol=1e-4, atol=atol)
+        chosen = lambda p: np.sort(np.argsort(-p, -1, kind="stable")[..., :model.moe.top_k], -1)  # noqa: E731
+        np.testing.assert_array_equal(chosen(got[:, real]), chosen(theirs[:, real]))
+    with torch.no_grad():
+        want = hf.generate(input_ids=torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask),
+                           do_sample=False, max_new_tokens=new_tokens, eos_token_id=[], pad_token_id=model.pad_token_id)
+    cfg = jodpo.SamplingConfig(max_new_tokens=new_tokens, temperature=0.0, eos_token_ids=(),
+                               pad_token_id=model.pad_token_id)
+    got = jax.jit(jodpo.sample, static_argnums=(0, 5))(model, params, ids, mask, jax.random.key(0), cfg)
+    np.testing.assert_array_equal(np.asarray(got.tokens), want[:, ids.shape[1]:].numpy())

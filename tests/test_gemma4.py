@@ -53,20 +53,7 @@ def test_other_settings_match_transformers_logits_and_generate(checkpoints, tmp_
     hf, path = _tiny(tmp_path, checkpoints, **VARIANTS[variant])
     model, params = jodpo.load_model(str(path))
     assert ("shared_sliding_attention" in model.kinds) == (variant == "shared_kv")
-    ids, mask = hf_fixtures.padded_batch(np.random.default_rng(0), [12, 5, 9, 1], model.pad_token_id, "left")
-    ours = np.asarray(jax.jit(jodpo.logits, static_argnums=0)(model, params, ids, mask))
-    with torch.no_grad():
-        ref = hf(input_ids=torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask),
-                 position_ids=torch.tensor(_positions(mask), dtype=torch.long)).logits.numpy()
-    real = mask.astype(bool)
-    np.testing.assert_allclose(ours[real], ref[real], rtol=1e-4, atol=1e-4 * np.abs(ref[real]).max())
-    T = 8
-    with torch.no_grad():
-        want = hf.generate(input_ids=torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask),
-                           do_sample=False, max_new_tokens=T, eos_token_id=[], pad_token_id=model.pad_token_id)
-    cfg = jodpo.SamplingConfig(max_new_tokens=T, temperature=0.0, eos_token_ids=(), pad_token_id=model.pad_token_id)
-    got = jax.jit(jodpo.sample, static_argnums=(0, 5))(model, params, ids, mask, jax.random.key(0), cfg)
-    np.testing.assert_array_equal(np.asarray(got.tokens), want[:, ids.shape[1]:].numpy())
+    helpers.assert_equals_transformers(model, params, hf)
 
 
 @pytest.mark.parametrize("name", ["gemma-4-e2b", "gemma-4-e4b"])

@@ -160,3 +160,19 @@ def test_every_eos_id_of_the_generation_config_is_taken(checkpoints, tmp_path):
     eos = jodpo.load_model(str(tmp_path / "m"))[0].eos_token_ids[0]
     (tmp_path / "m" / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos, 7], "pad_token_id": 1}))
     assert describe_model(str(tmp_path / "m")).eos_token_ids == (eos, 7)
+
+
+def test_a_parameter_no_rule_fills_is_a_bug_named_before_any_tensor_is_read(checkpoints, monkeypatch):
+    """A family whose rules fell behind its parameters (here: the final norm's rule dropped) stops loading at once,
+    naming the parameter, instead of returning params without it."""
+    from jodpo.models import families, loading
+
+    rules = families.weight_rules
+
+    def fewer(model):
+        return [r for r in rules(model) if ("final_norm", "scale") not in r.jodpo]
+
+    monkeypatch.setattr(families, "weight_rules", fewer)
+    monkeypatch.setattr(loading, "iter_tensors", lambda path: pytest.fail("a tensor was read"))
+    with pytest.raises(NotImplementedError, match=r"llama rules fill no tensor into \['final_norm/scale'\]"):
+        jodpo.load_model(str(checkpoints["llama"]["causal_lm"]))

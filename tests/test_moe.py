@@ -176,30 +176,7 @@ def test_gemma4_moe_logits_routing_and_greedy_decoding_equal_transformers(gemma4
     path = gemma4_moe["causal_lm"]
     model, params = jodpo.load_model(str(path))
     assert model.mlp is not None and model.moe.router_norm
-    ids, mask = hf_fixtures.padded_batch(np.random.default_rng(0), [12, 5, 9, 1], model.pad_token_id, "left")
-    ours = np.asarray(jax.jit(jodpo.logits, static_argnums=0)(model, params, ids, mask))
-    _, _, router = jax.jit(decoder.hidden_states, static_argnums=0, static_argnames="with_router")(
-        model, params, ids, mask, with_router=True)
-    hf = _hf(path)
-    with torch.no_grad():
-        out = hf(input_ids=torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask),
-                 position_ids=torch.tensor(np.maximum(np.cumsum(mask, -1) - 1, 0), dtype=torch.long),
-                 output_router_logits=True)
-    real = mask.astype(bool)
-    ref = out.logits.numpy()
-    np.testing.assert_allclose(ours[real], ref[real], rtol=1e-4, atol=1e-4 * np.abs(ref[real]).max())
-    probs = np.asarray(jax.nn.softmax(router.logits, -1))  # [N, B, L, E]
-    theirs = np.stack([r.numpy().reshape(probs.shape[1:]) for r in out.router_logits])
-    np.testing.assert_allclose(probs[:, real], theirs[:, real], rtol=1e-4, atol=1e-5)
-    chosen = lambda p: np.sort(np.argsort(-p, -1, kind="stable")[..., :model.moe.top_k], -1)  # noqa: E731
-    np.testing.assert_array_equal(chosen(probs[:, real]), chosen(theirs[:, real]))
-    T = 8
-    with torch.no_grad():
-        want = hf.generate(input_ids=torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask),
-                           do_sample=False, max_new_tokens=T, eos_token_id=[], pad_token_id=model.pad_token_id)
-    cfg = jodpo.SamplingConfig(max_new_tokens=T, temperature=0.0, eos_token_ids=(), pad_token_id=model.pad_token_id)
-    got = jax.jit(jodpo.sample, static_argnums=(0, 5))(model, params, ids, mask, jax.random.key(0), cfg)
-    np.testing.assert_array_equal(np.asarray(got.tokens), want[:, ids.shape[1]:].numpy())
+    helpers.assert_equals_transformers(model, params, _hf(path), router="probs")
 
 
 def test_gemma4_moe_trains_three_steps_and_exports_to_transformers(gemma4_moe, tmp_path, capsys):
@@ -239,30 +216,8 @@ def test_qwen3_next_logits_routing_decoding_and_export_equal_transformers(checkp
     path = hf_fixtures.build_moe_extra("qwen3_next", tmp_path, checkpoints["qwen3_5_moe"]["causal_lm"])["causal_lm"]
     model, params = jodpo.load_model(str(path))
     assert model.family == "qwen3_next" and not model.moe.norm_topk_prob and model.moe.shared_dim == 48
-    ids, mask = hf_fixtures.padded_batch(np.random.default_rng(2), [12, 5, 9, 1], model.pad_token_id, "left")
-    ours = np.asarray(jax.jit(jodpo.logits, static_argnums=0)(model, params, ids, mask))
-    _, _, router = jax.jit(decoder.hidden_states, static_argnums=0, static_argnames="with_router")(
-        model, params, ids, mask, with_router=True)
     hf = _hf(path)
-    with torch.no_grad():
-        out = hf(input_ids=torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask),
-                 position_ids=torch.tensor(np.maximum(np.cumsum(mask, -1) - 1, 0), dtype=torch.long),
-                 output_router_logits=True)
-    real = mask.astype(bool)
-    ref = out.logits.numpy()
-    np.testing.assert_allclose(ours[real], ref[real], rtol=1e-4, atol=1e-4 * np.abs(ref[real]).max())
-    router = np.asarray(router.logits)
-    theirs = np.stack([r.numpy().reshape(router.shape[1:]) for r in out.router_logits])
-    np.testing.assert_allclose(router[:, real], theirs[:, real], rtol=1e-4, atol=1e-4 * np.abs(theirs).max())
-    chosen = lambda p: np.sort(np.argsort(-p, -1, kind="stable")[..., :model.moe.top_k], -1)  # noqa: E731
-    np.testing.assert_array_equal(chosen(router[:, real]), chosen(theirs[:, real]))
-    T = 8
-    with torch.no_grad():
-        want = hf.generate(input_ids=torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask),
-                           do_sample=False, max_new_tokens=T, eos_token_id=[], pad_token_id=model.pad_token_id)
-    cfg = jodpo.SamplingConfig(max_new_tokens=T, temperature=0.0, eos_token_ids=(), pad_token_id=model.pad_token_id)
-    got = jax.jit(jodpo.sample, static_argnums=(0, 5))(model, params, ids, mask, jax.random.key(0), cfg)
-    np.testing.assert_array_equal(np.asarray(got.tokens), want[:, ids.shape[1]:].numpy())
+    helpers.assert_equals_transformers(model, params, hf, seed=2, router="logits")
     jodpo.save_hf(model, params, tmp_path / "export")
     back = {k: v.numpy() for k, v in _hf(tmp_path / "export").state_dict().items()}
     for k, v in hf.state_dict().items():  # every tensor as it was: the fused projections' groups put back in place

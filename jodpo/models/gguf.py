@@ -1,4 +1,5 @@
-"""Reading a GGUF file (llama.cpp's format) as ``(Model, params)`` and a tokenizer, without torch.
+"""Reading a GGUF file (llama.cpp's format) as ``(Model, params)``, without torch (its tokenizer:
+``jodpo.models.gguf_tokenizer``).
 
 A GGUF file carries the architecture in its metadata, the tokenizer (vocabulary, merges, special tokens, chat
 template) and the tensors, many of them quantized. jodpo reads it with the ``gguf`` package (llama.cpp's own
@@ -432,36 +433,3 @@ def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
     """Undo llama.cpp's ``permute`` of Q/K rows (convert_hf_to_gguf.py: each head's rotary halves interleaved
     for its rotate-by-pairs RoPE), back to transformers' rotate-half order."""
     return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-# --------------------------------------------------------------------------------------------------
-# The tokenizer
-# --------------------------------------------------------------------------------------------------
-
-_SPECIAL = {"bos_token": "bos", "eos_token": "eos", "unk_token": "unknown", "pad_token": "padding"}
-
-
-def tokenizer(file: Path):
-    """The file's tokenizer as a ``transformers.PreTrainedTokenizerFast`` with its chat template.
-
-    transformers' own GGUF tokenizer path reads the file with a torch-based reader; this reads the metadata with
-    the ``gguf`` package and hands it to transformers' converter (``convert_gguf_tokenizer``, no torch), so the
-    result is the same tokenizer (tests/test_real_model.py compares them on SmolLM2)."""
-    from transformers import PreTrainedTokenizerFast
-    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
-
-    g = open_file(file)
-    tok_dict, config = ({ours: g.value(f"tokenizer.{key}") for key, ours in GGUF_TOKENIZER_MAPPING[group].items()
-                         if f"tokenizer.{key}" in g.reader.fields} for group in ("tokenizer", "tokenizer_config"))
-    if "tokens" not in tok_dict:
-        raise CheckpointError(f"{file}: the GGUF file holds no tokenizer (tokenizer.ggml.tokens).")
-    if tok_dict.get("tokenizer_type") == "llama":
-        config.setdefault("add_bos_token", True)  # as transformers: llama.cpp adds BOS to such a vocabulary
-    for name, key in _SPECIAL.items():
-        token_id = g.value(f"tokenizer.ggml.{key}_token_id")
-        config[name] = tok_dict["tokens"][token_id] if token_id is not None else None
-    backend, extra = convert_gguf_tokenizer(g.arch, tok_dict)
-    config = {k: v for k, v in {**config, **extra}.items() if v is not None}
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, **config)
-    tok.name_or_path = str(file)  # so that messages about it (no chat template, say) can name it
-    return tok

@@ -18,7 +18,7 @@ import ml_dtypes
 import numpy as np
 
 from jodpo.errors import CheckpointError, UnsupportedModelError
-from jodpo.models import families, gguf
+from jodpo.models import families, gguf, gguf_tokenizer
 from jodpo.models.decoder import Model, Params
 from jodpo.models.params import _is_spec, param_specs
 
@@ -272,6 +272,9 @@ def load_params(model: Model, path: Path, dtype=jnp.float32, place=None, tensors
                 slots[name.format(i=i)] = (rule, at, j)
         for leaf in rule.jodpo:
             need[leaf] = len(rule.indices(model))
+    if unruled := sorted("/".join(leaf) for leaf in shapes if leaf not in need):  # a family's rules fell behind
+        raise NotImplementedError(f"jodpo's {model.family} rules fill no tensor into {unruled}: a bug in "
+                                  "jodpo.models.families; please report it with the checkpoint's config.json.")
     done: dict[tuple[str, ...], jax.Array] = {}
     pending: dict[tuple[int, int | None], dict[int, np.ndarray]] = {}
     seen: set[str] = set()
@@ -399,7 +402,7 @@ def load_tokenizer(path_or_hub_id: str, revision: str | None = None):
     path = resolve_path(path_or_hub_id, revision)
     gguf_file = gguf.find(path)
     if gguf_file:  # its own messages (a damaged file is not a missing tokenizer)
-        return ready_tokenizer(gguf.tokenizer(gguf_file), str(gguf_file))
+        return ready_tokenizer(gguf_tokenizer.tokenizer(gguf_file), str(gguf_file))
     try:
         tok = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
