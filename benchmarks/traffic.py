@@ -53,14 +53,20 @@ def _bytes(tree) -> int:
 
 def ideal_decode_bytes(model, sampler_params, cache, rows: int, filled: float) -> dict:
     """The bytes one decode step must move: weights once (the input embeddings, Gemma 4's per-layer table too: ``rows``
-    of them), the cache states once (attention: the keys and values of ``filled`` slots read, a sliding layer's of its
-    window's at most, the new one written; DeltaNet: its state and window read and written), the token and logits
-    negligible."""
-    import jax
-
+    of them; a mixture of experts' routed experts: those the rows' tokens choose, ``1 - (1 - k/E)^rows`` of them
+    expected where routing is uniform), the cache states once (attention: the keys and values of ``filled`` slots
+    read, a sliding layer's of its window's at most, the new one written; DeltaNet: its state and window read and
+    written), the token and logits negligible."""
     layers, rest = sampler_params["layers"], {k: v for k, v in sampler_params.items() if k != "layers"}
     tables = ("embed", "embed_per_layer")  # read at the rows' tokens
     weights = _bytes(layers) + _bytes({k: v for k, v in rest.items() if k not in tables})
+    experts = None
+    if model.moe is not None:  # the routed experts: only those some row's token chose, each read once
+        per_layer = layers if isinstance(layers, (tuple, list)) else (layers,)  # the sampler's: split per layer
+        routed = sum(_bytes(layer["moe"][k]) for layer in per_layer for k in ("gate", "up", "down"))
+        share = 1 - (1 - model.moe.top_k / model.moe.num_experts) ** rows  # expected, each row's k drawn uniformly
+        weights -= routed * (1 - share)
+        experts = {"routed_bytes": routed, "expected_share_read": share}
     for name in tables[1:]:
         if name in rest:
             weights += rows * math.prod(rest[name].shape[1:]) * rest[name].dtype.itemsize
@@ -80,7 +86,8 @@ def ideal_decode_bytes(model, sampler_params, cache, rows: int, filled: float) -
         else:
             read += _bytes(state)
             write += _bytes(state)
-    return {"weights": weights, "cache_read": read, "cache_write": write, "total": weights + read + write}
+    return {"weights": weights, "cache_read": read, "cache_write": write, "total": weights + read + write,
+            **({"experts": experts} if experts else {})}
 
 
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\{\s*$")  # a header at column 0: "%name (params) -> ... {"
@@ -258,6 +265,10 @@ def print_traffic(r: dict) -> None:
           f"cache (weights {f['weights'] / MiB:,.1f}, cache read {f['cache_read'] / MiB:,.1f}, written "
           f"{f['cache_write'] / MiB:,.2f}): {d['over_ideal_full']:.2f}x; at the mean fill "
           f"{m['total'] / MiB:,.1f} MiB: {d['over_ideal_mean_fill']:.2f}x")
+    if "experts" in f:
+        e = f["experts"]
+        print(f"routed experts: {e['routed_bytes'] / MiB:,.1f} MiB, of which the ideal reads the "
+              f"{e['expected_share_read']:.1%} a step's {s['rows']} rows choose (uniform routing)")
     print(f"the sampler's cache: {d['cache_bytes'] / MiB:,.1f} MiB")
     c = r["choose"]
     print(f"choose ({c['settings']}): {c['bytes_accessed'] / MiB:,.1f} MiB, {c['passes_over_logits']:.1f} passes over "

@@ -371,3 +371,29 @@ def test_the_ideal_decode_step_reads_a_sliding_layer_s_window_only(checkpoints):
     per_slot = 2 * R * model.num_kv_heads * model.head_dim * 4  # keys and values, float32
     assert traffic._bytes(cache["state"]) == (W + S) * per_slot
     assert traffic.ideal_decode_bytes(model, sp, cache, R, 12)["cache_read"] == (W + 12) * per_slot
+
+
+def test_the_ideal_decode_step_reads_only_the_experts_the_rows_choose(checkpoints):
+    """bench.py traffic's ideal on the Qwen3-MoE fixture: every weight once but the routed experts, of which the share
+    a step's rows choose under uniform routing (1 row: k of E; many rows: nearly all)."""
+    import jax
+
+    import jodpo
+    from jodpo.models.loading import describe_model
+    from jodpo.models.params import param_shapes
+    from jodpo.sampling import sampler_params
+
+    traffic = helpers.benchmark("traffic")
+    model = describe_model(str(checkpoints["qwen3_moe"]["causal_lm"]))
+    E, k = model.moe.num_experts, model.moe.top_k
+    sp = jax.eval_shape(lambda p: sampler_params(model, p), param_shapes(model))
+    cache = jax.eval_shape(lambda: jodpo.init_cache(model, 1, 8, per_layer=True))
+    routed = sum(traffic._bytes(layer["moe"][w]) for layer in sp["layers"] for w in ("gate", "up", "down"))
+    assert not model.tie_embeddings  # the input embedding: read at the rows' tokens alone
+    rest = traffic._bytes(sp) - routed - traffic._bytes(sp["embed"])
+    for rows, share in ((1, k / E), (64, 1 - (1 - k / E) ** 64)):
+        ideal = traffic.ideal_decode_bytes(model, sp, cache, rows, 4)
+        assert ideal["experts"] == {"routed_bytes": routed, "expected_share_read": pytest.approx(share)}
+        assert ideal["weights"] == pytest.approx(rest + rows * model.hidden_size * 4 + share * routed)
+    assert share > 0.99
+
