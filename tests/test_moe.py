@@ -63,8 +63,9 @@ def _tiny_block(E=5, k=2, D=8, F=6, shared=0, norm=True):
 
 @pytest.mark.parametrize("tokens", [1, 3, 40])
 def test_grouped_experts_equal_the_one_hot_reference_values_and_gradients(tokens):
-    """The CPU's tiles (one row a tile at 1 token, experts left empty, several tiles for one expert at 40 tokens) and
-    ragged_dot (GPUs', TPUs': jax's CPU version is slow but exact) against every token through every expert."""
+    """The CPU's tiles (one row a tile at 1 token, experts left empty, several tiles for one expert at 40 tokens),
+    ragged_dot (GPUs': jax's CPU version is slow but exact) and the TPU's megablox kernels (in Pallas' interpreter)
+    against every token through every expert."""
     model, p = _tiny_block(shared=4)
     x = jax.random.normal(jax.random.key(1), (1, tokens, model.hidden_size))
 
@@ -74,14 +75,36 @@ def test_grouped_experts_equal_the_one_hot_reference_values_and_gradients(tokens
 
     ragged = functools.partial(moe.sorted_experts, grouped=moe.grouped_ragged)
     tiles = functools.partial(moe.sorted_experts, grouped=moe.grouped_tiles)
+    megablox = functools.partial(moe.sorted_experts, grouped=functools.partial(moe.grouped_megablox, interpret=True))
 
     (_, want), want_grads = jax.value_and_grad(loss, argnums=(1, 2), has_aux=True)(moe.dense_experts, p, x)
-    for experts in (tiles, ragged):
+    for experts in (tiles, ragged, megablox):
         (_, got), grads = jax.jit(jax.value_and_grad(loss, argnums=(1, 2), has_aux=True), static_argnums=0)(
             experts, p, x)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
         for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_the_tpu_kernels_leave_the_rows_of_no_expert_here_zero_with_zero_gradients():
+    """Under an expert axis the rows routed to another device's experts sort past the groups: the megablox kernels
+    never visit them (their outputs and the rows' gradients are whatever memory held: NaN in the interpreter), so
+    grouped_megablox masks them, as grouped_ragged's are: zero values, zero gradients, the rest equal."""
+    model, p = _tiny_block()
+    sizes = jnp.asarray([5, 0, 7, 3, 2], jnp.int32)  # the 5 experts
+    x = jax.random.normal(jax.random.key(3), (23, model.hidden_size))  # 17 rows in groups, 6 past them
+
+    def run(grouped):
+        f = lambda p, x: grouped(model, p, x, sizes)  # noqa: E731
+        y, vjp = jax.vjp(f, p, x)
+        return y, vjp(jnp.cos(y))
+
+    (y, (dp, dx)), (want, (want_dp, want_dx)) = run(
+        functools.partial(moe.grouped_megablox, interpret=True)), run(moe.grouped_ragged)
+    assert np.all(np.asarray(y)[17:] == 0) and np.all(np.asarray(dx)[17:] == 0)
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+    for a, b in zip(jax.tree.leaves((dp, dx)), jax.tree.leaves((want_dp, want_dx))):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
 def test_a_decode_step_runs_only_the_tiles_of_the_chosen_experts():

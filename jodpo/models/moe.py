@@ -15,10 +15,12 @@ model has a dense MLP too (``Model.mlp``: Gemma 4), that MLP, each branch betwee
 The experts are dropless: every token reaches each of its k experts (no capacity, nothing dropped, so the numbers are
 transformers'). The k copies of the tokens are sorted by expert, so that each expert's rows are contiguous, and run
 through grouped matmuls, then unsorted and summed, weighted by their routing probabilities (``sorted_experts``). On a
-GPU or a TPU the grouped matmuls are ``jax.lax.ragged_dot``; on a CPU, whose ``ragged_dot`` multiplies every row by
-every expert's weights, a scan over tiles of rows, each tile one expert's, which skips the tiles no row
-fills, so a decode step reads only the chosen experts' weights (``grouped_tiles``). ``dense_experts`` is the one-hot reference: every
-token through every expert, the outputs weighted by the routing (tests, and ``bench.py moe``).
+GPU the grouped matmuls are ``jax.lax.ragged_dot``; on a TPU in bf16, Pallas' megablox kernels (``grouped_megablox``:
+``ragged_dot``'s weight gradient is a dense contraction over every expert there); on a CPU, whose ``ragged_dot``
+multiplies every row by every expert's weights, a scan over tiles of rows, each tile one expert's, which skips the
+tiles no row fills, so a decode step reads only the chosen experts' weights (``grouped_tiles``). ``dense_experts`` is
+the one-hot reference: every token through every expert, the outputs weighted by the routing (tests, and
+``bench.py moe``).
 
 Parameters, stacked over the layers (``params["layers"]["moe"]``): ``router`` ``[D, E]``; ``gate``, ``up``
 ``[E, D, F]``; ``down`` ``[E, F, D]``; with a shared expert ``shared`` (``gate``, ``up`` ``[D, Fs]``, ``down``
@@ -219,8 +221,8 @@ _tiles.defvjp(_tiles_fwd, _tiles_bwd)
 
 
 def grouped_ragged(model: Model, p: Params, x_MD: jax.Array, sizes_E: jax.Array) -> jax.Array:
-    """The experts on rows sorted by expert through ``jax.lax.ragged_dot`` (grouped matmuls: GPUs, TPUs); the rows
-    past ``sizes_E``'s come out zero."""
+    """The experts on rows sorted by expert through ``jax.lax.ragged_dot`` (grouped matmuls: GPUs, TPUs in float32);
+    the rows past ``sizes_E``'s come out zero."""
     dt = x_MD.dtype
     precision = jax.lax.Precision(model.precision) if dt == jnp.float32 else None
     dot = lambda x, w: jax.lax.ragged_dot(x, w.astype(dt), sizes_E, precision=precision)  # noqa: E731
@@ -230,11 +232,45 @@ def grouped_ragged(model: Model, p: Params, x_MD: jax.Array, sizes_E: jax.Array)
     return jnp.where((jnp.arange(x_MD.shape[0]) < jnp.sum(sizes_E))[:, None], y_MD, 0)
 
 
+def megablox_tiling(rows: int, k: int, n: int, tile=(512, 512, 1024)) -> tuple[int, int, int]:
+    """The TPU kernels' (rows, contracted, output) tile: ``tile``, smaller where the problem is (the rows in steps of
+    128, which they are padded to a multiple of). (512, 512, 1024) at OLMoE's layer shape: 2.49 TFLOP and 38 GiB
+    accessed in XLA:TPU's count of a v5p's forward and backward over 8,192 tokens, against 68 GiB with 128-tiles;
+    (512, 1024, 1024) overflows the 16 MiB of VMEM a v5p kernel may take."""
+    return min(tile[0], -(-rows // 128) * 128), min(tile[1], k), min(tile[2], n)
+
+
+def grouped_megablox(model: Model, p: Params, x_MD: jax.Array, sizes_E: jax.Array, interpret: bool = False,
+                     tile=(512, 512, 1024)):
+    """The experts on rows sorted by expert through the Pallas TPU kernels of ``jax.experimental.pallas.ops.tpu.
+    megablox`` (a TPU's bf16 runs): ``gmm`` forward, and its custom backward, ``gmm`` for the rows' gradient and
+    ``tgmm`` for the weights', each over the groups' rows alone. XLA:TPU's own ``ragged_dot`` transposes the weights'
+    gradient into a masked contraction over every expert (E times the FLOPs, and at OLMoE's shape the temporaries of a
+    dense layer per expert). The kernels visit only the groups' rows and leave the others unwritten, so every output
+    (and the input, for its gradient) is masked there; the rows past ``sizes_E``'s come out zero. ``interpret``: run
+    the kernels in Pallas' interpreter (a CPU; the tests)."""
+    from jax.experimental.pallas.ops.tpu.megablox import ops as megablox
+
+    M, dt = x_MD.shape[0], x_MD.dtype
+    tm = megablox_tiling(M, 1, 1, tile)[0]
+    padded = -(-M // tm) * tm
+    valid = (jnp.arange(padded) < jnp.sum(sizes_E))[:, None]
+
+    def dot(x, w):  # (lhs, rhs, group_sizes, preferred_element_type, tiling, group_offset, existing_out,
+        tiling = megablox_tiling(M, x.shape[1], w.shape[2], tile)  # transpose_rhs, interpret)
+        return jnp.where(valid, megablox.gmm(x, w.astype(dt), sizes_E, dt, tiling, None, None, False, interpret), 0)
+
+    act = ACTIVATIONS[model.moe.activation]
+    down = recomputed(lambda gate, up, w: dot(act(gate) * up, w))
+    x = jnp.where(valid, jnp.pad(x_MD, ((0, padded - M), (0, 0))), 0)
+    return down(dot(x, p["gate"]), dot(x, p["up"]), p["down"])[:M]
+
+
 def sorted_experts(model: Model, p: Params, x_TD: jax.Array, experts_TK: jax.Array, weights_TK: jax.Array,
                    grouped=None):
     """The routed experts' weighted sum ``[T, D]``, dropless: the tokens' k copies sorted by expert, through the
-    grouped matmuls, unsorted, times their weights, summed. ``grouped``: ``grouped_ragged`` or ``grouped_tiles``;
-    None: each platform's (``ragged_dot`` on GPUs and TPUs, the tiles on a CPU). Where the experts' weights sit on a
+    grouped matmuls, unsorted, times their weights, summed. ``grouped``: ``grouped_ragged``, ``grouped_megablox`` or
+    ``grouped_tiles``; None: each platform's (``_platform_grouped``). Where the experts' weights sit on a
     mesh whose ``expert`` axis splits them, each device runs its own experts (``expert_parallel``)."""
     if grouped is None:
         grouped = _platform_grouped
@@ -245,8 +281,11 @@ def sorted_experts(model: Model, p: Params, x_TD: jax.Array, experts_TK: jax.Arr
 
 
 def _platform_grouped(model: Model, p: Params, x_MD: jax.Array, sizes_E: jax.Array) -> jax.Array:
+    """The tiles on a CPU; ``ragged_dot`` on a GPU; on a TPU the megablox kernels in bf16 (their dots take no
+    precision: a float32 run keeps ``ragged_dot``'s, at the model's)."""
+    tpu = grouped_megablox if x_MD.dtype == jnp.bfloat16 else grouped_ragged
     return jax.lax.platform_dependent(p, x_MD, sizes_E, cpu=functools.partial(grouped_tiles, model),
-                                      default=functools.partial(grouped_ragged, model))
+                                      tpu=functools.partial(tpu, model), default=functools.partial(grouped_ragged, model))
 
 
 def _routed(model: Model, p: Params, x_TD: jax.Array, experts_TK: jax.Array, weights_TK: jax.Array, first,
