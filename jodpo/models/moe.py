@@ -232,6 +232,18 @@ def grouped_ragged(model: Model, p: Params, x_MD: jax.Array, sizes_E: jax.Array)
     return jnp.where((jnp.arange(x_MD.shape[0]) < jnp.sum(sizes_E))[:, None], y_MD, 0)
 
 
+@functools.cache
+def _megablox():
+    """jax's megablox ops (``gmm`` with its custom VJP), or None where this jax has none at that path (an experimental
+    module: every platform traces the TPU's branch, so a jax without it falls back to ``ragged_dot``, not to an
+    error)."""
+    try:
+        from jax.experimental.pallas.ops.tpu.megablox import ops
+    except ImportError:
+        return None
+    return ops if hasattr(ops, "gmm") else None
+
+
 def megablox_tiling(rows: int, k: int, n: int, tile=(512, 512, 1024)) -> tuple[int, int, int]:
     """The TPU kernels' (rows, contracted, output) tile: ``tile``, smaller where the problem is (the rows in steps of
     128, which they are padded to a multiple of). (512, 512, 1024) at OLMoE's layer shape: 2.49 TFLOP and 38 GiB
@@ -249,8 +261,7 @@ def grouped_megablox(model: Model, p: Params, x_MD: jax.Array, sizes_E: jax.Arra
     dense layer per expert). The kernels visit only the groups' rows and leave the others unwritten, so every output
     (and the input, for its gradient) is masked there; the rows past ``sizes_E``'s come out zero. ``interpret``: run
     the kernels in Pallas' interpreter (a CPU; the tests)."""
-    from jax.experimental.pallas.ops.tpu.megablox import ops as megablox
-
+    megablox = _megablox()
     M, dt = x_MD.shape[0], x_MD.dtype
     tm = megablox_tiling(M, 1, 1, tile)[0]
     padded = -(-M // tm) * tm
@@ -283,7 +294,7 @@ def sorted_experts(model: Model, p: Params, x_TD: jax.Array, experts_TK: jax.Arr
 def _platform_grouped(model: Model, p: Params, x_MD: jax.Array, sizes_E: jax.Array) -> jax.Array:
     """The tiles on a CPU; ``ragged_dot`` on a GPU; on a TPU the megablox kernels in bf16 (their dots take no
     precision: a float32 run keeps ``ragged_dot``'s, at the model's)."""
-    tpu = grouped_megablox if x_MD.dtype == jnp.bfloat16 else grouped_ragged
+    tpu = grouped_megablox if x_MD.dtype == jnp.bfloat16 and _megablox() is not None else grouped_ragged
     return jax.lax.platform_dependent(p, x_MD, sizes_E, cpu=functools.partial(grouped_tiles, model),
                                       tpu=functools.partial(tpu, model), default=functools.partial(grouped_ragged, model))
 
