@@ -1,8 +1,9 @@
 """The expert mesh axis on 8 fake CPU devices equals one device: the tiny Qwen3-MoE (4 experts, two a token) with its
 experts split by expert over (data, expert) = (2, 4) and (fsdp, expert, tensor) = (2, 2, 2): the completions'
 log-probs and their gradient; the same with LoRA on the experts and the router (the adapters split by expert); online
-DPO (policy and reward model both MoE) for two steps on the first mesh, and the 1-device run resumed from its
-checkpoint 1 on the second."""
+DPO (policy and reward model both MoE) for two steps trained on 4 devices split by expert with a sampler of its own on
+the other 4 (sampler_devices: its experts split by expert too), and the 1-device run resumed from its checkpoint 1 on
+(fsdp, expert, tensor) = (2, 2, 2)."""
 import json
 import shutil
 import subprocess
@@ -18,14 +19,14 @@ from tests import helpers, hf_fixtures, subproc
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _argv(out: Path, checkpoints, dataset: Path, per_device: int, mesh: dict) -> list[str]:
+def _argv(out: Path, checkpoints, dataset: Path, per_device: int, mesh: dict, **more) -> list[str]:
     """Two steps of online DPO, global batch 8, saved after each, evaluation and sample tables off."""
     fields = dict(model_name_or_path=checkpoints["qwen3_moe"]["causal_lm"],
                   reward_model_path=checkpoints["qwen3_moe"]["reward"], dataset_name=dataset, output_dir=out,
                   max_steps=2, save_steps=1, logging_steps=1, per_device_train_batch_size=per_device,
                   max_new_tokens=6, max_length=96, max_prompt_length=64, learning_rate=1e-3, bf16=False,
                   eval_strategy="no", num_sample_generations=0, gradient_accumulation_steps=1,
-                  **{f"mesh_{k}": v for k, v in mesh.items()})
+                  **{f"mesh_{k}": v for k, v in mesh.items()}, **more)
     return ["--config", str(ROOT / "jodpo" / "configs" / "tldr.py"), *(f"--config.{k}={v}" for k, v in fields.items()),
             "--allow_config_change"]
 
@@ -100,7 +101,7 @@ def runs(checkpoints, tmp_path_factory):
     resumed = root / "one_then_fet"
     shutil.copytree(root / "one", resumed)
     shutil.rmtree(resumed / "checkpoints" / "2")
-    jobs = [_argv(root / "de", checkpoints, data, 1, dict(data=2, fsdp=1, expert=4)),
+    jobs = [_argv(root / "e_sampler_e", checkpoints, data, 2, dict(data=1, fsdp=1, expert=4), sampler_devices=4),
             _argv(resumed, checkpoints, data, 2, dict(fsdp=2, expert=2, tensor=2))]
     python, env = subproc.without_torch(subproc.cpu_env(8))
     done = subprocess.run([*python, "-c", CHILD, str(checkpoints["qwen3_moe"]["causal_lm"]), json.dumps(
@@ -109,7 +110,7 @@ def runs(checkpoints, tmp_path_factory):
     return root
 
 
-@pytest.mark.parametrize("name", ["de", "one_then_fet"])
+@pytest.mark.parametrize("name", ["e_sampler_e", "one_then_fet"])
 def test_expert_axis_on_8_devices_equals_one(runs, name):
     """Log-probs and gradient (in the child), then the runs' logged numbers and final parameters."""
     one, other = helpers.run_metrics(runs / "one"), helpers.run_metrics(runs / name)

@@ -287,9 +287,10 @@ def with_steps(run: Run) -> Run:
 
 
 def meshes(cfg: TrainConfig) -> tuple[Mesh, Mesh | None]:
-    """The training mesh (mesh_data x mesh_fsdp x mesh_expert x mesh_tensor), and with ``sampler_devices`` = k the sampler's mesh
-    on the last k devices, apart: data-parallel, with the training mesh's tensor split (the weights whole on each
-    sampler device otherwise: decoding gathers nothing)."""
+    """The training mesh (mesh_data x mesh_fsdp x mesh_expert x mesh_tensor), and with ``sampler_devices`` = k the
+    sampler's mesh on the last k devices, apart: data-parallel, with the training mesh's tensor and expert splits (a
+    mixture of experts' experts split by expert there too, each decode step's tokens reaching them as in training;
+    the weights otherwise whole on each sampler device: decoding gathers nothing)."""
     devices = jax.devices()
     k = cfg.sampler_devices
     if not k:
@@ -303,11 +304,11 @@ def meshes(cfg: TrainConfig) -> tuple[Mesh, Mesh | None]:
                           "(or 0 to sample on the training devices)")
     mesh = S.make_mesh(cfg.mesh_data, cfg.mesh_fsdp, cfg.mesh_tensor, devices[:len(devices) - k],
                        expert=cfg.mesh_expert)
-    tensor = mesh.shape["tensor"]
-    if k % tensor:
-        raise ConfigError(f"sampler_devices={k} is not a multiple of the training mesh's tensor size {tensor} (the "
-                          "sampler splits the weights the same way); choose a multiple")
-    sampler = S.make_mesh(-1, 1, tensor, devices[len(devices) - k:])
+    tensor, expert = mesh.shape["tensor"], mesh.shape["expert"]
+    if k % (tensor * expert):
+        raise ConfigError(f"sampler_devices={k} is not a multiple of the training mesh's tensor x expert size "
+                          f"{tensor} x {expert} (the sampler splits the weights the same way); choose a multiple")
+    sampler = S.make_mesh(-1, 1, tensor, devices[len(devices) - k:], expert=expert)
     rows, dp = cfg.per_device_train_batch_size * S.data_parallel_size(mesh), S.data_parallel_size(sampler)
     if rows % dp:
         raise ConfigError(f"sampler_devices={k}: a micro-batch of {rows} prompts does not split over the sampler's "
