@@ -83,8 +83,8 @@ DRY_SHRINK = {
                         num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
                         global_head_dim=32, hidden_size_per_layer_input=8, num_kv_shared_layers=1,
                         layer_types=["sliding_attention", "full_attention", "full_attention"]),
-    "olmoe-1b-7b": dict(vocab_size=512, hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
-                        num_key_value_heads=2, num_experts=4, num_experts_per_tok=2),
+    "olmoe-1b-7b": dict(vocab_size=512, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+                        num_attention_heads=2, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2),
 }
 # the MoE phase: one OLMoE-shaped layer's forward+backward (bench.py moe, bf16) in a process per XLA flag set: jax
 # 0.11.2's XLA:GPU lowers ragged_dot to one dense matmul over every expert's weights (E times the FLOPs: seen in the

@@ -211,7 +211,8 @@ def run(spec: dict) -> None:
 
         first, med, times, _ = repeat(step)
         tokens = int(np.asarray(samples_f.mask).sum())
-        return {"config": name, **({"override": override} if override else {}), "parameters": sum(x.size for x in jax.tree.leaves(holder["state"].params)),
+        return {"config": name, **({"override": override} if override else {}),
+                "parameters": sum(x.size for x in jax.tree.leaves(holder["state"].params)),
                 "sampler_median_s": med_s, "sampler_compile_plus_first_s": first_s, "rows": 2 * a.batch,
                 "tokens_per_s": tokens / med_s, "compile_plus_first_s": first, "times_s": times, "median_s": med,
                 "episodes_per_s": a.batch / med}
@@ -230,7 +231,8 @@ def run(spec: dict) -> None:
         model_v, rm_v = model.replace(**choices), rm.replace(**{k: x for k, x in choices.items() if k == "attention"})
         batch = a.batch * v.pop("batch_factor", 1)
         config, override = v.pop("config", None), v.pop("override", None)
-        cfg_v = dataclasses.replace(cfg, model=model_v, reward_model=rm_v, sampling=dataclasses.replace(cfg.sampling, **v))
+        cfg_v = dataclasses.replace(cfg, model=model_v, reward_model=rm_v,
+                                    sampling=dataclasses.replace(cfg.sampling, **v))
         try:
             if what == "sampler":
                 variants[name] = sampler(cfg_v, batch)[1]

@@ -296,7 +296,8 @@ def _platform_grouped(model: Model, p: Params, x_MD: jax.Array, sizes_E: jax.Arr
     precision: a float32 run keeps ``ragged_dot``'s, at the model's)."""
     tpu = grouped_megablox if x_MD.dtype == jnp.bfloat16 and _megablox() is not None else grouped_ragged
     return jax.lax.platform_dependent(p, x_MD, sizes_E, cpu=functools.partial(grouped_tiles, model),
-                                      tpu=functools.partial(tpu, model), default=functools.partial(grouped_ragged, model))
+                                      tpu=functools.partial(tpu, model),
+                                      default=functools.partial(grouped_ragged, model))
 
 
 def _routed(model: Model, p: Params, x_TD: jax.Array, experts_TK: jax.Array, weights_TK: jax.Array, first,
