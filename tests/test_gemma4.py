@@ -27,10 +27,6 @@ VARIANTS = {  # beside the fixture's: the 31B's layout, and KV sharing with v pr
 }
 
 
-def _positions(mask):
-    return np.maximum(np.cumsum(mask, -1) - 1, 0)
-
-
 def _tiny(tmp_path, checkpoints, **changes):
     from transformers import Gemma4TextConfig
 
