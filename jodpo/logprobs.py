@@ -37,7 +37,7 @@ def _forward(model: Model, params: Params, prompt_ids, prompt_mask, completion_i
         cut = min(P + C - max_length, P - 1)
         prompt_ids, prompt_mask, P = prompt_ids[:, cut:], prompt_mask[:, cut:], P - cut
     shared = prompt_ids.shape[0] != completion_ids.shape[0]
-    if routes is not None:  # [N, C, layers, k] -> the forwards' [layers, N, C, k]
+    if routes is not None:  # [N, C, M, k] -> the forwards' [M, N, C, k]
         routes = jnp.asarray(routes, jnp.int32).transpose(2, 0, 1, 3)
     if shared:
         out = prefixed_hidden_states(model, params, prompt_ids, prompt_mask, completion_ids, completion_mask,
@@ -75,7 +75,7 @@ def completion_logprobs(model: Model, params: Params, prompt_ids: jax.Array, pro
     token is kept). ``temperature``: the logits are divided by ``temperature + 1e-7`` first, as open-instruct's
     training forward does (TRL and the default use the raw logits). ``with_aux`` (a MoE model): also the forward's
     load-balancing loss over the real tokens of prompt + completion, as transformers' ``aux_loss`` of those rows.
-    ``routes`` (a MoE model; routing replay): i32[N, C, layers, k], ``Samples.experts``' layout: the experts each
+    ``routes`` (a MoE model; routing replay): i32[N, C, M, k], ``Samples.experts``' layout: the experts each
     completion token takes in every layer instead of its router's choice, where >= 0 (-1: its own choice); the
     prompt's tokens always route themselves.
     """
@@ -91,7 +91,7 @@ def route_flip_rate(sampled: jax.Array, trained: jax.Array) -> jax.Array:
     """f32[]: the share of completion tokens whose set of k experts (as a set: the order is not compared) differs
     between the sampler and the trainer's own router, over the tokens the sampler recorded (``sampled`` >= 0) in every
     layer, i.e. averaged over the layers (all of a jodpo MoE model's are MoE layers, and a token is recorded in all or
-    none); 0 when none is. ``sampled``, ``trained``: i32[N, C, layers, k] (``Samples.experts``' layout)."""
+    none); 0 when none is. ``sampled``, ``trained``: i32[N, C, M, k] (``Samples.experts``' layout)."""
     recorded = sampled[..., 0] >= 0
     flipped = jnp.any(jnp.sort(sampled, -1) != jnp.sort(trained, -1), -1) & recorded
     return jnp.sum(flipped, dtype=jnp.float32) / jnp.maximum(jnp.sum(recorded, dtype=jnp.float32), 1.0)
@@ -142,7 +142,7 @@ class OnlineBatch:
     pair_weights: jax.Array | None = None  # f32[B]; None: every pair alike
     ref_logprobs: jax.Array | None = None  # f32[2B, C] the reference's, when already computed
     sample_logprobs: jax.Array | None = None  # f32[2B, C] the sampler's, when it is not the trained policy
-    # i32[2B, C, layers, k] a MoE policy's experts for each completion token as its sampler chose them
+    # i32[2B, C, M, k] a MoE policy's experts for each completion token as its sampler chose them
     # (``Samples.experts``; -1 where it recorded none): routing replay and ``moe/route_flip_rate``
     sample_experts: jax.Array | None = None
 
@@ -172,7 +172,7 @@ def policy_logprobs(model: Model, params: Params, batch: OnlineBatch, loss: Loss
                                       experts if loss.moe_routing_replay else None)
     terms = {"aux_loss": load_balancing_loss(model.moe, routing.logits, mask)} if aux else {}
     if experts is not None:
-        trained = routing.experts[:, :, P:].transpose(1, 2, 0, 3)  # [layers, N, P + C, k] -> [N, C, layers, k]
+        trained = routing.experts[:, :, P:].transpose(1, 2, 0, 3)  # [M, N, P + C, k] -> [N, C, M, k]
         terms["moe/route_flip_rate"] = route_flip_rate(experts, trained)
     return logp, terms
 

@@ -61,9 +61,10 @@ class Samples:
     tokens: jax.Array  # i32[B, T]: sampled tokens, pad after the first EOS (the EOS itself kept)
     mask: jax.Array  # i32[B, T]: 1 up to and including the first EOS
     logprobs: jax.Array  # f32[B, T]: log p(token) under the raw model (temperature 1, no filters); 0 on pad
-    # i32[B, T, layers, k] (a MoE policy; None otherwise): the experts each layer of the policy chose for token t when
-    # the sampler ran it (to choose token t + 1), where token t + 1 is a real token, which the loss's log-prob of it
-    # depends on; -1 elsewhere (the last real token, padding, rows the policy did not sample). Routing replay
+    # i32[B, T, M, k] (a MoE policy; None otherwise): the experts each of its M layers with experts (Model.layers_with)
+    # chose for token t when the sampler ran it (to choose token t + 1), where token t + 1 is a real token, which the
+    # loss's log-prob of it depends on; -1 elsewhere (the last real token, padding, rows the policy did not sample).
+    # Routing replay
     experts: jax.Array | None = None
 
 
@@ -152,7 +153,7 @@ class _State:
     tokens: jax.Array
     mask: jax.Array
     logprobs: jax.Array
-    experts: jax.Array | None  # i32[N, T, layers, k] (a MoE policy): ``Samples.experts``, filled as the steps run
+    experts: jax.Array | None  # i32[N, T, M, k] (a MoE policy): ``Samples.experts``, filled as the steps run
 
 
 def _emit(cfg: SamplingConfig, rng: jax.Array, state: _State, logits_BV: jax.Array) -> _State:
@@ -187,7 +188,7 @@ def decode_step(model: Model, params: Params, cache: Cache, token_B: jax.Array, 
     token; a row that has ended runs on padding, unseen by any real token) after ``cache``; returns the next token's
     logits f32[B, V] and the cache with it written. ``params`` from ``sampler_params``, ``cache`` per layer. What
     ``bench.py traffic`` compiles to count the bytes a decode step moves. ``with_experts`` (a MoE model): a third
-    output, the experts each layer chose for the token, i32[B, layers, k]."""
+    output, the experts each layer with experts chose for the token, i32[B, M, k]."""
     h, cache, *routing = hidden_states(model, params, token_B[:, None], alive_B[:, None].astype(jnp.int32), cache,
                                        with_router=with_experts)
     logits = lm_head(model, params, h[:, -1])
@@ -259,7 +260,8 @@ def _sample(model: Model, sources: tuple[tuple[Params, int, int], ...], combine,
         hit = jax.nn.one_hot(prompt_ids, model.vocab_size, dtype=bool) & prompt_mask.astype(bool)[..., None]
         seen = jnp.concatenate([jnp.any(hit, axis=1)] * n, 0)
     zeros = lambda dt: jnp.zeros((n * B, T), dt)  # noqa: E731
-    experts = None if model.moe is None else jnp.full((n * B, T, model.num_layers, model.moe.top_k), -1, jnp.int32)
+    experts = None if model.moe is None else jnp.full((n * B, T, len(model.layers_with("moe")), model.moe.top_k), -1,
+                                                      jnp.int32)
     state = _State(step=jnp.zeros((), jnp.int32), token=jnp.zeros((n * B,), jnp.int32),
                    alive=jnp.zeros((n * B,), bool), caches=tuple(caches), seen=seen, done=jnp.zeros((n * B,), bool),
                    tokens=zeros(jnp.int32), mask=zeros(jnp.int32), logprobs=zeros(jnp.float32), experts=experts)

@@ -151,11 +151,13 @@ def gemma4_moe_config(pad_id: int, eos_id: int):
 def qwen3_next_config(pad_id: int, eos_id: int):
     """A tiny Qwen3-Next (not in ``FAMILIES``: tests/test_moe.py's): DeltaNet and gated attention alternating, two
     value heads a key head (its fused projections' groups), 4 experts of 32, two a token, not renormalised, and a
-    shared expert of 48 behind its sigmoid gate."""
+    shared expert of 48 behind its sigmoid gate, in every second layer (decoder_sparse_step 2: the others a dense MLP
+    of 128)."""
     from transformers import Qwen3NextConfig
 
-    return Qwen3NextConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                           num_key_value_heads=2, head_dim=16, layer_types=["linear_attention", "full_attention"],
+    return Qwen3NextConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=16, layer_types=["linear_attention", "full_attention"] * 2,
+                           decoder_sparse_step=2,
                            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
                            linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
                            norm_topk_prob=False, moe_intermediate_size=32, shared_expert_intermediate_size=48,

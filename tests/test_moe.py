@@ -14,9 +14,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import jodpo
 from jodpo.errors import CheckpointError
-from jodpo.models import decoder, moe
+from jodpo.models import decoder, lora, moe
 from jodpo.models.model import MoE
-from tests import helpers, hf_fixtures
+from tests import helpers, hf_fixtures, references
 
 MOE_FAMILIES = ("qwen3_moe", "olmoe", "qwen3_5_moe")
 
@@ -139,8 +139,7 @@ def test_fused_expert_tensors_load_as_the_per_expert_ones(checkpoints):
 
 
 @pytest.mark.parametrize("family,change,field", [
-    ("qwen3_moe", dict(mlp_only_layers=[1]), "mlp_only_layers"),
-    ("qwen3_moe", dict(decoder_sparse_step=2), "decoder_sparse_step"),
+    ("qwen3_moe", dict(decoder_sparse_step=0), "decoder_sparse_step"),
     ("qwen3_moe", dict(num_experts_per_tok=9), "num_experts_per_tok"),
     ("olmoe", dict(clip_qkv=8.0), "clip_qkv"),
 ])
@@ -152,6 +151,45 @@ def test_moe_settings_jodpo_cannot_honour_are_refused_naming_the_field(checkpoin
     with pytest.raises(CheckpointError, match=field) as e:
         jodpo.models.loading.describe_model(str(tmp_path))
     assert "\n" not in str(e.value)
+
+
+def test_dense_layers_among_the_sparse_ones_equal_transformers_and_replay_their_routes(checkpoints, tmp_path):
+    """Qwen3-MoE with mlp_only_layers (layers 0 and 3 a dense MLP of intermediate_size, the others experts: a scan of
+    (dense, sparse, sparse) x 2): logits, the sparse layers' router logits and chosen experts (transformers records
+    none for the dense ones), greedy decoding, the export tensor for tensor; each token forced to the experts its own
+    routers chose (one route per sparse layer) gives the same logits."""
+    cfg = AutoConfig.from_pretrained(checkpoints["qwen3_moe"]["causal_lm"])
+    cfg.num_hidden_layers, cfg.mlp_only_layers = 6, [0, 3]
+    torch.manual_seed(5)
+    hf = hf_fixtures.randomize(AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)).eval()
+    hf.save_pretrained(tmp_path / "dense")
+    model, params = jodpo.load_model(str(tmp_path / "dense"))
+    assert model.ffns == ("mlp", "moe", "moe") * 2 and model.mlp.width == cfg.intermediate_size
+    assert [(r.period, r.reps) for r in decoder.layer_runs(tuple(map(decoder.layer_key, [model] * 6, range(6))))] == [
+        ((("attention", "mlp"), ("attention", "moe"), ("attention", "moe")), 2)]
+    helpers.assert_equals_transformers(model, params, hf, seed=6, router="logits", new_tokens=4)
+    ids, mask = hf_fixtures.padded_batch(np.random.default_rng(7), [9, 4], model.pad_token_id, "left")
+    h, _, routing = decoder.hidden_states(model, params, ids, mask, with_router=True)
+    assert routing.experts.shape[0] == 4
+    forced, _ = decoder.hidden_states(model, params, ids, mask, routes=routing.experts)
+    np.testing.assert_allclose(forced, h, rtol=1e-6, atol=1e-6)
+    jodpo.save_hf(model, params, tmp_path / "export")
+    back = _hf(tmp_path / "export").state_dict()
+    for k, v in hf.state_dict().items():
+        np.testing.assert_array_equal(back[k].numpy(), v.numpy(), err_msg=k)
+    # LoRA all-linear as PEFT adapts it: the experts and routers of the sparse layers, never the dense layers' MLP
+    # (PEFT turns gate_proj, up_proj, down_proj into the experts' target_parameters)
+    adapted = model.replace(lora_rank=2, lora_alpha=4.0)
+    names = lora.resolve_targets(adapted, ["all-linear"])
+    adapters = lora.init_adapters(adapted, names, jax.random.key(0))
+    adapters = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.key(1), x.shape), adapters)
+    assert set(adapters) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj@moe", "down_proj@moe",
+                             "gate.weight@moe"}
+    lora.save_peft(adapted, adapters, tmp_path / "adapter", names, 0.0, str(tmp_path / "dense"))
+    ids, mask = hf_fixtures.padded_batch(np.random.default_rng(8), [9, 4], model.pad_token_id, "right")
+    ours = np.asarray(jodpo.logits(adapted, lora.attach(params, adapters), ids, mask))[mask > 0]
+    theirs = references.peft_logits(tmp_path / "dense", tmp_path / "adapter", ids, mask)[mask > 0]
+    np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-4 * np.abs(theirs).max())
 
 
 def test_the_loss_adds_transformers_aux_loss_of_the_policy_forward_times_the_coefficient(checkpoints):
@@ -239,6 +277,7 @@ def test_qwen3_next_logits_routing_decoding_and_export_equal_transformers(checkp
     path = hf_fixtures.build_moe_extra("qwen3_next", tmp_path, checkpoints["qwen3_5_moe"]["causal_lm"])["causal_lm"]
     model, params = jodpo.load_model(str(path))
     assert model.family == "qwen3_next" and not model.moe.norm_topk_prob and model.moe.shared_dim == 48
+    assert model.ffns == ("mlp", "moe") * 2
     hf = _hf(path)
     helpers.assert_equals_transformers(model, params, hf, seed=2, router="logits")
     jodpo.save_hf(model, params, tmp_path / "export")

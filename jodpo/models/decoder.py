@@ -3,11 +3,13 @@
 ``Model`` (``jodpo.models.model``) is the static architecture; ``params`` is a plain nested dict of arrays. A layer is
 a *mixer* (``Model.kinds``: softmax attention, ``jodpo.models.attention_mixer``, or over a sliding window,
 ``sliding_attention``; Gated DeltaNet, ``jodpo.models.deltanet``; attention of another shape, ``global_attention``;
-attention over another layer's keys and values, ``shared_kv``) plus an MLP, with norms around both.
-``params["layers"]`` holds what every layer has (norms, MLP) stacked on a leading axis over all layers, and each mixer
-kind's parameters (``"attn"``, ``"deltanet"``, ...) stacked over the layers of that kind (``jodpo.models.layout``).
-The layers run as ``lax.scan``s over ``layer_runs``: a run repeats a period of kinds (one layer for a uniform model;
-Qwen3.5's three DeltaNet layers and one attention layer), so one compiled body serves any depth; what differs per
+attention over another layer's keys and values, ``shared_kv``) plus a feed-forward (``Model.ffns``: the dense MLP,
+``jodpo.models.mlp``; a mixture of experts, ``jodpo.models.moe``; or both side by side), with norms around both.
+``params["layers"]`` holds what every layer has (norms) stacked on a leading axis over all layers, and each mixer or
+feed-forward kind's parameters (``"attn"``, ``"deltanet"``, ``"mlp"``, ``"moe"``, ...) stacked over the layers that
+have them (``jodpo.models.layout``). The layers run as ``lax.scan``s over ``layer_runs``: a run repeats a period of
+layer kinds (one layer for a uniform model; Qwen3.5's three DeltaNet layers and one attention layer), so one compiled
+body serves any depth; what differs per
 layer without changing shapes (whether it rotates, Gemma 4's per-layer inputs) is scanned with it.
 
 Where families differ inside a mixer or the MLP, a field of ``Model`` says so (``jodpo.models.layers`` reads them):
@@ -44,7 +46,7 @@ import numpy as np
 from jodpo.models import mlp, moe
 from jodpo.models.layers import Context, Site, embed, norm, per_layer_block, per_layer_inputs, rope_tables
 from jodpo.models.layout import (KEYS, KINDS_OF_KEY, MIXERS, SUBTREES, Run, groups,  # noqa: F401 - re-exported
-                                 layer_params, layer_runs, merge_adapters, period_params, run_params)
+                                 layer_key, layer_params, layer_runs, merge_adapters, period_params, run_params)
 from jodpo.models.model import (ATTENTIONS, MLP, PRECISIONS, READS, Cache, Model, Norms,  # noqa: F401 - re-exported
                                 Params, Rope, einsum)
 
@@ -81,14 +83,15 @@ def _source(model: Model, kind: str, j):
     return READS[kind], len(model.layers_of(READS[kind])) - 1
 
 
-def _layer(model: Model, kind: str, p: Params, xs: tuple, site: Site, mix, state=None, j=None, extra=None,
+def _layer(model: Model, kind: str, ffn: str, p: Params, xs: tuple, site: Site, mix, state=None, j=None, extra=None,
            routes=None):
-    """One decoder layer over groups of tokens ``xs`` (a tuple of ``[B_i, L_i, D]``): norm, the mixer
+    """One decoder layer over groups of tokens ``xs`` (a tuple of ``[B_i, L_i, D]``): norm, the mixer of ``kind``
     (``mix(kind, p, normed, site, state, j)`` returns its outputs, one per group, and its updated cache state, in
-    the caller's mode), residual, MLP (``routes``: each group's forced experts ``[B_i, L_i, k]`` or None, routing
-    replay in a MoE layer); then Gemma 4's per-layer block (``extra``: each group's per-layer inputs) and
-    its layer scalar. LoRA adapters are folded into the layer's weights here, one layer at a time (inside the scan and
-    its rematerialisation: no merged copy of the model)."""
+    the caller's mode), residual, the feed-forward of ``ffn`` (``routes``: each group's forced experts
+    ``[B_i, L_i, k]`` or None, routing replay in a MoE layer); then Gemma 4's per-layer block (``extra``: each group's
+    per-layer inputs) and its layer scalar. Returns the groups, the state and, in a layer with experts, each group's
+    ``moe.Routing`` (None otherwise). LoRA adapters are folded into the layer's weights here, one layer at a time
+    (inside the scan and its rematerialisation: no merged copy of the model)."""
     p = merge_adapters(model, p)
     pre = (lambda name, x: norm(model, p[name], x)) if model.norms.pre else (lambda name, x: x)  # noqa: E731
     outs, state = mix(kind, p, tuple(pre("ln1", x) for x in xs), site, state, j)
@@ -98,11 +101,11 @@ def _layer(model: Model, kind: str, p: Params, xs: tuple, site: Site, mix, state
         if model.norms.post:  # Gemma, OLMo 2: the mixer's output is normed before the residual
             a = norm(model, p["post_attn"], a)
         if model.parallel_residual:
-            out, router = _feed_forward(model, kind, p, x, forced)
+            out, router = _feed_forward(model, kind, ffn, p, x, forced)
             x = x + a + out
         else:
             x = x + a
-            out, router = _feed_forward(model, kind, p, x, forced)
+            out, router = _feed_forward(model, kind, ffn, p, x, forced)
             x = x + (norm(model, p["post_mlp"], out) if model.norms.post else out)
         routers.append(router)
         if model.per_layer_embeddings is not None:
@@ -110,18 +113,18 @@ def _layer(model: Model, kind: str, p: Params, xs: tuple, site: Site, mix, state
         if model.layer_scalar:  # a buffer in transformers: never trained (params.buffers)
             x = x * jax.lax.stop_gradient(p["scalar"]).astype(x.dtype)
         new.append(x)
-    return tuple(new), state, (None if model.moe is None else tuple(routers))
+    return tuple(new), state, (None if ffn == "mlp" else tuple(routers))
 
 
-def _feed_forward(model: Model, kind: str, p: Params, x_BLD: jax.Array, forced: jax.Array | None = None):
-    """The layer's feed-forward kinds on its residual stream ``x`` (normed here, where the norms are before): the dense
-    MLP (``Model.mlp``: a KV-sharing layer's double-wide one in Gemma 4; no routing), the MoE block (``Model.moe``:
-    its output and its ``moe.Routing``; ``forced``: experts replayed, ``moe.block``), or both side by side (Gemma 4
-    26B-A4B, ``moe.beside_mlp``)."""
+def _feed_forward(model: Model, kind: str, ffn: str, p: Params, x_BLD: jax.Array, forced: jax.Array | None = None):
+    """A layer's feed-forward (``ffn``, a ``FFN_KINDS``) on its residual stream ``x`` (normed here, where the norms are
+    before): the dense MLP (``Model.mlp``: a KV-sharing layer's double-wide one in Gemma 4; no routing), the MoE block
+    (``Model.moe``: its output and its ``moe.Routing``; ``forced``: experts replayed, ``moe.block``), or both side by
+    side (Gemma 4 26B-A4B, ``moe.beside_mlp``)."""
     h = norm(model, p["ln2"], x_BLD) if model.norms.pre else x_BLD
-    if model.moe is None:
+    if ffn == "mlp":
         return mlp.forward(model, model.mlp, p[mlp.key(model, kind)], h), None
-    if model.mlp is None:
+    if ffn == "moe":
         return moe.block(model, p["moe"], h, forced=forced)
     return moe.beside_mlp(model, p["moe"], p[mlp.key(model, kind)], x_BLD, h, forced=forced)
 
@@ -135,44 +138,52 @@ REMAT_POLICIES = ("none",) + tuple(_REMAT_POLICIES)
 
 def _stack(model: Model, params: Params, xs: tuple, mix, states=None, remat: bool = False, extra=None, routes=None):
     """``xs`` (a tuple of token groups) through every layer, one ``lax.scan`` per run of ``layer_runs`` (a repeating
-    period of kinds), and inside a period one scan per group of consecutive layers of one kind (``groups``).
+    period of layer kinds: mixer and feed-forward, ``layer_key``), and inside a period one scan per group of
+    consecutive layers of one kind (``groups``).
     ``states``: what the mixers read and write, by kind: the cache's states (each kind's stacked over its layers: a
     layer's at its index among them), or in the cache-free forwards KV sharing's slots (``attention_mixer``); the scans
     carry them (updated in place). ``extra``: each group's per-layer inputs ``[N, ...]`` (Gemma 4), scanned with the
     layers. ``remat``: each layer rematerialised as ``model.remat`` says (the forwards that are differentiated).
-    ``routes`` (a MoE model, routing replay): each group's forced experts ``[N, B_i, L_i, k]`` (-1: the token's own
-    choice), or None for a group (or all) that routes itself; scanned with the layers.
-    Returns the token groups, the states and, in a MoE model, every layer's ``moe.Routing`` per group (a tuple of
-    them, ``[N, B_i, L_i, ...]``; None otherwise)."""
+    ``routes`` (a MoE model, routing replay): each group's forced experts ``[M, B_i, L_i, k]`` over the M layers with
+    experts (-1: the token's own choice), or None for a group (or all) that routes itself; scanned with the layers.
+    Returns the token groups, the states and, in a MoE model, the ``moe.Routing`` of every layer with experts, per
+    group (a tuple of them, ``[M, B_i, L_i, ...]``; None otherwise)."""
     all_sites = sites(model)
-    kinds, variants = _scan_kinds(model) if states is None else (model.kinds, {})
-    variant = np.array([variants[k].index(own) if k in variants else 0 for k, own in zip(kinds, model.kinds)],
+    mixers, variants = _scan_kinds(model) if states is None else (model.kinds, {})
+    variant = np.array([variants[k].index(own) if k in variants else 0 for k, own in zip(mixers, model.kinds)],
                        np.int32)
+    kinds = tuple(layer_key(model, i, k) for i, k in enumerate(mixers))
+    experts_at = model.layers_with("moe")
     routers = []
     for run in layer_runs(kinds):
         period, n = run.period, len(run.period)
-        lo = {k: len([i for i in model.layers_of(k) if i < run.start]) for k in set(period)}
+        lo = {k: len([i for i in model.layers_of(k) if i < run.start]) for k, _ in set(period)}
         per_run = lambda a, run=run, n=n: jnp.asarray(a[run.start:run.end].reshape(run.reps, n, *a.shape[1:]))  # noqa
+        # the routes of the layers with experts: those before this run, and in one period of it
+        m0, m = sum(i < run.start for i in experts_at), sum(run.start <= i < run.start + n for i in experts_at)
+        per_experts = lambda a, m0=m0, m=m, run=run: a[m0:m0 + run.reps * m].reshape(run.reps, m, *a.shape[1:])  # noqa
         scanned = (run_params(model, params["layers"], run), Site(*map(per_run, all_sites)),
                    jnp.arange(run.reps, dtype=jnp.int32), None if extra is None else tuple(map(per_run, extra)),
-                   jax.tree.map(per_run, routes), per_run(variant))
+                   jax.tree.map(per_experts, routes), per_run(variant))
 
-        def body(carry, scanned, period=period, lo=lo):
+        def body(carry, scanned, run=run, lo=lo):
             x, states = carry
             p_run, site_run, rep, extra_run, routes_run, variant_run = scanned
-            ys = []
-            for q, kind, count in groups(period):
-                src, j = _source(model, kind, lo[kind] + rep * period.count(kind) + period[:q].count(kind))
+            period, ys = run.period, []
+            kinds_of = tuple(k for k, _ in period)
+            for q, (kind, ffn), count in groups(period):
+                src, j = _source(model, kind, lo[kind] + rep * kinds_of.count(kind) + kinds_of[:q].count(kind))
+                at = sum(f != "mlp" for _, f in period[:q])  # among the period's layers with experts (routes)
 
-                def one(carry, layer, kind=kind, src=src):
+                def one(carry, layer, kind=kind, ffn=ffn, src=src):
                     (x, states), (p, site, extra, routes, j, v) = carry, layer
                     if kind in variants:  # a cache-free forward (no states): this layer's own kind's
                         branches = [lambda p, x, site, extra, routes, own=own: _layer(
-                            model, own, p, x, site, mix, None, None, extra, routes) for own in variants[kind]]
+                            model, own, ffn, p, x, site, mix, None, None, extra, routes) for own in variants[kind]]
                         x, _, router = jax.lax.switch(v, branches, p, x, site, extra, routes)
                         return (x, states), router
                     mine = None if states is None else states.get(src)
-                    x, mine, router = _layer(model, kind, p, x, site, mix, mine, j, extra, routes)
+                    x, mine, router = _layer(model, kind, ffn, p, x, site, mix, mine, j, extra, routes)
                     return (x, states if states is None or src not in states else {**states, src: mine}), router
 
                 if remat and model.remat != "none":
@@ -180,11 +191,12 @@ def _stack(model: Model, params: Params, xs: tuple, mix, states=None, remat: boo
                     # recomputation kept apart (prevent_cse), or XLA merges it with the forward and saves nothing
                     alone = count == 1 and len(groups(period)) > 1
                     one = jax.checkpoint(one, policy=_REMAT_POLICIES[model.remat], prevent_cse=alone)
-                p = period_params(model, p_run, period, q, count)
+                p = period_params(model, p_run, run, q, count)
+                forced = None if ffn == "mlp" else jax.tree.map(lambda a, at=at: a[at:at + count], routes_run)
                 if count == 1:
                     layer = (p, Site(*(a[q] for a in site_run)),
                              None if extra_run is None else tuple(e[q] for e in extra_run),
-                             jax.tree.map(lambda a: a[q], routes_run), j, variant_run[q])
+                             jax.tree.map(lambda a: a[0], forced), j, variant_run[q])
                     (x, states), y = one((x, states), layer)
                     ys.append(jax.tree.map(lambda a: a[None], y))
                     continue
@@ -192,11 +204,12 @@ def _stack(model: Model, params: Params, xs: tuple, mix, states=None, remat: boo
                 js = j + (jnp.arange(count, dtype=jnp.int32) if src == kind else jnp.zeros(count, jnp.int32))
                 layers = slice(q, q + count)
                 layer = (p, Site(*(a[layers] for a in site_run)),
-                         None if extra_run is None else tuple(e[layers] for e in extra_run),
-                         jax.tree.map(lambda a: a[layers], routes_run), js, variant_run[layers])
+                         None if extra_run is None else tuple(e[layers] for e in extra_run), forced, js,
+                         variant_run[layers])
                 (x, states), y = jax.lax.scan(one, (x, states), layer)
                 ys.append(y)
-            return (x, states), jax.tree.map(lambda *a: jnp.concatenate(a), *ys)
+            ys = [y for y in ys if y is not None]  # the layers with experts' routing
+            return (x, states), (jax.tree.map(lambda *a: jnp.concatenate(a), *ys) if ys else None)
 
         if remat and model.remat != "none" and len(groups(period)) > 1 and run.reps > 1:
             # A period of several groups is rematerialised whole too: the scan over its repetitions then keeps each
@@ -205,8 +218,9 @@ def _stack(model: Model, params: Params, xs: tuple, mix, states=None, remat: boo
             # Qwen3.5-0.8B 4.3 -> 3.1 GB; Gemma 4 E2B 12.2 -> 5.6 GB
             body = jax.checkpoint(body, policy=_REMAT_POLICIES[model.remat])
         (xs, states), ys = jax.lax.scan(body, (xs, states), scanned)
-        routers.append(jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), ys))  # [reps, period, ...] -> layers
-    return xs, states, (None if model.moe is None else jax.tree.map(lambda *a: jnp.concatenate(a), *routers))
+        if ys is not None:
+            routers.append(jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), ys))  # [reps, period, ...] -> layers
+    return xs, states, (jax.tree.map(lambda *a: jnp.concatenate(a), *routers) if routers else None)
 
 
 def _scan_kinds(model: Model) -> tuple[tuple[str, ...], dict[str, tuple[str, ...]]]:
@@ -276,10 +290,10 @@ def hidden_states(model: Model, params: Params, tokens_BL: jax.Array, mask_BL: j
                   cache: Cache | None = None, *, empty_cache: bool = False, with_router: bool = False,
                   routes: jax.Array | None = None):
     """Final-normed hidden states ``[B, L, D]`` (compute dtype) and the updated cache; ``with_router`` (a MoE model):
-    a third output, every layer's ``moe.Routing`` of the tokens (router logits ``[N, B, L, E]``, for
-    ``moe.load_balancing_loss``; the experts each chose ``[N, B, L, k]``). ``routes`` (a MoE model, without a cache:
-    routing replay): i32[N, B, L, k] the experts each token takes in each layer instead of its router's choice, where
-    >= 0 (-1: its own choice; ``moe.route``).
+    a third output, the ``moe.Routing`` of the tokens in each of the M layers with experts (router logits
+    ``[M, B, L, E]``, for ``moe.load_balancing_loss``; the experts each chose ``[M, B, L, k]``). ``routes`` (a MoE
+    model, without a cache: routing replay): i32[M, B, L, k] the experts each token takes in each of those layers
+    instead of its router's choice, where >= 0 (-1: its own choice; ``moe.route``).
 
     ``mask_BL`` marks real tokens (1) and padding (0). With ``cache``, the tokens follow what it holds: attention
     layers write their keys and values at ``cache["index"]`` and attend to every earlier real slot (positions continue
@@ -334,11 +348,11 @@ def hidden_states(model: Model, params: Params, tokens_BL: jax.Array, mask_BL: j
             kind = model.kinds[i]
             src = i if kind not in READS else model.layers_of(READS[kind])[-1]
             site = Site(*(int(a[i]) for a in all_sites))
-            (x,), states[src], router = _layer(model, kind, p, (x,), site, mix, states[src], None,
+            (x,), states[src], router = _layer(model, kind, model.ffns[i], p, (x,), site, mix, states[src], None,
                                                None if extra is None else (extra[0][i],))
-            routers.append(router)
+            routers += [] if router is None else [router[0]]
         states = tuple(states)
-        routing = None if model.moe is None else jax.tree.map(lambda *a: jnp.stack(a), *(r[0] for r in routers))
+        routing = jax.tree.map(lambda *a: jnp.stack(a), *routers) if routers else None
     else:
         (x,), states, routers = _stack(model, params, (x,), mix, states=states, extra=extra)
         routing = None if routers is None else routers[0]
@@ -357,8 +371,8 @@ def prefixed_hidden_states(model: Model, params: Params, prefix_ids_BP: jax.Arra
     ``r % B``). The suffix tokens attend to the prefix's keys and values, or continue its DeltaNet states (shared,
     so their gradients add up); the result equals the plain forward of the concatenated rows up to float rounding.
     Online DPO's two completions of a prompt share its forward this way (policy, reference and reward model).
-    ``with_router`` (a MoE model): also every layer's ``moe.Routing`` of those rows (``[N layers, N, P + C, ...]``).
-    ``routes`` (routing replay): the suffix tokens' forced experts, i32[N layers, N, C, k] (``hidden_states``); the
+    ``with_router`` (a MoE model): also the ``moe.Routing`` of those rows in each layer with experts (``[M, N, P + C,
+    ...]``). ``routes`` (routing replay): the suffix tokens' forced experts, i32[M, N, C, k] (``hidden_states``); the
     prefix routes itself."""
     (B, P), (N, C) = prefix_ids_BP.shape, suffix_ids_NC.shape
     if N % B:
@@ -386,5 +400,5 @@ def prefixed_hidden_states(model: Model, params: Params, prefix_ids_BP: jax.Arra
     h = jnp.concatenate([tile(h_prefix), h_suffix], 1)
     if not with_router:
         return h
-    # the routing of the concatenated rows, as a plain forward of them has it: [N layers, N, P + C, ...]
+    # the routing of the concatenated rows, as a plain forward of them has it: [M, N, P + C, ...]
     return h, jax.tree.map(lambda p, s: jnp.concatenate([jnp.concatenate([p] * (N // B), 1), s], 2), *routers)

@@ -216,8 +216,12 @@ def expert_rules(model: Model, prefix: str) -> list[Rule]:
 
 
 def with_experts(rules: list[Rule], model: Model, prefix: str = "model.layers.{i}.mlp.") -> list[Rule]:
-    """A dense family's rules with its MLP's replaced by the MoE block's (``expert_rules`` under ``prefix``)."""
-    return [r for r in rules if r.jodpo[0][:2] != ("layers", "mlp")] + expert_rules(model, prefix)
+    """A dense family's rules with the MoE block's (``expert_rules`` under ``prefix``) on the layers with experts, and
+    its MLP's on the dense layers among them, if any (``Model.ffns``)."""
+    dense = model.layers_with("mlp")
+    return ([r if r.jodpo[0][:2] != ("layers", "mlp") else r.of_layers(dense) for r in rules
+             if r.jodpo[0][:2] != ("layers", "mlp") or dense]
+            + ([r.of_layers(model.layers_with("moe")) for r in expert_rules(model, prefix)] if model.moe else []))
 
 
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
@@ -231,23 +235,28 @@ def without_mlp(modules: dict[str, tuple[str, ...]], paths: dict[str, str]):
     return modules, {k: v for k, v in paths.items() if k in modules}
 
 
-def moe_of(cfg, norm_topk_prob: bool | None = None, shared_dim: int = 0):
-    """The ``MoE`` of a transformers config whose every layer is sparse (``num_experts``, ``num_experts_per_tok``,
-    ``moe_intermediate_size``, ``norm_topk_prob``), refusing in one line what jodpo cannot honour: dense layers among
-    the sparse ones (``mlp_only_layers``, ``decoder_sparse_step``)."""
-    from jodpo.models.model import MoE
+def moe_fields(cfg, norm_topk_prob: bool | None = None, shared_dim: int = 0) -> dict:
+    """The ``Model`` fields of a transformers config's feed-forwards: its ``MoE`` (``num_experts``,
+    ``num_experts_per_tok``, ``moe_intermediate_size``, ``norm_topk_prob``) and, where some layers are dense
+    (Qwen3-MoE's and Qwen3-Next's ``mlp_only_layers``, and the layers ``decoder_sparse_step`` skips: transformers'
+    ``layer_idx not in mlp_only_layers and (layer_idx + 1) % decoder_sparse_step == 0`` is sparse), their MLP of
+    ``intermediate_size`` and each layer's kind (``Model.ffn_kinds``). A top-k jodpo cannot honour is refused in one
+    line."""
+    from jodpo.models.model import MLP, MoE
 
-    if getattr(cfg, "mlp_only_layers", None):
-        raise UnsupportedModelError(f"mlp_only_layers={list(cfg.mlp_only_layers)}: dense layers among the MoE layers "
-                                    "are not supported (every layer must be sparse: mlp_only_layers=[])")
-    step = getattr(cfg, "decoder_sparse_step", 1)
-    if step != 1 and cfg.num_hidden_layers > 1:
-        raise UnsupportedModelError(f"decoder_sparse_step={step}: dense layers between the MoE layers are not "
-                                    "supported (every layer must be sparse: decoder_sparse_step=1)")
     k, E = cfg.num_experts_per_tok, cfg.num_experts
     if not 0 < k <= E:
         raise UnsupportedModelError(f"num_experts_per_tok={k} must be between 1 and num_experts={E}")
+    step, only = getattr(cfg, "decoder_sparse_step", None), set(getattr(cfg, "mlp_only_layers", None) or ())
+    step = 1 if step is None else step
+    if step < 1:
+        raise UnsupportedModelError(f"decoder_sparse_step={step} must be 1 or more (every step-th layer is sparse)")
+    ffns = tuple("moe" if i not in only and (i + 1) % step == 0 else "mlp" for i in range(cfg.num_hidden_layers))
     width = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
     norm = getattr(cfg, "norm_topk_prob", False) if norm_topk_prob is None else norm_topk_prob
-    return MoE(num_experts=E, top_k=k, expert_dim=width, norm_topk_prob=bool(norm), activation=cfg.hidden_act,
-               shared_dim=shared_dim)
+    moe = MoE(num_experts=E, top_k=k, expert_dim=width, norm_topk_prob=bool(norm), activation=cfg.hidden_act,
+              shared_dim=shared_dim)
+    if "mlp" not in ffns:
+        return dict(moe=moe, mlp=None)
+    dense = MLP(width=cfg.intermediate_size, activation=cfg.hidden_act)
+    return dict(moe=moe if "moe" in ffns else None, mlp=dense, ffn_kinds=ffns if "moe" in ffns else ())

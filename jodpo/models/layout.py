@@ -1,11 +1,12 @@
 """How ``params["layers"]`` is laid out over the layers, for the decoder, parameters, LoRA and sharding.
 
-Each subtree of ``params["layers"]`` is stacked on a leading axis over a set of layers: what every layer has (norms,
-the MLP) over all of them; a mixer kind's parameters (``KEYS``: ``"attn"``, ``"deltanet"``, ...) over the layers of
-that kind (``"attn"`` over the full and the sliding attention layers both); where some layers' MLPs are twice as wide
-(Gemma 4's KV-sharing layers), theirs (``"mlp_wide"``) over those layers and ``"mlp"`` over the others. LoRA adapters
+Each subtree of ``params["layers"]`` is stacked on a leading axis over a set of layers (``subtree_layers``): what
+every layer has (norms) over all of them; a mixer kind's parameters (``KEYS``: ``"attn"``, ``"deltanet"``, ...) over
+the layers of that kind (``"attn"`` over the full and the sliding attention layers both); the dense MLP's (``"mlp"``)
+over the layers whose feed-forward kind has one (``Model.ffns``; where some layers' MLPs are twice as wide, Gemma 4's
+KV-sharing layers, theirs are ``"mlp_wide"``), the MoE block's (``"moe"``) over those with experts. LoRA adapters
 (``"lora"``) follow the weights they adapt. The layers run as ``lax.scan``s over ``layer_runs``: a run repeats a period
-of kinds, so one compiled body serves any depth.
+of layer kinds (mixer and feed-forward: ``layer_key``), so one compiled body serves any depth.
 """
 from __future__ import annotations
 
@@ -46,20 +47,26 @@ def group_subtree(key: str, weight: str) -> str:
     return key.partition("@")[2] or SUBTREES[weight]
 
 
-def owners(model: Model, key: str) -> tuple[str, ...] | None:
-    """The kinds whose layers a subtree of ``params["layers"]`` is stacked over (None: every layer)."""
-    if key in KINDS_OF_KEY:
-        return KINDS_OF_KEY[key]
-    if key in ("mlp", "mlp_wide") and model.wide_kinds:
-        return model.wide_kinds if key == "mlp_wide" else tuple(k for k in dict.fromkeys(model.kinds)
-                                                                if k not in model.wide_kinds)
-    return None
-
-
 def subtree_layers(model: Model, key: str) -> tuple[int, ...]:
-    """The layers a subtree of ``params["layers"]`` is stacked over, in order."""
-    kinds = owners(model, key)
-    return tuple(range(model.num_layers)) if kinds is None else model.layers_of(*kinds)
+    """The layers a subtree of ``params["layers"]`` is stacked over, in order: a mixer kind's (``KEYS``) over the
+    layers of its kinds, the dense MLP's over the layers whose feed-forward has one (``"mlp_wide"``: those of the
+    ``wide_kinds``, ``"mlp"`` the others), the MoE block's over those with experts; the rest over every layer. A dotted
+    key is its first part's (``"moe.shared"``)."""
+    key = key.partition(".")[0]
+    if key in KINDS_OF_KEY:
+        return model.layers_of(*KINDS_OF_KEY[key])
+    if key in ("mlp", "mlp_wide"):
+        wide = set(model.layers_of(*model.wide_kinds))
+        return tuple(i for i in model.layers_with("mlp") if (i in wide) == (key == "mlp_wide"))
+    if key == "moe":
+        return model.layers_with("moe")
+    return tuple(range(model.num_layers))
+
+
+def layer_key(model: Model, i: int, kind: str | None = None) -> tuple[str, str]:
+    """What makes layer ``i`` a layer of its kind for the scans (``layer_runs``): its mixer kind (``kind`` where the
+    caller scans another in its place) and its feed-forward kind."""
+    return (kind or model.kinds[i], model.ffns[i])
 
 
 def merge_adapters(model: Model, p: Params) -> Params:
@@ -149,22 +156,21 @@ def groups(period: tuple[str, ...]) -> tuple[tuple[int, str, int], ...]:
     return tuple(out)
 
 
-def _leaf_owners(model: Model, layers: Params) -> dict:
-    """For each subtree of ``params["layers"]``: the kinds whose layers it is stacked over (None: every layer). A LoRA
-    group follows the weights it adapts."""
+def _leaf_layers(model: Model, layers: Params) -> dict:
+    """For each subtree of ``params["layers"]``: the layers it is stacked over (``subtree_layers``). A LoRA group
+    follows the weights it adapts."""
     out = {}
     for key, sub in layers.items():
         if key == "lora":
-            out[key] = {g: owners(model, group_subtree(g, next(iter(ad["b"])))) for g, ad in sub.items()}
+            out[key] = {g: subtree_layers(model, group_subtree(g, next(iter(ad["b"])))) for g, ad in sub.items()}
         else:
-            out[key] = owners(model, key)
+            out[key] = subtree_layers(model, key)
     return out
 
 
 def map_layers(model: Model, layers: Params, fn) -> Params:
-    """``fn(leaf, kinds)`` on every leaf of ``params["layers"]``, ``kinds`` those of the layers it is stacked over
-    (None: all)."""
-    which = _leaf_owners(model, layers)
+    """``fn(leaf, stacked)`` on every leaf of ``params["layers"]``, ``stacked`` the layers it is stacked over."""
+    which = _leaf_layers(model, layers)
     out = {}
     for key, sub in layers.items():
         if key == "lora":
@@ -174,11 +180,11 @@ def map_layers(model: Model, layers: Params, fn) -> Params:
     return out
 
 
-def for_kinds(model: Model, layers: Params, kinds) -> Params:
-    """The subtrees of ``params["layers"]`` that layers of these kinds read: what every layer has, their mixers', their
-    MLP, and the LoRA groups of any of them."""
-    which = _leaf_owners(model, layers)
-    mine = lambda o: o is None or bool(set(o) & set(kinds))  # noqa: E731
+def for_layers(model: Model, layers: Params, among) -> Params:
+    """The subtrees of ``params["layers"]`` that any of the layers ``among`` reads: what every layer has, their
+    mixers', their feed-forwards', and the LoRA groups of any of them."""
+    which, among = _leaf_layers(model, layers), set(among)
+    mine = lambda stacked: bool(among & set(stacked))  # noqa: E731
     out = {k: v for k, v in layers.items() if k != "lora" and mine(which[k])}
     lora = {g: ad for g, ad in layers.get("lora", {}).items() if mine(which["lora"][g])}
     return out | ({"lora": lora} if lora else {})
@@ -187,38 +193,37 @@ def for_kinds(model: Model, layers: Params, kinds) -> Params:
 def layer_params(model: Model, layers: Params, i: int) -> Params:
     """Layer ``i``'s own parameters out of stacked ``params["layers"]``: each subtree it reads at ``i``'s place among
     the layers that subtree is stacked over."""
-    kind = model.kinds[i]
-    return map_layers(model, for_kinds(model, layers, (kind,)),
-                      lambda x, kinds: x[i if kinds is None else model.layers_of(*kinds).index(i)])
+    return map_layers(model, for_layers(model, layers, (i,)), lambda x, stacked: x[stacked.index(i)])
 
 
-def _per_period(period: tuple[str, ...], kinds) -> int:
-    """How many of a period's layers a subtree stacked over ``kinds`` (None: every layer) has."""
-    return len(period) if kinds is None else sum(k in kinds for k in period)
+def _among(stacked: tuple[int, ...], first: int, count: int) -> int:
+    """How many of layers ``first .. first + count - 1`` a subtree stacked over ``stacked`` has."""
+    return sum(first <= i < first + count for i in stacked)
 
 
 def run_params(model: Model, layers: Params, run: Run) -> Params:
     """The parameters a run's scan reads, each leaf ``[reps, its layers in a period, ...]``, or, where a period has one
     of its layers, ``[reps, ...]``: the stack as it is (a uniform model's whole stack, no copy, no unit axis), so its
     compiled program is a plain scan over the stack."""
-    def take(leaf, kinds):
-        start = run.start if kinds is None else len([i for i in model.layers_of(*kinds) if i < run.start])
-        count = _per_period(run.period, kinds)
+    n = len(run.period)
+
+    def take(leaf, stacked):
+        start, count = _among(stacked, 0, run.start), _among(stacked, run.start, n)
         leaf = leaf[start:start + run.reps * count]
         return leaf if count == 1 else leaf.reshape(run.reps, count, *leaf.shape[1:])
 
-    return map_layers(model, for_kinds(model, layers, run.period), take)
+    return map_layers(model, for_layers(model, layers, range(run.start, run.start + n)), take)
 
 
-def period_params(model: Model, p_run: Params, period: tuple[str, ...], q: int, count: int = 1) -> Params:
-    """Layer ``q`` of a period's parameters out of ``run_params``' slice for one repetition; with ``count``, layers
-    ``q .. q + count - 1`` (of one kind: a ``groups`` entry), each leaf ``[count, ...]``."""
-    kind = period[q]
+def period_params(model: Model, p_run: Params, run: Run, q: int, count: int = 1) -> Params:
+    """Layer ``q`` of a run's period's parameters out of ``run_params``' slice for one repetition; with ``count``,
+    layers ``q .. q + count - 1`` (of one kind: a ``groups`` entry), each leaf ``[count, ...]``."""
+    first = run.start + q  # (in the first repetition: every repetition's layers have the same subtrees)
 
-    def take(leaf, kinds):
-        if _per_period(period, kinds) == 1:
+    def take(leaf, stacked):
+        if _among(stacked, run.start, len(run.period)) == 1:
             return leaf
-        at = q if kinds is None else sum(k in kinds for k in period[:q])
+        at = _among(stacked, run.start, q)
         return leaf[at] if count == 1 else leaf[at:at + count]
 
-    return map_layers(model, for_kinds(model, p_run, (kind,)), take)
+    return map_layers(model, for_layers(model, p_run, (first,)), take)

@@ -135,6 +135,8 @@ def adapter_specs(model: Model, targets: tuple[str, ...]) -> dict:
     for group, (names, k) in groups(model, targets).items():
         r = k * model.lora_rank
         for sub, weights in subtrees.items():  # every subtree that holds the module's weights: an adapter each
+            if group not in modules and sub != "moe":  # PEFT's target_parameters: the MoE block's alone, never the
+                continue  # dense MLP of a layer without experts (Qwen3-MoE's mlp_only_layers)
             if not isinstance(weights, dict) or not all(n in weights and isinstance(weights[n], tuple)
                                                         and (group not in modules or "expert" not in weights[n][1])
                                                         for n in names):

@@ -5,7 +5,7 @@ step (it keeps no state).
 biases where ``MLP.bias``. Parameters, stacked over the layers: ``params["layers"]["mlp"]``, ``up`` ``[D, F]``,
 ``gate`` ``[D, F]``, ``down`` ``[F, D]``, the biases ``up_bias``, ``gate_bias`` ``[F]``, ``down_bias`` ``[D]``; where
 some layers' MLPs are twice as wide (``MLP.wide_kinds``: Gemma 4's KV-sharing layers), theirs are
-``params["layers"]["mlp_wide"]``, stacked over those layers (``jodpo.models.layout.owners``).
+``params["layers"]["mlp_wide"]``, stacked over those layers (``jodpo.models.layout.subtree_layers``).
 """
 from __future__ import annotations
 

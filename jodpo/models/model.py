@@ -25,6 +25,9 @@ KINDS = ("attention", "sliding_attention", "deltanet", "global_attention", "shar
 # KV sharing: a kind whose layers read the keys and values of the last layer of another kind before them
 READS = {"shared_sliding_attention": "sliding_attention", "shared_global_attention": "global_attention"}
 SLIDING = ("sliding_attention", "shared_sliding_attention")  # the kinds that attend over Model.sliding_window
+# The feed-forward kinds a layer can have (``Model.ffn_kinds``): the dense MLP (``Model.mlp``, ``jodpo.models.mlp``),
+# the mixture of experts (``Model.moe``, ``jodpo.models.moe``), or both side by side (Gemma 4 26B-A4B)
+FFN_KINDS = ("mlp", "moe", "moe_and_mlp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,9 +240,12 @@ class Model:
     global_attention: Attention | None = None
     per_layer_embeddings: PerLayerEmbeddings | None = None
     layer_scalar: bool = False
-    # Mixture of experts: every layer's feed-forward is this MoE block (beside the dense MLP where mlp is set too:
-    # Gemma 4 26B-A4B); None: the dense MLP alone
+    # Mixture of experts: the MoE block of the layers whose feed-forward kind has experts; None: the dense MLP alone
     moe: MoE | None = None
+    # Each layer's feed-forward kind (FFN_KINDS); () = every layer the same: both side by side where the model has
+    # both (Gemma 4 26B-A4B), else the one it has. Qwen3-MoE's and Qwen3-Next's dense layers among the sparse ones
+    # (mlp_only_layers, decoder_sparse_step) are "mlp" beside "moe"
+    ffn_kinds: tuple[str, ...] = ()
     # The source config.json (for export); not part of the identity of the compiled function.
     hf_config: str = dataclasses.field(default="{}", compare=False, repr=False)
 
@@ -256,6 +262,17 @@ class Model:
         if self.mlp is None and self.moe is None:
             raise ValueError("a model needs a feed-forward: a dense MLP (Model.mlp), a mixture of experts (Model.moe) "
                              "or both")
+        if self.ffn_kinds and (len(self.ffn_kinds) != self.num_layers or set(self.ffn_kinds) - set(FFN_KINDS)):
+            raise ValueError(f"ffn_kinds must name one of {FFN_KINDS} for each of the {self.num_layers} layers, got "
+                             f"{self.ffn_kinds}")
+        needs = {"mlp": ("mlp",), "moe": ("moe",), "moe_and_mlp": ("mlp", "moe")}
+        for kind in dict.fromkeys(self.ffns):
+            missing = [f"Model.{f}" for f in needs[kind] if getattr(self, f) is None]
+            if missing:
+                raise ValueError(f"feed-forward kind {kind!r} needs {' and '.join(missing)}")
+        if {"moe", "moe_and_mlp"} <= set(self.ffns):
+            raise ValueError("a model's expert layers are all beside its dense MLP (moe_and_mlp) or none (moe), got "
+                             f"both kinds in {self.ffns}")
         if self.mlp is not None and set(self.mlp.wide_kinds) - set(self.kinds):
             raise ValueError(f"MLP.wide_kinds {self.mlp.wide_kinds} must be mixer kinds of this model's layers "
                              f"{tuple(dict.fromkeys(self.kinds))}")
@@ -287,6 +304,19 @@ class Model:
     def layers_of(self, *kinds: str) -> tuple[int, ...]:
         """The indices of the layers of these mixer kinds, in order (a kind's parameters are stacked over these)."""
         return tuple(i for i, k in enumerate(self.kinds) if k in kinds)
+
+    @property
+    def ffns(self) -> tuple[str, ...]:
+        """Each layer's feed-forward kind (``FFN_KINDS``)."""
+        if self.ffn_kinds:
+            return self.ffn_kinds
+        one = ("moe_and_mlp" if self.mlp is not None else "moe") if self.moe is not None else "mlp"
+        return (one,) * self.num_layers
+
+    def layers_with(self, part: str) -> tuple[int, ...]:
+        """The layers whose feed-forward has ``part``: ``"mlp"`` (the dense MLP, alone or beside experts) or ``"moe"``
+        (experts; the MoE block's parameters and its routing are stacked over these)."""
+        return tuple(i for i, f in enumerate(self.ffns) if part in f.split("_and_"))
 
     @property
     def wide_kinds(self) -> tuple[str, ...]:

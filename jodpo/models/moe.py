@@ -63,7 +63,7 @@ def specs(model: Model, n: int) -> dict:
     if m.router_norm:  # Gemma 4: the router's learned scale of its normed input, and each expert's of its weight
         out["router_scale"] = ((n, D), ("layers", "embed"))
         out["expert_scale"] = ((n, E), ("layers", None))
-    if model.mlp is not None:  # beside a dense MLP (Gemma 4): the experts' input and output norms, the MLP's output's
+    if "moe_and_mlp" in model.ffns:  # beside a dense MLP (Gemma 4): the experts' in and out norms, the MLP's out's
         scale = {"scale": ((n, D), ("layers", "embed"))} | (
             {"bias": ((n, D), ("layers", "embed"))} if model.norms.kind == "layernorm" else {})
         out |= {name: dict(scale) for name in NORMS}

@@ -20,7 +20,8 @@ from jodpo.models.layout import subtree_layers
 def param_specs(model: Model) -> dict:
     """Nested dict of ``(shape, logical_axes)`` mirroring ``params``; the one source of shapes. What every layer has
     is stacked over all N layers; each mixer kind's parameters (``decoder.KEYS``) over the layers of that kind (or
-    kinds: ``"attn"``, the full and sliding attention layers'); a wide MLP's over its layers (``layout.owners``)."""
+    kinds: ``"attn"``, the full and sliding attention layers'); the feed-forwards' over the layers that have them
+    (``layout.subtree_layers``)."""
     D, N, V = model.hidden_size, model.num_layers, model.vocab_size
 
     def norm():
@@ -35,12 +36,10 @@ def param_specs(model: Model) -> dict:
                for key, kinds in KINDS_OF_KEY.items() if model.layers_of(*kinds)}
     m = model.mlp
     if m is not None:  # the dense MLP (jodpo.models.mlp); Gemma 4's KV-sharing layers' twice as wide (mlp_wide)
-        narrow = len(subtree_layers(model, "mlp"))  # (every layer's, unless some are wide)
-        wide = len(model.layers_of(*m.wide_kinds))
-        layers |= {key: mlp.specs(m, D, n, width) for key, n, width in (("mlp", narrow, m.width),
-                                                                        ("mlp_wide", wide, 2 * m.width)) if n}
-    if model.moe is not None:  # the experts, in place of the dense MLP or beside it (jodpo.models.moe)
-        layers["moe"] = moe.specs(model, N)
+        layers |= {key: mlp.specs(m, D, n, width) for key, width in (("mlp", m.width), ("mlp_wide", 2 * m.width))
+                   if (n := len(subtree_layers(model, key)))}
+    if model.layers_with("moe"):  # the experts, in place of the dense MLP or beside it (jodpo.models.moe)
+        layers["moe"] = moe.specs(model, len(model.layers_with("moe")))
     if model.norms.post:  # Gemma, OLMo 2: the attention's and the MLP's outputs normed before their residuals
         layers |= {"post_attn": norm(), "post_mlp": norm()}
     specs = {"embed": ((V, D), ("vocab", "embed")), "layers": layers, "final_norm": final}

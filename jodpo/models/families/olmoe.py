@@ -10,15 +10,14 @@ from __future__ import annotations
 
 from jodpo.errors import UnsupportedModelError
 from jodpo.models.families import llama, qwen3_moe
-from jodpo.models.hf_mapping import Family, moe_of
+from jodpo.models.hf_mapping import Family, moe_fields
 from jodpo.models.model import AttentionOptions
 
 
 def model_fields(cfg) -> dict:
     if getattr(cfg, "clip_qkv", None) is not None:
         raise UnsupportedModelError(f"clip_qkv={cfg.clip_qkv}: clamping q, k and v is not supported (clip_qkv=null)")
-    return llama.model_fields(cfg) | dict(attn_options=AttentionOptions(qk_norm="whole"), mlp=None,
-                                          moe=moe_of(cfg))
+    return llama.model_fields(cfg) | dict(attn_options=AttentionOptions(qk_norm="whole")) | moe_fields(cfg)
 
 
 FAMILY = Family(

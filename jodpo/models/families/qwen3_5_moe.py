@@ -13,13 +13,13 @@ for Qwen3.5-MoE: LoRA needs ``lora_target_modules``, as PEFT does."""
 from __future__ import annotations
 
 from jodpo.models.families import qwen3_5
-from jodpo.models.hf_mapping import Family, Rule, moe_of, with_experts
+from jodpo.models.hf_mapping import Family, Rule, moe_fields, with_experts
 from jodpo.models.model import Model
 
 
 def model_fields(cfg) -> dict:
-    moe = moe_of(cfg, norm_topk_prob=True, shared_dim=cfg.shared_expert_intermediate_size)
-    return qwen3_5.model_fields(cfg) | dict(moe=moe, mlp=None)
+    return qwen3_5.model_fields(cfg) | moe_fields(cfg, norm_topk_prob=True,
+                                                  shared_dim=cfg.shared_expert_intermediate_size)
 
 
 def rules(model: Model) -> list[Rule]:

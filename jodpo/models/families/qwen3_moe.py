@@ -1,8 +1,9 @@
 """Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B; ``qwen3_moe``): Qwen3's attention (an RMSNorm over each head's queries
-and keys) with a mixture-of-experts block in every layer (``jodpo.models.moe``): ``num_experts`` SwiGLU experts of
-width ``moe_intermediate_size``, ``num_experts_per_tok`` of them a token, renormalised where ``norm_topk_prob`` (true
-in the released models). Dense layers among the sparse ones (``mlp_only_layers``, ``decoder_sparse_step`` above 1: in
-no released model) are refused in one line. ``Qwen3MoeForSequenceClassification`` is the reward head.
+and keys) with a mixture-of-experts block in its sparse layers (``jodpo.models.moe``): ``num_experts`` SwiGLU experts
+of width ``moe_intermediate_size``, ``num_experts_per_tok`` of them a token, renormalised where ``norm_topk_prob``
+(true in the released models). Dense layers among the sparse ones (``mlp_only_layers``, and the layers
+``decoder_sparse_step`` skips: in no released model) are Qwen3's MLP of ``intermediate_size`` (``Model.ffn_kinds``).
+``Qwen3MoeForSequenceClassification`` is the reward head.
 
 LoRA adapts what PEFT 0.21 adapts on transformers 5: the attention's projections (``q_proj``, ``k_proj``, ``v_proj``,
 ``o_proj``: modules), and the routed experts and the router, which transformers 5 holds as parameters of no
@@ -15,17 +16,16 @@ PEFT has no default target modules for Qwen3-MoE: LoRA needs ``lora_target_modul
 from __future__ import annotations
 
 from jodpo.models.families import llama
-from jodpo.models.hf_mapping import Family, Rule, moe_of, with_experts, without_mlp
+from jodpo.models.hf_mapping import Family, Rule, moe_fields, with_experts, without_mlp
 from jodpo.models.model import AttentionOptions, Model
 
 
 def model_fields(cfg) -> dict:
-    return llama.model_fields(cfg) | dict(attn_options=AttentionOptions(qk_norm="head"), mlp=None,
-                                          moe=moe_of(cfg))
+    return llama.model_fields(cfg) | dict(attn_options=AttentionOptions(qk_norm="head")) | moe_fields(cfg)
 
 
 def rules(model: Model) -> list[Rule]:
-    """Llama's rules (with the q/k norms), the dense MLP's replaced by the MoE block's."""
+    """Llama's rules (with the q/k norms), the MoE block's on the sparse layers and the dense MLP's on the others."""
     return with_experts(llama.rules(model), model)
 
 

@@ -1,28 +1,28 @@
 """Qwen3-Next (Qwen3-Next-80B-A3B; ``qwen3_next``): Qwen3.5's hybrid of Gated DeltaNet and gated attention layers
 (``jodpo.models.families.qwen3_5``, which transformers builds on this one: the same arithmetic) with a mixture of
-experts in every layer (``jodpo.models.moe``): ``num_experts`` SwiGLU experts of width ``moe_intermediate_size``,
+experts in its sparse layers (``jodpo.models.moe``): ``num_experts`` SwiGLU experts of width ``moe_intermediate_size``,
 ``num_experts_per_tok`` a token, renormalised where ``norm_topk_prob``, beside a shared expert of width
 ``shared_expert_intermediate_size`` whose output is times sigmoid(``shared_expert_gate``). Its DeltaNet layers keep
 their input projections fused as transformers does, per key head: ``in_proj_qkvz`` rows ``[q | k | v | z]`` of each
 key head's group (its ``num_v_heads / num_k_heads`` value heads' v and z), ``in_proj_ba`` rows ``[b | a]`` likewise;
 they are split into Qwen3.5's ``in_q``, ``in_k``, ``in_v``, ``in_z``, ``in_b``, ``in_a`` when loading and fused again
-by an export. Dense layers among the sparse ones (``mlp_only_layers``, ``decoder_sparse_step`` above 1: in no released
-model) are refused in one line. ``Qwen3NextForSequenceClassification`` is the reward head. LoRA adapts the attention's
-projections and DeltaNet's output projection (PEFT has no default target modules for Qwen3-Next)."""
+by an export. Dense layers among the sparse ones (``mlp_only_layers``, and the layers ``decoder_sparse_step``
+skips: in no released model) are its MLP of ``intermediate_size`` (no shared expert).
+``Qwen3NextForSequenceClassification`` is the reward head. LoRA adapts the attention's projections and DeltaNet's
+output projection (PEFT has no default target modules for Qwen3-Next)."""
 from __future__ import annotations
 
 import numpy as np
 
 from jodpo.models.families import qwen3_5
-from jodpo.models.hf_mapping import Family, Rule, moe_of, with_experts
+from jodpo.models.hf_mapping import Family, Rule, moe_fields, with_experts
 from jodpo.models.model import Model
 
 _FUSED = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")  # Qwen3.5's separate projections, fused here
 
 
 def model_fields(cfg) -> dict:
-    moe = moe_of(cfg, shared_dim=cfg.shared_expert_intermediate_size)
-    return qwen3_5.model_fields(cfg) | dict(moe=moe, mlp=None)
+    return qwen3_5.model_fields(cfg) | moe_fields(cfg, shared_dim=cfg.shared_expert_intermediate_size)
 
 
 def _grouped(path, name: str, names: tuple[str, ...], widths: tuple[int, ...], groups: int, heads: tuple) -> Rule:
@@ -41,7 +41,7 @@ def _grouped(path, name: str, names: tuple[str, ...], widths: tuple[int, ...], g
 
 def rules(model: Model) -> list[Rule]:
     """Qwen3.5's rules with DeltaNet's fused input projections in place of its separate ones, and the MoE block's in
-    place of the dense MLP's."""
+    place of the dense MLP's on the sparse layers."""
     d, dn, A = model.deltanet, ("layers", "deltanet"), "model.layers.{i}.linear_attn."
     out = [r for r in qwen3_5.rules(model) if not any(f".{m}." in r.hf[0] for m in _FUSED)]
     if d is not None:
