@@ -281,6 +281,8 @@ def test_qwen3_and_gemma_parameters_split_over_8_devices_equal_one(checkpoints):
         "    if 'q_norm' in one['layers']['attn'] and one['layers']['attn']['q_norm']['scale'].ndim == 2:\n"
         "        assert split['layers']['attn']['q_norm']['scale'].sharding.is_fully_replicated\n"
         "    prompt = rng.integers(3, 290, (4, 7)).astype(np.int32); pmask = np.ones_like(prompt); pmask[1, :3] = 0\n"
+        "    x = jax.jit(lambda p, t: jodpo.models.layers.embed(model, p, t))(split, prompt)\n"
+        "    assert tuple(x.sharding.spec)[:1] == (('data', 'fsdp'),), x.sharding.spec  # the rows as the batch's\n"
         "    comp = rng.integers(3, 290, (8, 5)).astype(np.int32); cmask = np.ones_like(comp); cmask[2, 3:] = 0\n"
         "    def f(p):\n"
         "        lp = jodpo.completion_logprobs(model, p, prompt, pmask, comp, cmask)\n"

@@ -28,10 +28,11 @@ from jax.sharding import PartitionSpec as P
 
 from jodpo.errors import MeshError
 from jodpo.models.decoder import Model, Params
+from jodpo.models.layers import BATCH_AXES
 from jodpo.models.params import param_specs
 
 AXES = ("data", "fsdp", "expert", "tensor")  # tensor innermost: its collectives are per layer and the most frequent
-BATCH = ("data", "fsdp", "expert")  # the mesh axes that split a batch
+BATCH = BATCH_AXES  # the mesh axes that split a batch
 # logical parameter axis -> mesh axes, in order (None: never split): ``embed`` over fsdp and the expert axis where
 # the parameter is not split by expert already (an expert's weights: over fsdp alone); ``table_rows``, the rows of a
 # lookup table whose rows are narrow (Gemma 4's per-layer embeddings, 35 x 256 values a token), over every axis but
