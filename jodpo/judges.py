@@ -27,6 +27,7 @@ from jodpo import collective_order
 from jodpo.errors import JudgeError
 from jodpo.models.decoder import Model, Params, hidden_states
 from jodpo.models.heads import lm_head
+from jodpo.models.layers import to_host
 
 # TRL's DEFAULT_PAIRWISE_SYSTEM_PROMPT (trl/trainer/judges.py), sent as the user's message.
 DEFAULT_PAIRWISE_PROMPT = '''I require a leaderboard for various large language models. I'll provide you with prompts given to these models and their corresponding outputs. Your task is to assess these responses, and select the model that produces the best output from a human perspective.
@@ -137,7 +138,7 @@ class LLMJudge:
         if self.both_orders:
             texts += [self.text(p, b, a) for p, a, b in zip(prompts, first, second)]
         ids, mask = self.batch(texts)
-        p = np.asarray(_jit_answer_probabilities(self.model, self.params, ids, mask, self.answer_ids), np.float32)
+        p = to_host(_jit_answer_probabilities(self.model, self.params, ids, mask, self.answer_ids)).astype(np.float32)
         if not self.both_orders:
             return p
         B = len(prompts)

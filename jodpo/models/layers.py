@@ -121,6 +121,16 @@ def rows_split(x: jax.Array, like: jax.Array) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(axes)))
 
 
+def to_host(x: jax.Array) -> np.ndarray:
+    """The whole value of a (possibly multi-process) array on every process: what a forward returns is split by rows
+    over a job's processes where its inputs were (``rows_split``)."""
+    if not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated:
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
 def embed(model: Model, params: Params, tokens: jax.Array) -> jax.Array:
     """Token embeddings in the compute dtype, times ``model.embed_scale`` rounded to that dtype (Gemma's sqrt(D),
     as transformers' ScaledWordEmbedding rounds its float32 buffer to the weights' dtype)."""

@@ -28,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from jodpo.errors import MeshError
 from jodpo.models.decoder import Model, Params
+from jodpo.models import layers
 from jodpo.models.layers import BATCH_AXES
 from jodpo.models.params import param_specs
 
@@ -147,13 +148,7 @@ def put(host: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
-def to_host(x: jax.Array) -> np.ndarray:
-    """The whole value of a (possibly multi-process) array on every process."""
-    if not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated:
-        return np.asarray(x)
-    from jax.experimental import multihost_utils
-
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+to_host = layers.to_host  # the whole value of a (possibly multi-process) array on every process
 
 
 def placer(mesh: Mesh) -> Callable[[Model, Any], Callable[[tuple[str, ...], np.ndarray], jax.Array]]:

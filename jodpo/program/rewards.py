@@ -7,7 +7,6 @@ import math
 import warnings
 from typing import Sequence
 
-import jax
 import numpy as np
 
 from jodpo import collective_order
@@ -16,6 +15,7 @@ from jodpo.program.data import assistant_messages
 from jodpo.program.user_code import RewardFn
 from jodpo.models.decoder import Model, Params
 from jodpo.models.heads import reward_scores
+from jodpo.parallel import sharding as S
 
 
 
@@ -51,7 +51,7 @@ def score_texts(rm: Model, rm_params: Params, rm_tokenizer, prompts: Sequence, c
                 pad_to_multiple: int = 64) -> np.ndarray:
     """Scores of decoded completions re-tokenized with the reward model's own tokenizer (``text_batch``)."""
     ids, mask = text_batch(rm, rm_tokenizer, prompts, completions, pad_to_multiple)
-    return np.asarray(jit_reward_scores(rm, rm_params, ids, mask))
+    return S.to_host(jit_reward_scores(rm, rm_params, ids, mask))  # (split by rows over a job's processes)
 
 
 # what score_texts calls (evaluation compiles it ahead)
