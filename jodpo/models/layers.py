@@ -122,8 +122,8 @@ def rows_split(x: jax.Array, like: jax.Array) -> jax.Array:
 
 
 def to_host(x: jax.Array) -> np.ndarray:
-    """The whole value of a (possibly multi-process) array on every process: what a forward returns is split by rows
-    over a job's processes where its inputs were (``rows_split``)."""
+    """The whole value of a (possibly multi-process) array on every process: on a mesh a forward's outputs are split
+    by rows (``rows_split``), over the processes of a job of several."""
     if not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated:
         return np.asarray(x)
     from jax.experimental import multihost_utils

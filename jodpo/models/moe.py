@@ -157,11 +157,6 @@ def grouped_tiles(model: Model, p: Params, x_MD: jax.Array, sizes_E: jax.Array) 
     return out.reshape(n * t, D)[dest]
 
 
-def _each_tile(used, body, init):
-    """``body(i, carry)`` for the first ``used`` tiles (a traced count: the loop ends there)."""
-    return jax.lax.fori_loop(0, used, body, init)
-
-
 def _tile_forward(model: Model, w_gate, w_up, w_down, tiles_ntD, expert_n, used):
     """Each of the ``used`` tiles through its expert: the outputs ``[n, t, D]`` and the gate and up projections
     ``[n, t, F]`` (the backward's residuals); zeros for the tiles past them."""
@@ -175,7 +170,7 @@ def _tile_forward(model: Model, w_gate, w_up, w_down, tiles_ntD, expert_n, used)
         return tuple(o.at[i].set(v) for o, v in zip(outs, (y, gate, up)))
 
     zeros = (jnp.zeros_like(tiles_ntD),) + (jnp.zeros((n, t, F), tiles_ntD.dtype),) * 2
-    return _each_tile(used, body, zeros)
+    return jax.lax.fori_loop(0, used, body, zeros)  # (a traced count: the tiles past it never run)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -207,7 +202,7 @@ def _tiles_bwd(model: Model, res, d_out_ntD):
         return (d_tiles.at[i].set(dx), *(w.at[e].add(g) for w, g in zip(whole, dw)))
 
     zeros = (jnp.zeros_like(tiles_ntD),) + tuple(jnp.zeros_like(w) for w in (w_gate, w_up, w_down))
-    d_tiles, *whole = _each_tile(used, body, zeros)
+    d_tiles, *whole = jax.lax.fori_loop(0, used, body, zeros)
     return (*whole, d_tiles, None, None)
 
 
