@@ -162,12 +162,10 @@ def _terms(q, k, v, g, beta, inverse, precision):
     gamma, decay = _decays(g)
     beta_c, eg = jnp.moveaxis(beta, -3, -1), jnp.exp(gamma)
     k_hc = jnp.moveaxis(k, -3, -2)  # [..., Hk, C, Dk]
-    rhs = jnp.concatenate([jnp.moveaxis(v, -4, -2) * beta_c[..., None],
-                           k_hc[..., None, :, :] * (beta_c * eg)[..., None]], axis=-1)  # both right-hand sides
-    UW = _dot("...ij,...jd->...id", inverse, rhs, precision=precision)
-    Dv = v.shape[-1]
+    U = _dot("...ij,...jd->...id", inverse, jnp.moveaxis(v, -4, -2) * beta_c[..., None], precision=precision)
+    W = _dot("...ij,...jd->...id", inverse, k_hc[..., None, :, :] * (beta_c * eg)[..., None], precision=precision)
     P = _dot("...ihk,...jhk->...hij", q, k, precision=precision)[..., None, :, :] * decay
-    return UW[..., :Dv], UW[..., Dv:], P, q, k, eg, jnp.exp(gamma[..., -1:] - gamma)
+    return U, W, P, q, k, eg, jnp.exp(gamma[..., -1:] - gamma)
 
 
 def _chunk_step(S_BHGKV, x, precision):
