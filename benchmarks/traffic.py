@@ -67,9 +67,9 @@ def ideal_decode_bytes(model, sampler_params, cache, rows: int, filled: float) -
         share = 1 - (1 - model.moe.top_k / model.moe.num_experts) ** rows  # expected, each row's k drawn uniformly
         weights -= routed * (1 - share)
         experts = {"routed_bytes": routed, "expected_share_read": share}
-    for name in tables[1:]:
-        if name in rest:
-            weights += rows * math.prod(rest[name].shape[1:]) * rest[name].dtype.itemsize
+    if "embed_per_layer" in rest:  # a token's values for every layer
+        table = rest["embed_per_layer"]
+        weights += rows * table.size // model.per_layer_embeddings.vocab_size * table.dtype.itemsize
     embed = sampler_params["embed"]
     if model.tie_embeddings:  # the LM head reads the whole table
         weights += _bytes(embed)

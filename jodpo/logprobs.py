@@ -27,6 +27,36 @@ from jodpo.pair_losses import LossOptions
 from jodpo.scoring import apply_eos_penalty, contains_eos
 
 
+LOGITS_BYTES = 2 ** 30  # the float32 logits of all rows that one chunk of tokens may hold (token_logprobs)
+
+
+def token_logprobs(model: Model, params: Params, h_NCD: jax.Array, ids_NC: jax.Array,
+                   temperature: float | None = None) -> jax.Array:
+    """f32[N, C]: log p(``ids`` [N, C]) from the hidden states that predict them ``[N, C, D]`` (the LM head, the
+    logits divided by ``temperature + 1e-7`` where given, the log-softmax at the token). Where the float32 logits of
+    all C positions ``[N, C, V]`` would pass ``LOGITS_BYTES``, a few positions at a time (a ``lax.map`` over chunks
+    of them, each chunk's logits recomputed for the backward): a large vocabulary's logits, their soft-capping and
+    log-softmax and their gradient are each that size (Gemma 4 E2B, 128 rows x 64 tokens x 262144: 8 GiB a copy
+    over the chips). Each token's value is the same either way."""
+    N, C, D = h_NCD.shape
+
+    def chunk(h, ids):
+        logits = lm_head(model, params, h)
+        if temperature is not None:
+            logits = logits / (temperature + 1e-7)
+        picked = jnp.take_along_axis(logits, ids[..., None].astype(jnp.int32), -1)[..., 0]
+        return picked - jax.nn.logsumexp(logits, axis=-1)
+
+    size = max(1, LOGITS_BYTES // (4 * N * model.vocab_size))
+    if size >= C:
+        return chunk(h_NCD, ids_NC)
+    n = -(-C // size)
+    h = jnp.pad(h_NCD, ((0, 0), (0, n * size - C), (0, 0))).reshape(N, n, size, D).swapaxes(0, 1)
+    ids = jnp.pad(ids_NC, ((0, 0), (0, n * size - C))).reshape(N, n, size).swapaxes(0, 1)
+    logp = jax.lax.map(jax.checkpoint(lambda x: chunk(*x)), (h, ids))  # [n, N, size]
+    return logp.swapaxes(0, 1).reshape(N, n * size)[:, :C]
+
+
 def _forward(model: Model, params: Params, prompt_ids, prompt_mask, completion_ids, completion_mask, max_length,
              temperature, with_router: bool = False, routes: jax.Array | None = None):
     """``completion_logprobs``' forward: ``(logp f32[N, C], routing, mask, P)``, with ``with_router`` the
@@ -50,11 +80,8 @@ def _forward(model: Model, params: Params, prompt_ids, prompt_mask, completion_i
                                        jnp.concatenate([prompt_mask, completion_mask], 1), with_router=with_router,
                                        routes=routes)
         routing = routing[0] if with_router else None
-    logits_BCV = lm_head(model, params, h[:, P - 1: P + C - 1])
-    if temperature is not None:
-        logits_BCV = logits_BCV / (temperature + 1e-7)
-    picked = jnp.take_along_axis(logits_BCV, completion_ids[..., None].astype(jnp.int32), -1)[..., 0]
-    logp = jnp.where(completion_mask > 0, picked - jax.nn.logsumexp(logits_BCV, axis=-1), 0.0)
+    logp = jnp.where(completion_mask > 0, token_logprobs(model, params, h[:, P - 1: P + C - 1], completion_ids,
+                                                          temperature), 0.0)
     if not with_router:
         return logp, None, None, P
     n = completion_ids.shape[0] // prompt_ids.shape[0]

@@ -120,6 +120,34 @@ def test_completion_logprobs_equal_full_forward_and_truncate_like_trl(checkpoint
     assert np.abs(hot - lp).max() > 1e-2
 
 
+def test_logprobs_of_a_large_vocabulary_in_chunks_of_tokens_equal_all_at_once(checkpoints, monkeypatch):
+    """Where all positions' float32 logits would pass ``LOGITS_BYTES``, the LM head and log-softmax run a few
+    positions at a time (their logits recomputed in the backward): the same log-probs and the same gradient."""
+    from jodpo import logprobs
+
+    model, params = jodpo.load_model(str(checkpoints["qwen2"]["causal_lm"]))
+    rng = np.random.default_rng(1)
+    P, pm = hf_fixtures.padded_batch(rng, [6, 3, 5], model.pad_token_id, "left")
+    C, cm = hf_fixtures.padded_batch(rng, [5, 2, 4], model.pad_token_id, "right")
+    w = rng.normal(size=C.shape).astype(np.float32)
+
+    def value_and_grad():
+        f = lambda p: (losses.completion_logprobs(model, p, P, pm, C, cm, temperature=0.7) * w).sum()  # noqa: E731
+        return jax.jit(jax.value_and_grad(f))(params)
+
+    def scans():
+        return str(jax.make_jaxpr(lambda p: losses.completion_logprobs(model, p, P, pm, C, cm))(params)).count("scan[")
+
+    whole, layer_scans = value_and_grad(), scans()
+    monkeypatch.setattr(logprobs, "LOGITS_BYTES", 4 * 3 * model.vocab_size * 2)  # 2 positions a chunk: 3 chunks
+    chunked = value_and_grad()
+    assert scans() == layer_scans + 1  # the chunks' map
+    scale = max(float(np.abs(g).max()) for g in jax.tree.leaves(whole[1]))
+    np.testing.assert_allclose(chunked[0], whole[0], rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(chunked[1]), jax.tree.leaves(whole[1])):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * scale)
+
+
 def test_on_device_scoring_equals_scoring_the_text_without_eos(checkpoints):
     rm, rm_params = jodpo.load_model(str(checkpoints["llama"]["reward"]), task="reward")
     policy, _ = jodpo.load_model(str(checkpoints["llama"]["causal_lm"]))

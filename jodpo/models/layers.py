@@ -185,9 +185,10 @@ def per_layer_inputs(model: Model, params: Params, tokens_BL: jax.Array, x_BLD: 
     """Gemma 4's per-layer inputs of the tokens, layer-major ``[N, B, L, Dp]`` (as the layer scan reads them): each
     token's row of the per-layer table (times sqrt(Dp) rounded to the compute dtype, as its scaled embedding) plus the
     RMSNorm of the scaled embeddings ``x`` projected to every layer's Dp values (times D^-1/2), times 2^-1/2."""
-    Dp, dt = model.per_layer_embeddings.dim, x_BLD.dtype
-    table = jnp.take(params["embed_per_layer"], tokens_BL, axis=0).astype(dt)  # [B, L, N, Dp]
-    table = table * jnp.asarray(np.float32(Dp ** 0.5)).astype(dt)
+    Dp, dt, packed = model.per_layer_embeddings.dim, x_BLD.dtype, params["embed_per_layer"]  # [N * Dp, V]
+    table = jnp.moveaxis(jnp.take(packed, tokens_BL, axis=1), 0, -1)  # each chip's share of every token's values
+    table = rows_split(table.astype(dt), packed)  # then the batch's rows, all values
+    table = table.reshape(*tokens_BL.shape, -1, Dp) * jnp.asarray(np.float32(Dp ** 0.5)).astype(dt)  # [B, L, N, Dp]
     proj = einsum(model, "bld,dnk->blnk", x_BLD, params["per_layer_proj"].astype(dt)) * model.hidden_size ** -0.5
     return ((norm(model, params["per_layer_norm"], proj) + table) * 2 ** -0.5).transpose(2, 0, 1, 3)
 

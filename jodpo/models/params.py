@@ -45,12 +45,12 @@ def param_specs(model: Model) -> dict:
     specs = {"embed": ((V, D), ("vocab", "embed")), "layers": layers, "final_norm": final}
     if model.layer_scalar:
         layers["scalar"] = ((N, 1), ("layers", None))
-    if model.per_layer_embeddings is not None:  # Gemma 4: the packed table, split by its rows
+    if model.per_layer_embeddings is not None:  # Gemma 4: HF's packed table transposed, split by its N * Dp values
         Vp, Dp = model.per_layer_embeddings.vocab_size, model.per_layer_embeddings.dim
         layers["ple"] = {"ple_gate": ((N, D, Dp), ("layers", "embed", None)),
                          "ple_proj": ((N, Dp, D), ("layers", None, "embed"))}
         layers["ple_norm"] = {"scale": ((N, D), ("layers", "embed"))}
-        specs |= {"embed_per_layer": ((Vp, N, Dp), ("table_rows", None, None)),
+        specs |= {"embed_per_layer": ((N * Dp, Vp), ("layer_values", None)),
                   "per_layer_proj": ((D, N, Dp), ("embed", None, None)),
                   "per_layer_norm": {"scale": ((Dp,), (None,))}}
     if model.task == "causal_lm" and not model.tie_embeddings:

@@ -35,13 +35,17 @@ from jodpo.models.params import param_specs
 AXES = ("data", "fsdp", "expert", "tensor")  # tensor innermost: its collectives are per layer and the most frequent
 BATCH = BATCH_AXES  # the mesh axes that split a batch
 # logical parameter axis -> mesh axes, in order (None: never split): ``embed`` over fsdp and the expert axis where
-# the parameter is not split by expert already (an expert's weights: over fsdp alone); ``table_rows``, the rows of a
-# lookup table whose rows are narrow (Gemma 4's per-layer embeddings, 35 x 256 values a token), over every axis but
-# data: split by its narrow width instead, a chip's share of it is a minor dimension XLA:TPU pads to 128 lanes (32 of
-# 256 on 8 chips: Gemma 4 E2B's step on 8 v5e chips held 34.9 GiB of temporaries a chip, 23.6 split by rows)
+# the parameter is not split by expert already (an expert's weights: over fsdp alone); ``layer_values``, a token's
+# N x Dp values in Gemma 4's per-layer table (35 x 256 in E2B; the table is stored [N * Dp, V], vocabulary minor),
+# over every axis but data. Each chip then looks up every token's share of the values, and the batch's split takes
+# them apart (``layers.rows_split``). XLA:TPU's temporaries of Gemma 4 E2B's step on 8 v5e chips: split by its Dp
+# (a chip's 32 values padded to 128 lanes) 34.9 GiB a chip; by its rows 16.8 (each chip looks up every token from
+# its rows, a [128, 512, 35, 256] partial the chips add up); by its values 16.3, and 8.7 with the LM head in chunks of
+# tokens (``logprobs.token_logprobs``), where stored [V, N * Dp] it was 15.6 (XLA:TPU lays a chip's 1120 values out
+# minor-major and copies the table, its moments and its gradient for the update).
 RULES: dict[str | None, tuple[str, ...]] = {
     "vocab": ("tensor",), "embed": ("fsdp", "expert"), "heads": ("tensor",), "kv_heads": ("tensor",),
-    "mlp": ("tensor",), "expert": ("expert",), "table_rows": ("tensor", "fsdp", "expert"), "layers": (),
+    "mlp": ("tensor",), "expert": ("expert",), "layer_values": ("tensor", "fsdp", "expert"), "layers": (),
     "head_dim": (), None: (),
 }
 

@@ -137,8 +137,8 @@ def rules(model: Model) -> list[Rule]:
     pe = model.per_layer_embeddings
     if pe is not None:
         N, D, Dp = model.num_layers, model.hidden_size, pe.dim
-        out += [Rule(("model.embed_tokens_per_layer.weight",), (("embed_per_layer",),),
-                     lambda w: (w.reshape(w.shape[0], N, Dp),), lambda w: (w.reshape(w.shape[0], -1),), False),
+        out += [Rule(("model.embed_tokens_per_layer.weight",), (("embed_per_layer",),), lambda w: (w.T,),
+                     lambda w: (w.T,), False),
                 Rule(("model.per_layer_model_projection.weight",), (("per_layer_proj",),),
                      lambda w: (w.T.reshape(D, N, Dp),), lambda w: (w.reshape(D, -1).T,), False),
                 same(("per_layer_norm", "scale"), "model.per_layer_projection_norm.weight", per_layer=False),
