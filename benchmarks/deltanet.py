@@ -1,9 +1,9 @@
 """``bench.py deltanet``: one Gated DeltaNet core (the gated delta rule, ``jodpo.models.delta_rule``) at
-Qwen3.5-0.8B's sizes (16 key and 16 value heads of 128, batch 1), forward and backward, three ways alternated in one
-run: jodpo's ``chunked_delta_rule`` (WY/UT chunks, the backward recomputing the states), jax's autodiff of the plain
-token-by-token recurrence (``recurrent_delta_rule``, a ``lax.scan``), and transformers' reference
-``torch_chunk_gated_delta_rule`` (Qwen3-Next's, what Qwen3.5 runs without flash-linear-attention) under torch
-autograd; the median of ``--repeats`` after one untimed call each. Next to the times, XLA's temporaries
+Qwen3.5-0.8B's sizes (16 key and 16 value heads of 128, batch 1), forward and backward, three ways in one
+run: jodpo's ``chunked_delta_rule`` (WY/UT chunks, the backward recomputing the states) alternated with transformers'
+reference ``torch_chunk_gated_delta_rule`` (Qwen3-Next's, what Qwen3.5 runs without flash-linear-attention) under
+torch autograd, then jax's autodiff of the plain token-by-token recurrence (``recurrent_delta_rule``, a
+``lax.scan``) on its own; the median of ``--repeats`` after one untimed call each. Next to the times, XLA's temporaries
 (``memory_analysis()`` of the compiled gradient) of the recomputing backward, of autodiff through the recurrence and of
 autodiff through the same chunked scan (``chunked_delta_rule_autodiff``), and how far jodpo's outputs and gradients
 are from transformers'.
@@ -87,15 +87,19 @@ def bench_deltanet(args) -> dict:
             memory[name] = m.temp_size_in_bytes / MiB
         xj = [jnp.asarray(a) for a in x]
         sides = {"chunked": lambda: jax.block_until_ready(grads["chunked"](*xj)), "transformers": lambda: torch_grad(x)}
-        if T <= args.no_recurrent_above:
-            sides["recurrent_autodiff"] = lambda: jax.block_until_ready(grads["recurrent_autodiff"](*xj))
-        first = {name: timed(run) for name, run in sides.items()}  # compiles (jax), warms up (torch)
+        alone = {}  # the recurrence after the pair, not between: its GBs of residuals, allocated and freed, slowed
+        if T <= args.no_recurrent_above:  # the chunked call after it by two thirds (0.18 -> 0.31 s at T = 512)
+            alone["recurrent_autodiff"] = lambda: jax.block_until_ready(grads["recurrent_autodiff"](*xj))
+        first = {name: timed(run) for name, run in {**sides, **alone}.items()}  # compiles (jax), warms up (torch)
         clock.end(f"build T={T}")
-        times = {name: [] for name in sides}
+        times = {name: [] for name in {**sides, **alone}}
         for _ in range(args.repeats):
             for name, run in sides.items():
                 times[name].append(timed(run))
         clock.end(f"T={T}")
+        for name, run in alone.items():
+            times[name] = [timed(run) for _ in range(args.repeats)]
+        clock.end(f"T={T} recurrence")
         med = {name: statistics.median(v) for name, v in times.items()}
         (loss_j, grads_j), (loss_t, grads_t) = grads["chunked"](*xj), torch_grad(x)
         diff = max(float(np.abs(np.asarray(a) - b).max() / np.abs(b).max()) for a, b in zip(grads_j, grads_t))
