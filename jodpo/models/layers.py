@@ -183,8 +183,9 @@ def layer_rope(attn: Attention, tables, site: Site) -> tuple[jax.Array, jax.Arra
 
 def per_layer_inputs(model: Model, params: Params, tokens_BL: jax.Array, x_BLD: jax.Array) -> jax.Array:
     """Gemma 4's per-layer inputs of the tokens, layer-major ``[N, B, L, Dp]`` (as the layer scan reads them): each
-    token's row of the per-layer table (times sqrt(Dp) rounded to the compute dtype, as its scaled embedding) plus the
-    RMSNorm of the scaled embeddings ``x`` projected to every layer's Dp values (times D^-1/2), times 2^-1/2."""
+    token's N x Dp values in the per-layer table (stored ``[N * Dp, V]``; times sqrt(Dp) rounded to the compute dtype,
+    as its scaled embedding) plus the RMSNorm of the scaled embeddings ``x`` projected to every layer's Dp values
+    (times D^-1/2), times 2^-1/2."""
     Dp, dt, packed = model.per_layer_embeddings.dim, x_BLD.dtype, params["embed_per_layer"]  # [N * Dp, V]
     table = jnp.moveaxis(jnp.take(packed, tokens_BL, axis=1), 0, -1)  # each chip's share of every token's values
     table = rows_split(table.astype(dt), packed)  # then the batch's rows, all values
