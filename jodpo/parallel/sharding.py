@@ -29,11 +29,10 @@ from jax.sharding import PartitionSpec as P
 from jodpo.errors import MeshError
 from jodpo.models.decoder import Model, Params
 from jodpo.models import layers
-from jodpo.models.layers import BATCH_AXES
 from jodpo.models.params import param_specs
 
 AXES = ("data", "fsdp", "expert", "tensor")  # tensor innermost: its collectives are per layer and the most frequent
-BATCH = BATCH_AXES  # the mesh axes that split a batch
+BATCH = layers.BATCH_AXES  # the mesh axes that split a batch
 # logical parameter axis -> mesh axes, in order (None: never split): ``embed`` over fsdp and the expert axis where
 # the parameter is not split by expert already (an expert's weights: over fsdp alone); ``layer_values``, a token's
 # N x Dp values in Gemma 4's per-layer table (35 x 256 in E2B; the table is stored [N * Dp, V], vocabulary minor),
