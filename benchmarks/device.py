@@ -8,8 +8,8 @@ Four phases, each in processes of its own under its own time limit, one after th
    are in it the day they land; the files of ``FIRST`` run first, so a phase that runs out of time has covered them.
    jax's default backend is whatever the machine has: the GPU on a lent one.
 2. **moe**: one OLMoE-shaped mixture-of-experts layer in bf16 (``bench.py moe``: 2,048 tokens' forward and backward,
-   a decode step), its grouped matmuls as ``jax.lax.ragged_dot`` under each of XLA:GPU's lowerings (``MOE_FLAG_SETS``:
-   a process each) against the tiles and the one-hot reference, timed in the same process.
+   a decode step), its grouped matmuls as ``jax.lax.ragged_dot`` as XLA:GPU lowers it against the tiles and the
+   one-hot reference, timed in the same process (``--moe-lowerings``: XLA's other lowerings too, a process each).
 3. **step**: the fused online step and the sampler alone at a ~1.7B GPT-NeoX shape in bf16 (hidden 2304, 24 layers,
    18 heads: 1.76B parameters, random weights; ``device_measure``): episodes/s, completion tokens/s, MFU against the
    chip's nominal dense bf16 peak and the matmul peak measured in the run, the sampler's share of its bandwidth bound;
@@ -88,9 +88,10 @@ DRY_SHRINK = {
 }
 # the MoE phase: one OLMoE-shaped layer's forward+backward (bench.py moe, bf16) in a process per XLA flag set: jax
 # 0.11.2's XLA:GPU lowers ragged_dot to one dense matmul over every expert's weights (E times the FLOPs: seen in the
-# sampler's optimised HLO, 2026-11-28); its experimental grouped-GEMM and fusion lowerings are flags
+# sampler's optimised HLO, 2026-11-28); its experimental fusion lowering is a flag (the grouped-GEMM flag,
+# --xla_gpu_experimental_use_ragged_dot_grouped_gemm, changed nothing on an H200: 62.7 ms both, 2026-11-28). A
+# process takes ~65 s there (compiles of 3-7 s each, and transformers' block on the host's CPU)
 MOE_FLAG_SETS = (("ragged_dot as XLA lowers it", ""),
-                 ("ragged_dot, grouped GEMM", "--xla_gpu_experimental_use_ragged_dot_grouped_gemm=true"),
                  ("ragged_dot, fusion", "--xla_gpu_experimental_use_ragged_dot_fusion=true"))
 MOE_ARGS = {"1.7b": ["--shapes", "olmoe-1b-7b", "--tokens", "2048", "--ragged-max-tokens", "2048"],
             "tiny": ["--shapes", "tiny", "--tokens", "24", "--decode-tokens", "2", "--ragged-max-tokens", "24"]}
@@ -114,7 +115,9 @@ def add_parser(sub) -> None:
     p.add_argument("--tests-timeout", type=float, default=100, help="seconds for the test phase")
     p.add_argument("--step-timeout", type=float, default=200, help="seconds for the step phase and its variants")
     p.add_argument("--variant-timeout", type=float, default=40, help="seconds for each process of the variants phase")
-    p.add_argument("--moe-timeout", type=float, default=40, help="seconds for each process of the MoE phase")
+    p.add_argument("--moe-timeout", type=float, default=90, help="seconds for each process of the MoE phase")
+    p.add_argument("--moe-lowerings", nargs="+", choices=[n for n, _ in MOE_FLAG_SETS], default=[MOE_FLAG_SETS[0][0]],
+                   help="XLA:GPU lowerings of ragged_dot timed in the MoE phase, a process each (default: XLA's own)")
     p.add_argument("--baseline", type=Path, help="a folder holding an earlier jodpo package, measured side by side")
     p.add_argument("--groups", nargs="+", choices=tuple(WEIGHTY), default=tuple(WEIGHTY), help="weighty test groups")
     p.add_argument("--variants", nargs="+", choices=tuple(IN_PROCESS), help="in-process variants (default: all)")
@@ -218,7 +221,7 @@ def bench_device(a) -> dict:
         return phase
 
     moe = {}
-    for name, flags in MOE_FLAG_SETS[:1] if a.dry_run else MOE_FLAG_SETS:  # (the dry run: one process, XLA:CPU's)
+    for name, flags in MOE_FLAG_SETS[:1] if a.dry_run else [m for m in MOE_FLAG_SETS if m[0] in a.moe_lowerings]:
         tag = "moe-" + name.replace(", ", "-").replace(" ", "_")
         moe[name] = run_phase([sys.executable, str(BENCH), "moe", *MOE_ARGS["tiny" if a.dry_run else "1.7b"],
                                "--dtype", "bfloat16", "--repeats", str(a.steps), "--out", str(a.out / f"{tag}.json")],
@@ -237,7 +240,8 @@ def bench_device(a) -> dict:
     for name, flags, baseline in FLAG_SETS:
         if ((baseline or a.dry_run) and not a.baseline) or (a.flag_sets and name not in a.flag_sets):
             continue  # (a dry run without a baseline skips these: each process compiles)
-        env = {"PYTHONPATH": f"{a.baseline.resolve()}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"} if baseline else {}
+        path = f"{a.baseline.resolve()}{os.pathsep}{os.environ.get('PYTHONPATH', '')}" if baseline else None
+        env = {"PYTHONPATH": path} if baseline else {}
         variants[name] = measure(name.replace(", ", "-").replace(" ", "_"), a.variant_timeout, flags, env, step=False)
         result["phases"]["variants"] = variants
         save()

@@ -3,6 +3,7 @@ the load-balancing loss, the grouped (dropless) experts against the one-hot refe
 hub layout, and the settings jodpo refuses. The tiny Qwen3-MoE and OLMoE of tests/hf_fixtures.py; their logits,
 reward heads, decoding and exports are in the family-parametrized tests. Gemma 4 26B-A4B (experts beside a dense MLP),
 not among those (the suite's time): its logits, routing, greedy decoding and a trained model's export here."""
+import contextlib
 import functools
 
 import jax
@@ -61,6 +62,13 @@ def _tiny_block(E=5, k=2, D=8, F=6, shared=0, norm=True):
     return model, p
 
 
+def _kernels_at_float32():
+    """The megablox kernels' dots take no precision (a TPU's bf16 runs: exact in any mode); in Pallas' interpreter on
+    a GPU they would run as TF32 (1e-3 off, seen on an H200), so the float32 tests ask for float32 products there
+    (the paths that carry the model's precision themselves are run without it)."""
+    return jax.default_matmul_precision("float32")
+
+
 @pytest.mark.parametrize("tokens", [1, 3, 40])
 def test_grouped_experts_equal_the_one_hot_reference_values_and_gradients(tokens):
     """The CPU's tiles (one row a tile at 1 token, experts left empty, several tiles for one expert at 40 tokens),
@@ -78,12 +86,13 @@ def test_grouped_experts_equal_the_one_hot_reference_values_and_gradients(tokens
     megablox = functools.partial(moe.sorted_experts, grouped=functools.partial(moe.grouped_megablox, interpret=True))
 
     (_, want), want_grads = jax.value_and_grad(loss, argnums=(1, 2), has_aux=True)(moe.dense_experts, p, x)
-    for experts in (tiles, ragged, megablox):
-        (_, got), grads = jax.jit(jax.value_and_grad(loss, argnums=(1, 2), has_aux=True), static_argnums=0)(
-            experts, p, x)
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    for name, experts in (("tiles", tiles), ("ragged_dot", ragged), ("megablox", megablox)):
+        with _kernels_at_float32() if name == "megablox" else contextlib.nullcontext():
+            (_, got), grads = jax.jit(jax.value_and_grad(loss, argnums=(1, 2), has_aux=True), static_argnums=0)(
+                experts, p, x)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=name)
         for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
-            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=name)
 
 
 def test_the_tpu_kernels_leave_the_rows_of_no_expert_here_zero_with_zero_gradients():
@@ -99,12 +108,24 @@ def test_the_tpu_kernels_leave_the_rows_of_no_expert_here_zero_with_zero_gradien
         y, vjp = jax.vjp(f, p, x)
         return y, vjp(jnp.cos(y))
 
-    (y, (dp, dx)), (want, (want_dp, want_dx)) = run(
-        functools.partial(moe.grouped_megablox, interpret=True)), run(moe.grouped_ragged)
+    with _kernels_at_float32():
+        y, (dp, dx) = run(functools.partial(moe.grouped_megablox, interpret=True))
+    want, (want_dp, want_dx) = run(moe.grouped_ragged)
     assert np.all(np.asarray(y)[17:] == 0) and np.all(np.asarray(dx)[17:] == 0)
     np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
     for a, b in zip(jax.tree.leaves((dp, dx)), jax.tree.leaves((want_dp, want_dx))):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_a_gpu_runs_ragged_dot_for_few_rows_and_the_tiles_for_many():
+    """XLA:GPU's ragged_dot multiplies every row by every expert's weights: a GPU program takes it up to
+    GPU_RAGGED_ROWS rows (tokens x k) and the tiles' loop above (the program exported for CUDA, compiled nowhere)."""
+    model, p = _tiny_block(k=2)
+    f = jax.jit(lambda p, x: moe.block(model, p, x)[0])
+    for tokens, ragged in ((moe.GPU_RAGGED_ROWS // 2, True), (moe.GPU_RAGGED_ROWS // 2 + 1, False)):
+        x = jax.ShapeDtypeStruct((1, tokens, model.hidden_size), jnp.bfloat16)
+        text = jax.export.export(f, platforms=["cuda"])(p, x).mlir_module()
+        assert ("chlo.ragged_dot" in text, "stablehlo.while" in text) == (ragged, not ragged), tokens
 
 
 def test_a_decode_step_runs_only_the_tiles_of_the_chosen_experts():
@@ -217,7 +238,8 @@ def test_the_loss_adds_transformers_aux_loss_of_the_policy_forward_times_the_coe
     np.testing.assert_allclose(float(m_on["aux_loss"]), aux, rtol=1e-5)
     np.testing.assert_allclose(float(on), float(off) + 0.25 * aux, rtol=1e-5)
     np.testing.assert_allclose(float(m_on["loss"]), float(on), rtol=1e-6)
-    grads = jax.grad(lambda p, c: online_batch_loss(model, p, params, batch, 0.1, LossConfig(router_aux_loss_coef=c))[0])
+    grads = jax.grad(
+        lambda p, c: online_batch_loss(model, p, params, batch, 0.1, LossConfig(router_aux_loss_coef=c))[0])
     router = lambda g: np.asarray(g["layers"]["moe"]["router"])  # noqa: E731
     assert np.abs(router(grads(params, 0.25)) - router(grads(params, 0.0))).max() > 1e-6
 

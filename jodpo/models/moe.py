@@ -15,10 +15,12 @@ model has a dense MLP too (``Model.mlp``: Gemma 4), that MLP, each branch betwee
 The experts are dropless: every token reaches each of its k experts (no capacity, nothing dropped, so the numbers are
 transformers'). The k copies of the tokens are sorted by expert, so that each expert's rows are contiguous, and run
 through grouped matmuls, then unsorted and summed, weighted by their routing probabilities (``sorted_experts``). On a
-GPU the grouped matmuls are ``jax.lax.ragged_dot``; on a TPU in bf16, Pallas' megablox kernels (``grouped_megablox``:
-``ragged_dot``'s weight gradient is a dense contraction over every expert there); on a CPU, whose ``ragged_dot``
-multiplies every row by every expert's weights, a loop over tiles of rows, each tile one expert's, which visits only
-the tiles rows fill, so a decode step reads only the chosen experts' weights (``grouped_tiles``). ``dense_experts`` is
+TPU in bf16 the grouped matmuls are Pallas' megablox kernels (``grouped_megablox``: ``ragged_dot``'s weight gradient
+is a dense contraction over every expert there); on a CPU, whose ``ragged_dot`` multiplies every row by every
+expert's weights, a loop over tiles of rows, each tile one expert's, which visits only the tiles rows fill, so a
+decode step reads only the chosen experts' weights (``grouped_tiles``); on a GPU, whose ``ragged_dot`` does the same,
+``jax.lax.ragged_dot`` for a few rows (a decode step: the weights' reading is the cost) and the tiles for many
+(``gpu_grouped``). ``dense_experts`` is
 the one-hot reference: every token through every expert, the outputs weighted by the routing (tests, and
 ``bench.py moe``).
 
@@ -280,13 +282,28 @@ def sorted_experts(model: Model, p: Params, x_TD: jax.Array, experts_TK: jax.Arr
     return _routed(model, p, x_TD, experts_TK, weights_TK, 0, grouped)
 
 
+# XLA:GPU (jax 0.11.2) lowers ragged_dot to one dense product of every row with every expert's weights: E times the
+# FLOPs, hidden behind reading the weights while the rows are few (a decode step), not over a sequence's. On an H200
+# at OLMoE's layer (64 experts, 8 a token, bf16; bench.py moe): forward and backward over 2,048 tokens (16,384 rows),
+# the tiles 22 ms, ragged_dot 63 ms; a decode step of 8 tokens (64 rows), the tiles 2.8 ms (a loop iteration per
+# tile), ragged_dot 0.63 ms. Rows above this go through the tiles on a GPU; the crossover, estimated from those two
+# points (ragged_dot ~1.2 us a row there, the tiles ~65 us a tile), is 4-6 thousand rows at OLMoE's and Qwen3-30B's.
+GPU_RAGGED_ROWS = 4096
+
+
+def gpu_grouped(rows: int):
+    """A GPU's grouped matmuls for ``rows`` sorted rows: ``grouped_ragged`` up to ``GPU_RAGGED_ROWS``, else
+    ``grouped_tiles``."""
+    return grouped_ragged if rows <= GPU_RAGGED_ROWS else grouped_tiles
+
+
 def _platform_grouped(model: Model, p: Params, x_MD: jax.Array, sizes_E: jax.Array) -> jax.Array:
-    """The tiles on a CPU; ``ragged_dot`` on a GPU; on a TPU the megablox kernels in bf16 (their dots take no
-    precision: a float32 run keeps ``ragged_dot``'s, at the model's)."""
+    """The tiles on a CPU; on a GPU ``ragged_dot`` for a few rows, the tiles for many (``gpu_grouped``); on a TPU the
+    megablox kernels in bf16 (their dots take no precision: a float32 run keeps ``ragged_dot``'s, at the model's)."""
     tpu = grouped_megablox if x_MD.dtype == jnp.bfloat16 and _megablox() is not None else grouped_ragged
     return jax.lax.platform_dependent(p, x_MD, sizes_E, cpu=functools.partial(grouped_tiles, model),
                                       tpu=functools.partial(tpu, model),
-                                      default=functools.partial(grouped_ragged, model))
+                                      default=functools.partial(gpu_grouped(x_MD.shape[0]), model))
 
 
 def _routed(model: Model, p: Params, x_TD: jax.Array, experts_TK: jax.Array, weights_TK: jax.Array, first,
