@@ -240,8 +240,9 @@ def bench_device(a) -> dict:
     for name, flags, baseline in FLAG_SETS:
         if ((baseline or a.dry_run) and not a.baseline) or (a.flag_sets and name not in a.flag_sets):
             continue  # (a dry run without a baseline skips these: each process compiles)
-        path = f"{a.baseline.resolve()}{os.pathsep}{os.environ.get('PYTHONPATH', '')}" if baseline else None
-        env = {"PYTHONPATH": path} if baseline else {}
+        env = {}
+        if baseline:
+            env["PYTHONPATH"] = f"{a.baseline.resolve()}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
         variants[name] = measure(name.replace(", ", "-").replace(" ", "_"), a.variant_timeout, flags, env, step=False)
         result["phases"]["variants"] = variants
         save()

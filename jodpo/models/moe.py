@@ -20,9 +20,8 @@ is a dense contraction over every expert there); on a CPU, whose ``ragged_dot`` 
 expert's weights, a loop over tiles of rows, each tile one expert's, which visits only the tiles rows fill, so a
 decode step reads only the chosen experts' weights (``grouped_tiles``); on a GPU, whose ``ragged_dot`` does the same,
 ``jax.lax.ragged_dot`` for a few rows (a decode step: the weights' reading is the cost) and the tiles for many
-(``gpu_grouped``). ``dense_experts`` is
-the one-hot reference: every token through every expert, the outputs weighted by the routing (tests, and
-``bench.py moe``).
+(``gpu_grouped``). ``dense_experts`` is the one-hot reference: every token through every expert, the outputs weighted
+by the routing (tests, and ``bench.py moe``).
 
 Parameters, stacked over the layers (``params["layers"]["moe"]``): ``router`` ``[D, E]``; ``gate``, ``up``
 ``[E, D, F]``; ``down`` ``[E, F, D]``; with a shared expert ``shared`` (``gate``, ``up`` ``[D, Fs]``, ``down``
