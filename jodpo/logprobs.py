@@ -22,22 +22,28 @@ import jax.numpy as jnp
 
 from jodpo.models.decoder import Model, Params, hidden_states, prefixed_hidden_states
 from jodpo.models.heads import lm_head
+from jodpo.models.layers import row_shards
 from jodpo.models.moe import load_balancing_loss
 from jodpo.pair_losses import LossOptions
 from jodpo.scoring import apply_eos_penalty, contains_eos
 
 
-LOGITS_BYTES = 2 ** 30  # the float32 logits of all rows that one chunk of tokens may hold (token_logprobs)
+# the float32 logits one device may hold for one chunk of tokens (token_logprobs), for its share of the rows: 128 MiB,
+# a copy of them (a micro-batch's logits, their soft-capping, log-softmax and gradient are each one) under 1% of a
+# v5e's HBM
+LOGITS_BYTES = 2 ** 27
 
 
 def token_logprobs(model: Model, params: Params, h_NCD: jax.Array, ids_NC: jax.Array,
                    temperature: float | None = None) -> jax.Array:
     """f32[N, C]: log p(``ids`` [N, C]) from the hidden states that predict them ``[N, C, D]`` (the LM head, the
     logits divided by ``temperature + 1e-7`` where given, the log-softmax at the token). Where the float32 logits of
-    all C positions ``[N, C, V]`` would pass ``LOGITS_BYTES``, a few positions at a time (a ``lax.map`` over chunks
-    of them, each chunk's logits recomputed for the backward): a large vocabulary's logits, their soft-capping and
-    log-softmax and their gradient are each that size (Gemma 4 E2B, 128 rows x 64 tokens x 262144: 8 GiB a copy
-    over the chips). Each token's value is the same either way."""
+    all C positions of a device's rows (``[N / shards, C, V]``, the rows split over the mesh's batch axes as the
+    forward splits them: ``layers.rows_split``) would pass ``LOGITS_BYTES``, a few positions at a time (a ``lax.map``
+    over chunks of them, each chunk's logits recomputed for the backward): a large vocabulary's logits, their
+    soft-capping and log-softmax and their gradient are each that size (Gemma 4 E2B, 16 rows a chip x 64 tokens x
+    262144: 1 GiB a copy; 8 chunks of 8 tokens). The chunks are the same on 8 chips as on 256 with the same rows a chip;
+    each token's value is the same either way."""
     N, C, D = h_NCD.shape
 
     def chunk(h, ids):
@@ -47,7 +53,8 @@ def token_logprobs(model: Model, params: Params, h_NCD: jax.Array, ids_NC: jax.A
         picked = jnp.take_along_axis(logits, ids[..., None].astype(jnp.int32), -1)[..., 0]
         return picked - jax.nn.logsumexp(logits, axis=-1)
 
-    size = max(1, LOGITS_BYTES // (4 * N * model.vocab_size))
+    rows = N // row_shards(N, params["embed"] if model.tie_embeddings else params["lm_head"])
+    size = max(1, LOGITS_BYTES // (4 * rows * model.vocab_size))
     if size >= C:
         return chunk(h_NCD, ids_NC)
     n = -(-C // size)

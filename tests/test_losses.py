@@ -1,6 +1,7 @@
 """Each loss against a hand-computed value; pairing, penalties, log-probs and reward plumbing."""
 import functools
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -146,6 +147,29 @@ def test_logprobs_of_a_large_vocabulary_in_chunks_of_tokens_equal_all_at_once(ch
     np.testing.assert_allclose(chunked[0], whole[0], rtol=1e-6)
     for a, b in zip(jax.tree.leaves(chunked[1]), jax.tree.leaves(whole[1])):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * scale)
+
+
+def test_the_logits_chunks_are_sized_by_the_rows_of_one_device(checkpoints, monkeypatch):
+    """``LOGITS_BYTES`` is a device's budget: 16 rows split over 8 devices of the batch's axes chunk as 2 rows do on
+    one (traced on an abstract mesh: nothing compiled, no devices needed)."""
+    from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec
+
+    from jodpo import logprobs
+
+    model, _ = jodpo.load_model(str(checkpoints["qwen2"]["causal_lm"]))
+    key = "embed" if model.tie_embeddings else "lm_head"
+    monkeypatch.setattr(logprobs, "LOGITS_BYTES", 4 * 2 * model.vocab_size * 2)  # 2 rows x 2 positions a chunk
+    mesh = AbstractMesh((8, 1, 1), ("data", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 3)
+
+    def chunks(sharding):
+        w = jax.ShapeDtypeStruct((model.vocab_size, model.hidden_size), jnp.float32, sharding=sharding)
+        h = jax.ShapeDtypeStruct((16, 6, model.hidden_size), jnp.float32, sharding=sharding)
+        ids = jax.ShapeDtypeStruct((16, 6), jnp.int32, sharding=sharding)
+        jaxpr = jax.jit(lambda p, h, ids: logprobs.token_logprobs(model, p, h, ids)).trace({key: w}, h, ids).jaxpr
+        return [int(n) for n in re.findall(r"scan\[.*?length=(\d+)", str(jaxpr), re.S)]
+
+    assert chunks(NamedSharding(mesh, PartitionSpec())) == [3]  # 2 rows a device: 2 positions a chunk
+    assert chunks(None) == [6]  # 16 rows on one device: 1 position a chunk
 
 
 def test_on_device_scoring_equals_scoring_the_text_without_eos(checkpoints):
