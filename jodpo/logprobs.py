@@ -53,7 +53,7 @@ def token_logprobs(model: Model, params: Params, h_NCD: jax.Array, ids_NC: jax.A
         picked = jnp.take_along_axis(logits, ids[..., None].astype(jnp.int32), -1)[..., 0]
         return picked - jax.nn.logsumexp(logits, axis=-1)
 
-    rows = N // row_shards(N, params["embed"] if model.tie_embeddings else params["lm_head"])
+    rows = N // row_shards(N, params["embed"])  # (the mesh the embedding's lookup split the rows over)
     size = max(1, LOGITS_BYTES // (4 * rows * model.vocab_size))
     if size >= C:
         return chunk(h_NCD, ids_NC)

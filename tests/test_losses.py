@@ -165,7 +165,8 @@ def test_the_logits_chunks_are_sized_by_the_rows_of_one_device(checkpoints, monk
         w = jax.ShapeDtypeStruct((model.vocab_size, model.hidden_size), jnp.float32, sharding=sharding)
         h = jax.ShapeDtypeStruct((16, 6, model.hidden_size), jnp.float32, sharding=sharding)
         ids = jax.ShapeDtypeStruct((16, 6), jnp.int32, sharding=sharding)
-        jaxpr = jax.jit(lambda p, h, ids: logprobs.token_logprobs(model, p, h, ids)).trace({key: w}, h, ids).jaxpr
+        p = {"embed": w, key: w}
+        jaxpr = jax.jit(lambda p, h, ids: logprobs.token_logprobs(model, p, h, ids)).trace(p, h, ids).jaxpr
         return [int(n) for n in re.findall(r"scan\[.*?length=(\d+)", str(jaxpr), re.S)]
 
     assert chunks(NamedSharding(mesh, PartitionSpec())) == [3]  # 2 rows a device: 2 positions a chunk
