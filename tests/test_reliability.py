@@ -211,3 +211,36 @@ def _interrupt_twice(proc: subprocess.Popen, out: Path) -> None:
             "kept): run the same command to resume from the newest") in err
     assert "Traceback" not in err and "Segmentation" not in err and "stopped by SIGINT" not in err, err[-3000:]
     assert not (out / "jodpo.lock").exists() and (out / "checkpoints" / "1").is_dir()
+
+
+def test_a_stop_signal_that_arrives_inside_a_write_to_stderr_is_noted_not_fatal(tmp_path, monkeypatch):
+    """The signal handler runs at any bytecode of the main thread: here inside the raw write under ``sys.stderr``'s
+    buffer (as when a progress bar's write blocks on a full pipe). Writing its notice through ``sys.stderr`` from
+    there raised ``RuntimeError: reentrant call`` and killed a run under load; the notice must still get out."""
+    import io
+    import os
+
+    from jodpo.program.preemption import StopSignals
+
+    log = open(tmp_path / "stderr", "wb")
+
+    class SignalledMidWrite(io.RawIOBase):
+        def writable(self):
+            return True
+
+        def fileno(self):
+            return log.fileno()
+
+        def write(self, data):
+            signal.raise_signal(signal.SIGTERM)  # delivered here, with the buffer's lock held
+            return os.write(log.fileno(), data)
+
+    stream = io.TextIOWrapper(io.BufferedWriter(SignalledMidWrite()), write_through=True)
+    monkeypatch.setattr("sys.stderr", stream)
+    with StopSignals() as stop:
+        stream.write("online dpo 60/200\n")
+        stream.flush()
+    log.close()
+    assert stop.requested() == "SIGTERM"
+    assert (tmp_path / "stderr").read_text() == ("jodpo.train: SIGTERM: stopping after this step, which is saved first\n"
+                                                 "online dpo 60/200\n")

@@ -9,6 +9,7 @@ resume ignores) and ``python -m jodpo.train`` exits 130 without waiting for it.
 """
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -42,8 +43,7 @@ class StopSignals:
             raise Interrupted  # a second Ctrl-C: do not wait for the checkpoint
         self.received = signal.Signals(signum).name
         again = " (Ctrl-C again: stop at once, abandoning that save)" if signum == signal.SIGINT else ""
-        print(f"jodpo.train: {self.received}: stopping after this step, which is saved first{again}", file=sys.stderr,
-              flush=True)
+        _say(f"jodpo.train: {self.received}: stopping after this step, which is saved first{again}\n")
 
     def requested(self) -> str | None:
         """The signal to stop for (on every process alike), or None."""
@@ -55,3 +55,14 @@ class StopSignals:
                                                             int(signal.Signals[self.received])))
         code = int(np.max(codes))
         return signal.Signals(code).name if code else None
+
+
+def _say(text: str) -> None:
+    """Writes to standard error's file descriptor, not through ``sys.stderr``: a handler runs in the main thread at
+    any bytecode, also inside a write to ``sys.stderr`` (the progress bar's, blocked on a full pipe), and Python's
+    buffered stream refuses a write reentered from there (``RuntimeError: reentrant call``), which killed the run."""
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # a stream without a descriptor (an embedding program's)
+        fd = 2
+    os.write(fd, text.encode(errors="replace"))
