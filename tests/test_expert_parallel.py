@@ -1,6 +1,7 @@
 """The expert mesh axis on 8 fake CPU devices equals one device: the tiny Qwen3-MoE (4 experts, two a token) with its
 experts split by expert over (data, expert) = (2, 4) and (fsdp, expert, tensor) = (2, 2, 2): the completions'
-log-probs and their gradient; the same with LoRA on the experts and the router (the adapters split by expert); online
+log-probs and their gradient, with the tokens exchanged as a CPU does (gathered, outputs summed) and as TPUs and GPUs do
+(ragged all-to-all); the same with LoRA on the experts and the router (the adapters split by expert); online
 DPO (policy and reward model both MoE) for two steps trained on 4 devices split by expert with a sampler of its own on
 the other 4 (sampler_devices: its experts split by expert too), and the 1-device run resumed from its checkpoint 1 on
 (fsdp, expert, tensor) = (2, 2, 2)."""
@@ -50,17 +51,30 @@ def f(p):
     lp = jodpo.completion_logprobs(model, p, prompt, pmask, comp, cmask)
     return jnp.sum(lp * jnp.arange(1, 6)), lp
 (_, a), ga = jax.jit(jax.value_and_grad(f, has_aux=True))(one)
-for shape in ({'data': 2, 'expert': 4, 'fsdp': 1}, {'fsdp': 2, 'expert': 2, 'tensor': 2}):
-    _, split = jodpo.load_model(path, place=S.placer(S.make_mesh(**shape)))
-    assert split['layers']['moe']['gate'].sharding.spec[1] == 'expert', shape
-    ran.clear()
-    (_, b), gb = jax.jit(jax.value_and_grad(f, has_aux=True))(split)
-    assert ran, 'the experts did not run split by expert'
-    assert gb['layers']['moe']['gate'].sharding.spec[1] == 'expert'
-    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-5)
-    for (k, x), y in zip(jax.tree.leaves_with_path(ga), jax.tree.leaves(gb)):
-        np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-4, atol=1e-5 * float(np.abs(x).max() or 1),
-                                   err_msg=jax.tree_util.keystr(k))
+def equal_to_one_device():
+    for shape in ({'data': 2, 'expert': 4, 'fsdp': 1}, {'fsdp': 2, 'expert': 2, 'tensor': 2}):
+        _, split = jodpo.load_model(path, place=S.placer(S.make_mesh(**shape)))
+        assert split['layers']['moe']['gate'].sharding.spec[1] == 'expert', shape
+        ran.clear()
+        (_, b), gb = jax.jit(jax.value_and_grad(f, has_aux=True))(split)
+        assert ran, 'the experts did not run split by expert'
+        assert gb['layers']['moe']['gate'].sharding.spec[1] == 'expert'
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-5)
+        for (k, x), y in zip(jax.tree.leaves_with_path(ga), jax.tree.leaves(gb)):
+            np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-4,
+                                       atol=1e-5 * float(np.abs(x).max() or 1), err_msg=jax.tree_util.keystr(k))
+    return split
+equal_to_one_device()  # a CPU's exchange: the group's tokens gathered, the outputs summed and split again
+# TPUs' and GPUs': two ragged all-to-alls (XLA:CPU has none: tests.collectives writes it from all_gather)
+from tests.collectives import ragged_all_to_all
+moe.expert_parallel = lambda *a, **k: ran.append(1) or real(*a, exchange=ragged_all_to_all, **k)
+split = equal_to_one_device()
+moe.expert_parallel = lambda *a, **k: ran.append(1) or real(*a, **k)
+check = [jax.export.DisabledSafetyCheck.custom_call('ragged_all_to_all')]
+for platform, a2a in (('tpu', True), ('cuda', True), ('cpu', False)):  # each platform's program: the backend's choice
+    text = jax.export.export(jax.jit(jax.grad(lambda p: f(p)[0])), platforms=[platform], disabled_checks=check)(
+        split).mlir_module()
+    assert ('@ragged_all_to_all' in text, 'reduce_scatter' in text) == (a2a, not a2a), platform
 # LoRA on the experts and the router (PEFT's all-linear on Qwen3-MoE): the adapters split by expert like the experts,
 # merged into them inside the layer, the split experts' run equal to one device's, every adapter's gradient too
 from jodpo.models import lora

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 
 from jax.sharding import PartitionSpec as P
 
-from jodpo.models import mlp
+from jodpo.models import expert_exchange, mlp
 from jodpo.models.layers import ACTIVATIONS, norm, recomputed
 from jodpo.models.model import Model, MoE, Params, einsum
 
@@ -333,25 +333,42 @@ def expert_shards(model: Model, w_EDF: jax.Array) -> int:
 
 
 def expert_parallel(model: Model, p: Params, x_TD: jax.Array, experts_TK: jax.Array, weights_TK: jax.Array,
-                    grouped) -> jax.Array:
-    """``sorted_experts`` with the experts split over the mesh's ``expert`` axis (a ``shard_map`` over it alone;
-    the other axes stay the compiler's): every device of the axis sees all of its group's tokens, runs the copies
-    routed to its own experts (E / n of them, from ``axis_index x E / n``) and the devices' sums are added
-    (``psum``, in float32). Its gradient is the same map's: each device's experts' weight gradients from the tokens
-    routed to them, the tokens' gradients summed over the devices. Only the chosen experts' weights are read, each
-    on its own device."""
+                    grouped, exchange=None) -> jax.Array:
+    """``sorted_experts`` with the experts split over the mesh's ``expert`` axis (a ``shard_map`` over it alone; the
+    other axes stay the compiler's), the tokens split over it too. On a TPU or a GPU, each device sends the copies of
+    its tokens to their experts' devices and gets the outputs back (``expert_exchange.dispatched``: two ragged
+    all-to-alls; also on a CPU given ``exchange``, the tests'). On a CPU, which has no ragged all-to-all, every device
+    gathers its group's tokens, runs the copies routed to its own experts (E / n of them, from ``axis_index x E /
+    n``), and the devices' sums are added and split again (``psum_scatter``, in float32). Either way the gradient is
+    the same map's: each device's experts' weight gradients from the tokens routed to them. Only the chosen experts'
+    weights are read, each on its own device. The tokens are padded to a multiple of the axis (rows with zero
+    weights)."""
     mesh = jax.typeof(p["gate"]).sharding.mesh
-    here = model.moe.num_experts // dict(mesh.shape)[EXPERT_AXIS]
+    E = model.moe.num_experts
+    n = dict(mesh.shape)[EXPERT_AXIS]
     weights = {k: p[k] for k in ("gate", "up", "down")}
+    T = x_TD.shape[0]
+    tokens = [jnp.pad(a, [(0, -T % n)] + [(0, 0)] * (a.ndim - 1)) for a in (x_TD, experts_TK, weights_TK)]
 
-    def body(w, x, experts, route_weights):
-        first = jax.lax.axis_index(EXPERT_AXIS) * here
+    def gathered(w, x, experts, route_weights):
+        first = jax.lax.axis_index(EXPERT_AXIS) * (E // n)
+        x, experts, route_weights = (jax.lax.all_gather(a, EXPERT_AXIS, tiled=True) for a in (x, experts,
+                                                                                              route_weights))
         y = _routed(model, w, x, experts, route_weights, first, grouped)
-        return jax.lax.psum(y.astype(jnp.float32), EXPERT_AXIS).astype(y.dtype)
+        return jax.lax.psum_scatter(y.astype(jnp.float32), EXPERT_AXIS, tiled=True).astype(y.dtype)
 
-    run = jax.shard_map(body, mesh=mesh, in_specs=(P(EXPERT_AXIS), P(), P(), P()), out_specs=P(),
+    def sent(w, x, experts, route_weights):
+        return expert_exchange.dispatched(x, experts, route_weights, lambda rows, sizes: grouped(model, w, rows, sizes),
+                                          E, EXPERT_AXIS, exchange)
+
+    def body(*args):
+        if exchange is not None:
+            return sent(*args)
+        return jax.lax.platform_dependent(*args, cpu=gathered, default=sent)
+
+    run = jax.shard_map(body, mesh=mesh, in_specs=(P(EXPERT_AXIS),) * 4, out_specs=P(EXPERT_AXIS),
                         axis_names={EXPERT_AXIS}, check_vma=False)
-    return run(weights, x_TD, experts_TK, weights_TK)
+    return run(weights, *tokens)[:T]
 
 
 def dense_experts(model: Model, p: Params, x_TD: jax.Array, experts_TK: jax.Array, weights_TK: jax.Array):
