@@ -129,8 +129,8 @@ def test_a_gpu_runs_ragged_dot_for_few_rows_and_the_tiles_for_many():
 
 
 def test_a_decode_step_runs_only_the_tiles_of_the_chosen_experts():
-    """Eight tokens choosing 2 of 64 experts: at most 16 of the tiles hold rows (8 rows a tile); the others skip their
-    expert (lax.cond), so the step reads only the chosen experts' weights."""
+    """Eight tokens choosing 2 of 64 experts: at most 16 of the tiles hold rows (8 rows a tile); the loop stops at the
+    last of them and never visits the others, so the step reads only the chosen experts' weights."""
     model, p = _tiny_block(E=64, k=2)
     M, E = 16, 64
     sizes = np.zeros(E, np.int32)
