@@ -75,6 +75,21 @@ for platform, a2a in (('tpu', True), ('cuda', True), ('cpu', False)):  # each pl
     text = jax.export.export(jax.jit(jax.grad(lambda p: f(p)[0])), platforms=[platform], disabled_checks=check)(
         split).mlir_module()
     assert ('@ragged_all_to_all' in text, 'reduce_scatter' in text) == (a2a, not a2a), platform
+# A TPU's bf16 experts are Pallas' megablox kernels, which XLA cannot partition ("Mosaic kernels cannot be
+# automatically partitioned"): they lower inside the shard_map over every axis (shapes the TPU's blocks accept)
+import dataclasses
+wide = model.replace(dtype='bfloat16', hidden_size=128, moe=dataclasses.replace(model.moe, num_experts=8,
+                                                                                expert_dim=256))
+mesh = S.make_mesh(fsdp=2, expert=2, tensor=2)
+specs = {'gate': ('expert', 'fsdp', 'tensor'), 'up': ('expert', 'fsdp', 'tensor'),
+         'down': ('expert', 'tensor', 'fsdp')}
+shapes = {'gate': (8, 128, 256), 'up': (8, 128, 256), 'down': (8, 256, 128)}
+w = {k: jax.device_put(jnp.ones(shapes[k]), jax.NamedSharding(mesh, jax.P(*specs[k]))) for k in specs}
+x, chosen = jnp.ones((16, 128), jnp.bfloat16), jnp.tile(jnp.arange(2), (16, 1))
+experts = lambda w, x: moe.sorted_experts(wide, w, x, chosen, jnp.ones((16, 2), jnp.bfloat16)).astype(jnp.float32)
+text = jax.export.export(jax.jit(jax.grad(lambda w, x: jnp.sum(experts(w, x)))), platforms=['tpu'], disabled_checks=[
+    jax.export.DisabledSafetyCheck.custom_call(c) for c in ('ragged_all_to_all', 'tpu_custom_call')])(w, x).mlir_module()
+assert 'tpu_custom_call' in text and '@ragged_all_to_all' in text
 # LoRA on the experts and the router (PEFT's all-linear on Qwen3-MoE): the adapters split by expert like the experts,
 # merged into them inside the layer, the split experts' run equal to one device's, every adapter's gradient too
 from jodpo.models import lora

@@ -31,6 +31,7 @@ norms beside its dense MLP (``NORMS``).
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -39,12 +40,13 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jodpo.models import expert_exchange, mlp
-from jodpo.models.layers import ACTIVATIONS, norm, recomputed
+from jodpo.models.layers import ACTIVATIONS, BATCH_AXES, norm, recomputed
 from jodpo.models.model import Model, MoE, Params, einsum
 
 WEIGHTS = ("router", "gate", "up", "down", "shared_gate")
 NORMS = ("pre_norm", "post_norm", "mlp_post_norm")  # beside a dense MLP (Gemma 4): the branches' own norms
 EXPERT_AXIS = "expert"  # the mesh axis that splits the experts (jodpo.parallel.sharding)
+TENSOR_AXIS = "tensor"  # the one that splits their width
 
 
 def specs(model: Model, n: int) -> dict:
@@ -271,12 +273,12 @@ def sorted_experts(model: Model, p: Params, x_TD: jax.Array, experts_TK: jax.Arr
                    grouped=None):
     """The routed experts' weighted sum ``[T, D]``, dropless: the tokens' k copies sorted by expert, through the
     grouped matmuls, unsorted, times their weights, summed. ``grouped``: ``grouped_ragged``, ``grouped_megablox`` or
-    ``grouped_tiles``; None: each platform's (``_platform_grouped``). Where the experts' weights sit on a
-    mesh whose ``expert`` axis splits them, each device runs its own experts (``expert_parallel``)."""
+    ``grouped_tiles``; None: each platform's (``_platform_grouped``). Where the experts' weights sit on a mesh of
+    several devices, each device runs its own tokens (and, where the ``expert`` axis splits them, its own experts):
+    ``expert_parallel``."""
     if grouped is None:
         grouped = _platform_grouped
-    shards = expert_shards(model, p["gate"])
-    if shards > 1:
+    if _mesh_of(p["gate"]) is not None:
         return expert_parallel(model, p, x_TD, experts_TK, weights_TK, grouped)
     return _routed(model, p, x_TD, experts_TK, weights_TK, 0, grouped)
 
@@ -321,53 +323,63 @@ def _routed(model: Model, p: Params, x_TD: jax.Array, experts_TK: jax.Array, wei
     return jnp.sum(y_TKD * weights_TK[..., None], axis=1)
 
 
-def expert_shards(model: Model, w_EDF: jax.Array) -> int:
-    """How many ways the experts are split: the size of the ``expert`` axis of the mesh the experts' weights sit on
-    (their sharding, which ``jax.jit`` knows from its arguments while it traces), where it divides their number
-    (``jodpo.parallel.sharding.spec_for`` splits them then, and only then); else 1."""
-    mesh = jax.typeof(w_EDF).sharding.mesh
-    n = dict(mesh.shape).get(EXPERT_AXIS, 1) if EXPERT_AXIS in mesh.axis_names else 1
-    if n > 1 and dict(zip(mesh.axis_names, mesh.axis_types))[EXPERT_AXIS] == jax.sharding.AxisType.Manual:
-        return 1  # inside a shard_map over the axis already: the weights here are this device's own
-    return n if model.moe.num_experts % n == 0 else 1
+def _mesh_of(w: jax.Array):
+    """The mesh of more than one device the weights ``w`` sit on (their sharding, which ``jax.jit`` knows from its
+    arguments while it traces), or None: one device, or inside a ``shard_map`` already (the weights there are the
+    device's own)."""
+    mesh = jax.typeof(w).sharding.mesh
+    if mesh.empty or mesh.size <= 1 or jax.sharding.AxisType.Manual in mesh.axis_types:
+        return None
+    return mesh
 
 
 def expert_parallel(model: Model, p: Params, x_TD: jax.Array, experts_TK: jax.Array, weights_TK: jax.Array,
                     grouped, exchange=None) -> jax.Array:
-    """``sorted_experts`` with the experts split over the mesh's ``expert`` axis (a ``shard_map`` over it alone; the
-    other axes stay the compiler's), the tokens split over it too. On a TPU or a GPU, each device sends the copies of
-    its tokens to their experts' devices and gets the outputs back (``expert_exchange.dispatched``: two ragged
-    all-to-alls; also on a CPU given ``exchange``, the tests'). On a CPU, which has no ragged all-to-all, every device
-    gathers its group's tokens, runs the copies routed to its own experts (E / n of them, from ``axis_index x E /
-    n``), and the devices' sums are added and split again (``psum_scatter``, in float32). Either way the gradient is
-    the same map's: each device's experts' weight gradients from the tokens routed to them. Only the chosen experts'
-    weights are read, each on its own device. The tokens are padded to a multiple of the axis (rows with zero
-    weights)."""
+    """``sorted_experts`` on the mesh of the experts' weights, in a ``shard_map`` over all of its axes: each device
+    takes its share of the tokens (split as the batch is, over ``layers.BATCH_AXES``; padded to a multiple with rows
+    of zero weight) and the experts' weights gathered over ``fsdp``, split by expert over the ``expert`` axis where
+    its size divides their number, and by width over ``tensor`` where its size divides that (the partial outputs
+    summed over it, in float32). A TPU's Pallas kernels run only in such a region: XLA cannot partition them.
+
+    With the experts split over ``expert`` (n ways): on a TPU or a GPU each device sends the copies of its tokens to
+    their experts' devices and gets the outputs back (``expert_exchange.dispatched``: two ragged all-to-alls; also on
+    a CPU given ``exchange``, the tests'). On a CPU, which has no ragged all-to-all, every device gathers its group's
+    tokens, runs the copies routed to its own E / n experts (from ``axis_index x E / n``), and the devices' sums are
+    added and split again (``psum_scatter``, in float32). The gradient is the same map's. Only the chosen experts'
+    weights are read, each on its own device."""
     mesh = jax.typeof(p["gate"]).sharding.mesh
-    E = model.moe.num_experts
-    n = dict(mesh.shape)[EXPERT_AXIS]
+    sizes, E, F = dict(mesh.shape), model.moe.num_experts, p["gate"].shape[-1]
+    n = sizes.get(EXPERT_AXIS, 1) if E % sizes.get(EXPERT_AXIS, 1) == 0 else 1  # else the axis is one more fsdp
+    expert = EXPERT_AXIS if n > 1 else None
+    tensor = TENSOR_AXIS if sizes.get(TENSOR_AXIS, 1) > 1 and F % sizes[TENSOR_AXIS] == 0 else None
+    batch = tuple(a for a in BATCH_AXES if sizes.get(a, 1) > 1)
+    T, parts = x_TD.shape[0], math.prod(sizes[a] for a in batch)
+    tokens = [jnp.pad(a, [(0, -T % parts)] + [(0, 0)] * (a.ndim - 1)) for a in (x_TD, experts_TK, weights_TK)]
     weights = {k: p[k] for k in ("gate", "up", "down")}
-    T = x_TD.shape[0]
-    tokens = [jnp.pad(a, [(0, -T % n)] + [(0, 0)] * (a.ndim - 1)) for a in (x_TD, experts_TK, weights_TK)]
+    specs = {"gate": P(expert, None, tensor), "up": P(expert, None, tensor), "down": P(expert, tensor, None)}
 
     def gathered(w, x, experts, route_weights):
         first = jax.lax.axis_index(EXPERT_AXIS) * (E // n)
         x, experts, route_weights = (jax.lax.all_gather(a, EXPERT_AXIS, tiled=True) for a in (x, experts,
                                                                                               route_weights))
         y = _routed(model, w, x, experts, route_weights, first, grouped)
-        return jax.lax.psum_scatter(y.astype(jnp.float32), EXPERT_AXIS, tiled=True).astype(y.dtype)
+        return jax.lax.psum_scatter(y.astype(jnp.float32), EXPERT_AXIS, tiled=True)
 
     def sent(w, x, experts, route_weights):
         return expert_exchange.dispatched(x, experts, route_weights, lambda rows, sizes: grouped(model, w, rows, sizes),
-                                          E, EXPERT_AXIS, exchange)
+                                          E, EXPERT_AXIS, exchange).astype(jnp.float32)
 
-    def body(*args):
-        if exchange is not None:
-            return sent(*args)
-        return jax.lax.platform_dependent(*args, cpu=gathered, default=sent)
+    def body(w, x, experts, route_weights):
+        if n == 1:
+            y = _routed(model, w, x, experts, route_weights, 0, grouped).astype(jnp.float32)
+        elif exchange is not None:
+            y = sent(w, x, experts, route_weights)
+        else:
+            y = jax.lax.platform_dependent(w, x, experts, route_weights, cpu=gathered, default=sent)
+        return (jax.lax.psum(y, tensor) if tensor else y).astype(x.dtype)
 
-    run = jax.shard_map(body, mesh=mesh, in_specs=(P(EXPERT_AXIS),) * 4, out_specs=P(EXPERT_AXIS),
-                        axis_names={EXPERT_AXIS}, check_vma=False)
+    run = jax.shard_map(body, mesh=mesh, in_specs=(specs, P(batch), P(batch), P(batch)), out_specs=P(batch),
+                        check_vma=False)
     return run(weights, *tokens)[:T]
 
 
