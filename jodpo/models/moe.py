@@ -366,8 +366,8 @@ def expert_parallel(model: Model, p: Params, x_TD: jax.Array, experts_TK: jax.Ar
         return jax.lax.psum_scatter(y.astype(jnp.float32), EXPERT_AXIS, tiled=True)
 
     def sent(w, x, experts, route_weights):
-        return expert_exchange.dispatched(x, experts, route_weights, lambda rows, sizes: grouped(model, w, rows, sizes),
-                                          E, EXPERT_AXIS, exchange).astype(jnp.float32)
+        here = lambda rows, groups: grouped(model, w, rows, groups)  # noqa: E731
+        return expert_exchange.dispatched(x, experts, route_weights, here, E, EXPERT_AXIS, exchange).astype(jnp.float32)
 
     def body(w, x, experts, route_weights):
         if n == 1:
