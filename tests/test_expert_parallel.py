@@ -36,13 +36,13 @@ CHILD = """
 import json, sys, jax, jax.numpy as jnp, numpy as np
 import jodpo
 from jodpo import train
-from jodpo.models import moe
+from jodpo.models import expert_exchange, moe
 from jodpo.parallel import sharding as S
 assert jax.device_count() == 8
 path, jobs = sys.argv[1], json.loads(sys.argv[2])
 ran = []
-real = moe.expert_parallel
-moe.expert_parallel = lambda *a, **k: ran.append(1) or real(*a, **k)
+real = expert_exchange.expert_parallel
+expert_exchange.expert_parallel = lambda *a, **k: ran.append(1) or real(*a, **k)
 model, one = jodpo.load_model(path)
 rng = np.random.default_rng(0)
 prompt = rng.integers(3, 290, (8, 7)).astype(np.int32); pmask = np.ones_like(prompt); pmask[1, :3] = 0
@@ -67,9 +67,9 @@ def equal_to_one_device():
 equal_to_one_device()  # a CPU's exchange: the group's tokens gathered, the outputs summed and split again
 # TPUs' and GPUs': two ragged all-to-alls (XLA:CPU has none: tests.collectives writes it from all_gather)
 from tests.collectives import ragged_all_to_all
-moe.expert_parallel = lambda *a, **k: ran.append(1) or real(*a, exchange=ragged_all_to_all, **k)
+expert_exchange.expert_parallel = lambda *a, **k: ran.append(1) or real(*a, exchange=ragged_all_to_all, **k)
 split = equal_to_one_device()
-moe.expert_parallel = lambda *a, **k: ran.append(1) or real(*a, **k)
+expert_exchange.expert_parallel = lambda *a, **k: ran.append(1) or real(*a, **k)
 check = [jax.export.DisabledSafetyCheck.custom_call('ragged_all_to_all')]
 for platform, a2a in (('tpu', True), ('cuda', True), ('cpu', False)):  # each platform's program: the backend's choice
     text = jax.export.export(jax.jit(jax.grad(lambda p: f(p)[0])), platforms=[platform], disabled_checks=check)(
@@ -87,8 +87,9 @@ shapes = {'gate': (8, 128, 256), 'up': (8, 128, 256), 'down': (8, 256, 128)}
 w = {k: jax.device_put(jnp.ones(shapes[k]), jax.NamedSharding(mesh, jax.P(*specs[k]))) for k in specs}
 x, chosen = jnp.ones((16, 128), jnp.bfloat16), jnp.tile(jnp.arange(2), (16, 1))
 experts = lambda w, x: moe.sorted_experts(wide, w, x, chosen, jnp.ones((16, 2), jnp.bfloat16)).astype(jnp.float32)
-text = jax.export.export(jax.jit(jax.grad(lambda w, x: jnp.sum(experts(w, x)))), platforms=['tpu'], disabled_checks=[
-    jax.export.DisabledSafetyCheck.custom_call(c) for c in ('ragged_all_to_all', 'tpu_custom_call')])(w, x).mlir_module()
+unchecked = [jax.export.DisabledSafetyCheck.custom_call(c) for c in ('ragged_all_to_all', 'tpu_custom_call')]
+text = jax.export.export(jax.jit(jax.grad(lambda w, x: jnp.sum(experts(w, x)))), platforms=['tpu'],
+                         disabled_checks=unchecked)(w, x).mlir_module()
 assert 'tpu_custom_call' in text and '@ragged_all_to_all' in text
 # LoRA on the experts and the router (PEFT's all-linear on Qwen3-MoE): the adapters split by expert like the experts,
 # merged into them inside the layer, the split experts' run equal to one device's, every adapter's gradient too

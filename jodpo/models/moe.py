@@ -31,22 +31,17 @@ norms beside its dense MLP (``NORMS``).
 from __future__ import annotations
 
 import functools
-import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from jax.sharding import PartitionSpec as P
-
 from jodpo.models import expert_exchange, mlp
-from jodpo.models.layers import ACTIVATIONS, BATCH_AXES, norm, recomputed
+from jodpo.models.layers import ACTIVATIONS, norm, recomputed
 from jodpo.models.model import Model, MoE, Params, einsum
 
 WEIGHTS = ("router", "gate", "up", "down", "shared_gate")
 NORMS = ("pre_norm", "post_norm", "mlp_post_norm")  # beside a dense MLP (Gemma 4): the branches' own norms
-EXPERT_AXIS = "expert"  # the mesh axis that splits the experts (jodpo.parallel.sharding)
-TENSOR_AXIS = "tensor"  # the one that splits their width
 
 
 def specs(model: Model, n: int) -> dict:
@@ -275,12 +270,12 @@ def sorted_experts(model: Model, p: Params, x_TD: jax.Array, experts_TK: jax.Arr
     grouped matmuls, unsorted, times their weights, summed. ``grouped``: ``grouped_ragged``, ``grouped_megablox`` or
     ``grouped_tiles``; None: each platform's (``_platform_grouped``). Where the experts' weights sit on a mesh of
     several devices, each device runs its own tokens (and, where the ``expert`` axis splits them, its own experts):
-    ``expert_parallel``."""
+    ``expert_exchange.expert_parallel``."""
     if grouped is None:
         grouped = _platform_grouped
-    if _mesh_of(p["gate"]) is not None:
-        return expert_parallel(model, p, x_TD, experts_TK, weights_TK, grouped)
-    return _routed(model, p, x_TD, experts_TK, weights_TK, 0, grouped)
+    if expert_exchange.mesh_of(p["gate"]) is not None:
+        return expert_exchange.expert_parallel(model, p, x_TD, experts_TK, weights_TK, grouped)
+    return expert_exchange.routed(model, p, x_TD, experts_TK, weights_TK, 0, grouped)
 
 
 # XLA:GPU (jax 0.11.2) lowers ragged_dot to one dense product of every row with every expert's weights: E times the
@@ -305,82 +300,6 @@ def _platform_grouped(model: Model, p: Params, x_MD: jax.Array, sizes_E: jax.Arr
     return jax.lax.platform_dependent(p, x_MD, sizes_E, cpu=functools.partial(grouped_tiles, model),
                                       tpu=functools.partial(tpu, model),
                                       default=functools.partial(gpu_grouped(x_MD.shape[0]), model))
-
-
-def _routed(model: Model, p: Params, x_TD: jax.Array, experts_TK: jax.Array, weights_TK: jax.Array, first,
-            grouped) -> jax.Array:
-    """The weighted sum ``[T, D]`` of the routed experts ``first ..`` whose weights ``p`` holds (all of them on one
-    device); a token's other experts add nothing. Their copies of the tokens sort last, past the groups, and the
-    grouped matmuls skip them."""
-    (T, K), E = experts_TK.shape, p["gate"].shape[0]
-    here = experts_TK.reshape(-1) - first
-    group = jnp.where((here >= 0) & (here < E), here, E)  # E: an expert of another device
-    order = jnp.argsort(group, stable=True)
-    sizes = jnp.bincount(group, length=E + 1)[:E].astype(jnp.int32)
-    x_MD = x_TD[order // K]
-    y_MD = grouped(model, p, x_MD, sizes)
-    y_TKD = jnp.zeros_like(y_MD).at[order].set(y_MD).reshape(T, K, -1)
-    return jnp.sum(y_TKD * weights_TK[..., None], axis=1)
-
-
-def _mesh_of(w: jax.Array):
-    """The mesh of more than one device the weights ``w`` sit on (their sharding, which ``jax.jit`` knows from its
-    arguments while it traces), or None: one device, or inside a ``shard_map`` already (the weights there are the
-    device's own)."""
-    mesh = jax.typeof(w).sharding.mesh
-    if mesh.empty or mesh.size <= 1 or jax.sharding.AxisType.Manual in mesh.axis_types:
-        return None
-    return mesh
-
-
-def expert_parallel(model: Model, p: Params, x_TD: jax.Array, experts_TK: jax.Array, weights_TK: jax.Array,
-                    grouped, exchange=None) -> jax.Array:
-    """``sorted_experts`` on the mesh of the experts' weights, in a ``shard_map`` over all of its axes: each device
-    takes its share of the tokens (split as the batch is, over ``layers.BATCH_AXES``; padded to a multiple with rows
-    of zero weight) and the experts' weights gathered over ``fsdp``, split by expert over the ``expert`` axis where
-    its size divides their number, and by width over ``tensor`` where its size divides that (the partial outputs
-    summed over it, in float32). A TPU's Pallas kernels run only in such a region: XLA cannot partition them.
-
-    With the experts split over ``expert`` (n ways): on a TPU or a GPU each device sends the copies of its tokens to
-    their experts' devices and gets the outputs back (``expert_exchange.dispatched``: two ragged all-to-alls; also on
-    a CPU given ``exchange``, the tests'). On a CPU, which has no ragged all-to-all, every device gathers its group's
-    tokens, runs the copies routed to its own E / n experts (from ``axis_index x E / n``), and the devices' sums are
-    added and split again (``psum_scatter``, in float32). The gradient is the same map's. Only the chosen experts'
-    weights are read, each on its own device."""
-    mesh = jax.typeof(p["gate"]).sharding.mesh
-    sizes, E, F = dict(mesh.shape), model.moe.num_experts, p["gate"].shape[-1]
-    n = sizes.get(EXPERT_AXIS, 1) if E % sizes.get(EXPERT_AXIS, 1) == 0 else 1  # else the axis is one more fsdp
-    expert = EXPERT_AXIS if n > 1 else None
-    tensor = TENSOR_AXIS if sizes.get(TENSOR_AXIS, 1) > 1 and F % sizes[TENSOR_AXIS] == 0 else None
-    batch = tuple(a for a in BATCH_AXES if sizes.get(a, 1) > 1)
-    T, parts = x_TD.shape[0], math.prod(sizes[a] for a in batch)
-    tokens = [jnp.pad(a, [(0, -T % parts)] + [(0, 0)] * (a.ndim - 1)) for a in (x_TD, experts_TK, weights_TK)]
-    weights = {k: p[k] for k in ("gate", "up", "down")}
-    specs = {"gate": P(expert, None, tensor), "up": P(expert, None, tensor), "down": P(expert, tensor, None)}
-
-    def gathered(w, x, experts, route_weights):
-        first = jax.lax.axis_index(EXPERT_AXIS) * (E // n)
-        x, experts, route_weights = (jax.lax.all_gather(a, EXPERT_AXIS, tiled=True) for a in (x, experts,
-                                                                                              route_weights))
-        y = _routed(model, w, x, experts, route_weights, first, grouped)
-        return jax.lax.psum_scatter(y.astype(jnp.float32), EXPERT_AXIS, tiled=True)
-
-    def sent(w, x, experts, route_weights):
-        here = lambda rows, groups: grouped(model, w, rows, groups)  # noqa: E731
-        return expert_exchange.dispatched(x, experts, route_weights, here, E, EXPERT_AXIS, exchange).astype(jnp.float32)
-
-    def body(w, x, experts, route_weights):
-        if n == 1:
-            y = _routed(model, w, x, experts, route_weights, 0, grouped).astype(jnp.float32)
-        elif exchange is not None:
-            y = sent(w, x, experts, route_weights)
-        else:
-            y = jax.lax.platform_dependent(w, x, experts, route_weights, cpu=gathered, default=sent)
-        return (jax.lax.psum(y, tensor) if tensor else y).astype(x.dtype)
-
-    run = jax.shard_map(body, mesh=mesh, in_specs=(specs, P(batch), P(batch), P(batch)), out_specs=P(batch),
-                        check_vma=False)
-    return run(weights, *tokens)[:T]
 
 
 def dense_experts(model: Model, p: Params, x_TD: jax.Array, experts_TK: jax.Array, weights_TK: jax.Array):

@@ -4,7 +4,7 @@ One mesh with four axes:
 - ``data``: pure data parallelism (parameters replicated);
 - ``fsdp``: data parallelism with parameters, gradients and optimizer state split (ZeRO-3 / FSDP);
 - ``expert``: expert parallelism: a mixture of experts' experts split by expert (their weights, gradients and Adam
-  moments), the tokens reaching their experts inside the MoE block (``jodpo.models.moe.expert_parallel``); outside
+  moments), the tokens reaching their experts inside the MoE block (``jodpo.models.expert_exchange.expert_parallel``); outside
   the experts it is one more FSDP axis (the batch and the other parameters' ``embed`` split over it too), so no
   device repeats another's work;
 - ``tensor``: tensor parallelism (attention heads, MLP width and vocabulary split).
