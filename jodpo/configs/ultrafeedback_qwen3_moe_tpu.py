@@ -5,8 +5,9 @@ rematerialised, the frozen reference and reward model in bf16) with an expert ax
 experts (29 of the 30.5 B parameters) eight ways by expert, 16 experts a chip, with their gradients and Adam moments,
 and ``mesh_fsdp=-1`` splits everything over the chips the expert axis leaves (the batch and the other parameters over
 both). Full fine-tuning holds about 24 bytes a parameter at the step's peak (float32 weights, Adam, the gradient sum,
-the bf16 weights and gradient: docs/tpu.md), about 680 GiB: a v5p-32 (16 chips, fsdp 2 x expert 8; 43 GiB a chip
-by that arithmetic) or larger. LoRA (``use_peft=True``) trains on fewer chips: docs/tpu.md's grid."""
+the bf16 weights and gradient: docs/tpu.md), about 680 GiB: a v5p-32 (16 chips, fsdp 2 x expert 8), where XLA:TPU
+compiles its step at a peak of 50.7 GiB a chip of 95, or larger. LoRA (``use_peft=True``) trains on fewer chips
+(8 v5p: 25.7 GiB a chip): docs/tpu.md's grid."""
 from jodpo import TrainConfig
 from jodpo.program.config import load_config_file
 
