@@ -5,9 +5,9 @@ device. The experts run dropless (no token dropped, transformers' routing exactl
 loss is added (``router_aux_loss_coef=0``, as TRL's online trainers: set it to add transformers' ``aux_loss``, logged
 as ``aux_loss``). Routing replay is on (``moe_routing_replay``): the bf16 sampler and the training forward route some
 near-tie tokens to different experts (``moe/route_flip_rate`` says how many), and the collapse of Qwen3-30B-A3B RL runs
-reported in 2026 came from training log-probs of routes that never sampled. Full fine-tuning holds 12 bytes a parameter (float32 weights and Adam), about 370 GB: a pod slice
-with the parameters split over ``fsdp`` and the experts over ``expert``: ultrafeedback_qwen3_moe_tpu.py, compiled for a
-v5p-32 (docs/tpu.md)."""
+reported in 2026 came from training log-probs of routes that never sampled. Full fine-tuning holds 12 bytes a
+parameter (float32 weights and Adam), about 370 GB: a pod slice with the parameters split over ``fsdp`` and the
+experts over ``expert``: ultrafeedback_qwen3_moe_tpu.py, compiled for a v5p-32 (docs/tpu.md)."""
 from jodpo import TrainConfig
 from jodpo.program.config import load_config_file
 
