@@ -64,8 +64,8 @@ def expert_parallel(model: Model, p: Params, x_TD: jax.Array, experts_TK: jax.Ar
     summed over it, in float32). A TPU's Pallas kernels run only in such a region: XLA cannot partition them.
 
     With the experts split over ``expert`` (n ways): on a TPU or a GPU each device sends the copies of its tokens to
-    their experts' devices and gets the outputs back (``dispatched``: two ragged all-to-alls; also on
-    a CPU given ``exchange``, the tests'). On a CPU, which has no ragged all-to-all, every device gathers its group's
+    their experts' devices and gets the outputs back (``dispatched``: two ragged all-to-alls; also on a CPU given
+    ``exchange``, the tests'). On a CPU, which has no ragged all-to-all, every device gathers its group's
     tokens, runs the copies routed to its own E / n experts (from ``axis_index x E / n``), and the devices' sums are
     added and split again (``psum_scatter``, in float32). The gradient is the same map's. Only the chosen experts'
     weights are read, each on its own device."""
@@ -103,8 +103,6 @@ def expert_parallel(model: Model, p: Params, x_TD: jax.Array, experts_TK: jax.Ar
     run = jax.shard_map(body, mesh=mesh, in_specs=(specs, P(batch), P(batch), P(batch)), out_specs=P(batch),
                         check_vma=False)
     return run(weights, *tokens)[:T]
-
-
 
 
 def plan(counts_nE: jax.Array, me: jax.Array, here: int):
