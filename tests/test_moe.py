@@ -117,6 +117,21 @@ def test_the_tpu_kernels_leave_the_rows_of_no_expert_here_zero_with_zero_gradien
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
+def test_the_tpu_kernels_lower_where_a_width_is_no_multiple_of_128():
+    """A TPU block is a multiple of 128 or the whole dimension. The backward's products swap the forward's contracted
+    and output dimensions, so each product gets its own tiles: with one tuple for all, an expert width of 192 (Gemma 4
+    26B-A4B's 704) became the block of the 640-wide hidden dimension in the rows' gradient, and the step did not lower
+    for a TPU (exported here for one, compiled nowhere)."""
+    model, _ = _tiny_block(E=4, D=640, F=192)
+    p = {k: jax.ShapeDtypeStruct(s, jnp.bfloat16) for k, s in (("gate", (4, 640, 192)), ("up", (4, 640, 192)),
+                                                                ("down", (4, 192, 640)))}
+    x = jax.ShapeDtypeStruct((16, 640), jnp.bfloat16)
+    loss = lambda p, x: jnp.sum(moe.grouped_megablox(model, p, x, jnp.full(4, 4, jnp.int32)).astype(jnp.float32))
+    text = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1))), platforms=["tpu"], disabled_checks=[
+        jax.export.DisabledSafetyCheck.custom_call("tpu_custom_call")])(p, x).mlir_module()
+    assert text.count("tpu_custom_call") >= 3  # gmm forward, gmm and tgmm backward
+
+
 def test_a_gpu_runs_ragged_dot_for_few_rows_and_the_tiles_for_many():
     """XLA:GPU's ragged_dot multiplies every row by every expert's weights: a GPU program takes it up to
     GPU_RAGGED_ROWS rows (tokens x k) and the tiles' loop above (the program exported for CUDA, compiled nowhere)."""

@@ -239,6 +239,16 @@ def megablox_tiling(rows: int, k: int, n: int, tile=(512, 512, 1024)) -> tuple[i
     return min(tile[0], -(-rows // 128) * 128), min(tile[1], k), min(tile[2], n)
 
 
+@functools.cache
+def _tiling(tile: tuple[int, int, int]):
+    """``megablox_tiling`` as the kernels' look-up function: ``gmm`` and ``tgmm`` call it with each product's own
+    (rows, contracted, output), so the backward's products, whose contracted and output dimensions are the forward's
+    swapped, get tiles valid for their own shapes. (A TPU block is a multiple of 128 or the whole dimension: the
+    forward's tuple, reused there, put Gemma 4 26B-A4B's 704-wide block on its 2816-wide hidden dimension, and the
+    step did not lower.)"""
+    return lambda m, k, n: megablox_tiling(m, k, n, tile)
+
+
 def grouped_megablox(model: Model, p: Params, x_MD: jax.Array, sizes_E: jax.Array, interpret: bool = False,
                      tile=(512, 512, 1024)):
     """The experts on rows sorted by expert through the Pallas TPU kernels of ``jax.experimental.pallas.ops.tpu.
@@ -255,7 +265,7 @@ def grouped_megablox(model: Model, p: Params, x_MD: jax.Array, sizes_E: jax.Arra
     valid = (jnp.arange(padded) < jnp.sum(sizes_E))[:, None]
 
     def dot(x, w):  # (lhs, rhs, group_sizes, preferred_element_type, tiling, group_offset, existing_out,
-        tiling = megablox_tiling(M, x.shape[1], w.shape[2], tile)  # transpose_rhs, interpret)
+        tiling = _tiling(tuple(tile))  # transpose_rhs, interpret)
         return jnp.where(valid, megablox.gmm(x, w.astype(dt), sizes_E, dt, tiling, None, None, False, interpret), 0)
 
     act = ACTIVATIONS[model.moe.activation]
