@@ -12,9 +12,8 @@ def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets
     n, me = jax.lax.axis_size(axis_name), jax.lax.axis_index(axis_name)
     per = input_offsets.shape[0] // n  # slices a device
     senders = jax.lax.all_gather(operand, axis_name)
-    sent_here = [jax.lax.dynamic_slice_in_dim(jax.lax.all_gather(a, axis_name), me * per, per, axis=1)
-                 for a in (input_offsets, send_sizes, output_offsets)]
-    starts, sizes, landings = sent_here
+    starts, sizes, landings = (jax.lax.dynamic_slice_in_dim(jax.lax.all_gather(a, axis_name), me * per, per, axis=1)
+                               for a in (input_offsets, send_sizes, output_offsets))  # the slices sent here
     rows = jnp.arange(output.shape[0])
     result = output
     for s in range(n):

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jodpo.models.layers import BATCH_AXES
+from jodpo.models.layers import batch_axes
 from jodpo.models.model import Model, Params
 
 EXPERT_AXIS = "expert"  # the mesh axis that splits the experts (jodpo.parallel.sharding)
@@ -74,7 +74,7 @@ def expert_parallel(model: Model, p: Params, x_TD: jax.Array, experts_TK: jax.Ar
     n = sizes.get(EXPERT_AXIS, 1) if E % sizes.get(EXPERT_AXIS, 1) == 0 else 1  # else the axis is one more fsdp
     expert = EXPERT_AXIS if n > 1 else None
     tensor = TENSOR_AXIS if sizes.get(TENSOR_AXIS, 1) > 1 and F % sizes[TENSOR_AXIS] == 0 else None
-    batch = tuple(a for a in BATCH_AXES if sizes.get(a, 1) > 1)
+    batch = batch_axes(mesh)
     T, parts = x_TD.shape[0], math.prod(sizes[a] for a in batch)
     tokens = [jnp.pad(a, [(0, -T % parts)] + [(0, 0)] * (a.ndim - 1)) for a in (x_TD, experts_TK, weights_TK)]
     weights = {k: p[k] for k in ("gate", "up", "down")}

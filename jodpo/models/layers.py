@@ -125,13 +125,18 @@ def row_shards(rows: int, like: jax.Array) -> int:
     return math.prod(dict(mesh.shape)[a] for a in axes)
 
 
+def batch_axes(mesh) -> tuple[str, ...]:
+    """The batch axes (``BATCH_AXES``) of ``mesh`` that have more than one device."""
+    sizes = dict(mesh.shape) if mesh.axis_names else {}
+    return tuple(a for a in BATCH_AXES if sizes.get(a, 1) > 1)
+
+
 def _batch_split(rows: int, like: jax.Array):
     """``(mesh, axes)``: the mesh ``like`` sits on, and its batch axes of more than one device where together they
     divide ``rows`` (else none)."""
     mesh = jax.typeof(like).sharding.mesh
-    sizes = dict(mesh.shape) if mesh.axis_names else {}
-    axes = tuple(a for a in BATCH_AXES if sizes.get(a, 1) > 1)
-    return mesh, axes if axes and rows % math.prod(sizes[a] for a in axes) == 0 else ()
+    axes = batch_axes(mesh)
+    return mesh, axes if axes and rows % math.prod(dict(mesh.shape)[a] for a in axes) == 0 else ()
 
 
 def to_host(x: jax.Array) -> np.ndarray:
