@@ -8,8 +8,8 @@ For each model, in bf16 compute with float32 weights (a training run's setting),
     (``memory_analysis().temp_size_in_bytes``); "remat saves" is the share of the temporaries remat removes;
   - ``jodpo.sample`` of two completions per prompt: trace+lower+compile seconds;
 and each per layer. Compile seconds are this machine's (2 cores, shared): compare them within one run. ``--repeats N``
-compiles each program N times (jax's caches cleared before each) and keeps the fastest: one compile of the same program on
-this shared machine varies by a fifth from one process to the next.
+compiles each program N times (jax's caches cleared before each) and keeps the fastest: one compile of the same
+program on this shared machine varies by a fifth from one process to the next.
 """
 from __future__ import annotations
 
