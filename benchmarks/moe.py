@@ -12,7 +12,9 @@ weights and inputs:
                 the experts implementation transformers picks by default (recorded)
 and a decode step (``--decode-tokens`` tokens, one per sequence, forward only): the tiles against the dense reference
 and transformers, with how many experts' weights the tiles read (the experts the tokens chose; the dense reference
-reads every expert's). Medians of ``--repeats`` after one untimed call each; the loss is a fixed random weighting of
+reads every expert's). Beside the training row, one expert's gate product at a tile's rows (``[t, hidden] x [hidden,
+width]``) through XLA's dot and torch's ``mm``, alternated, the fastest of 20 each: the product the tiles repeat, and
+where their time against transformers' goes. Medians of ``--repeats`` after one untimed call each; the loss is a fixed random weighting of
 the outputs, so every weight and the input have a gradient."""
 from __future__ import annotations
 
@@ -79,6 +81,30 @@ def _torch_block(shape: dict, p: dict):
     return block, model.config._experts_implementation
 
 
+def _expert_product(rows: int, hidden: int, width: int, repeats: int = 20) -> dict:
+    """One ``[rows, hidden] x [hidden, width]`` float32 product, XLA's (at "highest", a run's float32 precision) and
+    torch's, alternated: the fastest of ``repeats`` each, in ms, and each one's GFLOP/s."""
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    rng = np.random.default_rng(2)
+    x, w = rng.standard_normal((rows, hidden), np.float32), rng.standard_normal((hidden, width), np.float32)
+    xj, wj, xt, wt = jnp.asarray(x), jnp.asarray(w), torch.tensor(x), torch.tensor(w)
+    dot = jax.jit(lambda x, w: jnp.dot(x, w, precision="highest"))
+    sides = {"xla": lambda: jax.block_until_ready(dot(xj, wj)), "torch": lambda: torch.mm(xt, wt)}
+    times = {k: [] for k in sides}
+    for run in sides.values():
+        run()
+    for _ in range(repeats):
+        for k, run in sides.items():
+            times[k].append(timed(run))
+    best = {k: min(v) for k, v in times.items()}
+    return {"rows": rows, **{f"{k}_ms": v * 1e3 for k, v in best.items()},
+            **{f"{k}_gflops": 2 * rows * hidden * width / v / 1e9 for k, v in best.items()},
+            "ratio_torch_over_xla": best["torch"] / best["xla"]}
+
+
 def bench_moe(args) -> dict:
     import functools
 
@@ -140,6 +166,9 @@ def bench_moe(args) -> dict:
                    "loss_relative_difference_vs_transformers": abs(ours - torch_step(x, w, False)) / abs(ours)}
             if "ragged_dot" in med:
                 row["ratio_ragged_dot_over_tiles"] = med["ragged_dot"] / med["tiles"]
+            if train:
+                row["expert_product"] = _expert_product(moe._tile(T * shape["top_k"], shape["experts"]),
+                                                        shape["hidden"], shape["width"])
             if not train:  # the experts whose weights the tiles read: those the tokens chose
                 _, _, chosen = moe.route(model, pj["router"], xj)
                 used = len(np.unique(np.asarray(chosen)))
@@ -166,6 +195,11 @@ def print_moe(result: dict) -> None:
               f"{m['dense']:9.3f}{m['transformers']:9.3f}{r['ratio_transformers_over_tiles']:10.2f}x"
               f"{r['ratio_dense_over_tiles']:8.2f}x{r.get('ratio_ragged_dot_over_tiles', float('nan')):9.2f}x"
               f"  {read:>12s}  {r['transformers_experts_implementation']}")
+    for r in result["rows"]:
+        if g := r.get("expert_product"):
+            print(f"{r['shape']:>14s}: one expert's product at {g['rows']} rows (a tile): XLA {g['xla_ms']:.2f} ms "
+                  f"({g['xla_gflops']:.0f} GFLOP/s), torch {g['torch_ms']:.2f} ms ({g['torch_gflops']:.0f} GFLOP/s): "
+                  f"torch / XLA {g['ratio_torch_over_xla']:.2f}x")
     shares = result["cores_taken_by_others_share"]
     if warning := disturbance_warning({k: v for k, v in shares.items() if not k.startswith("build")}):
         print(warning)

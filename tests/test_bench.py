@@ -349,6 +349,9 @@ def test_the_moe_layer_benchmark_times_the_same_layer_four_ways():
         assert row["ratio_transformers_over_tiles"] == pytest.approx(m["transformers"] / m["tiles"])
         assert row["loss_relative_difference_vs_transformers"] < 1e-5
     assert 1 <= decode["experts_read"] <= 2 * 2 and decode["experts"] == 6
+    g = train["expert_product"]  # one expert's product at the tiles' rows (24 tokens x 2 over 6 experts: tiles of 16)
+    assert g["rows"] == 16 and g["ratio_torch_over_xla"] == pytest.approx(g["torch_ms"] / g["xla_ms"])
+    assert g["xla_gflops"] == pytest.approx(2 * 16 * 64 * 32 / g["xla_ms"] / 1e6)
     assert decode["weight_bytes_read"] == decode["experts_read"] * 3 * 64 * 32 * 4
 
 
