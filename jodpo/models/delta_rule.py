@@ -27,6 +27,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
 
 def _dot(spec: str, *operands: jax.Array, precision) -> jax.Array:
     return jnp.einsum(spec, *operands, precision=jax.lax.Precision(precision))
@@ -101,6 +103,9 @@ def _unit_lower_inverse(A_NCC: jax.Array, precision) -> jax.Array:
     """``(I + A)^-1`` for strictly lower triangular ``A`` (batched over the leading axes), by merging the inverses of
     diagonal blocks of 1, 2, 4, ... rows: ``[[L11, 0], [L21, L22]]^-1 = [[X1, 0], [-X2 L21 X1, X2]]`` with X1, X2
     the inverses of L11, L22 (recursive triangular inversion, as flash-linear-attention's chunk kernels merge blocks).
+    Each level is written on the whole matrix: with X block diagonal (the inverses of the blocks of s rows), the next
+    X is ``X - X A X`` on the lower-left s x s block of each block of 2s rows (there ``X A X`` is ``X2 L21 X1``) and X
+    elsewhere: two matmuls of the chunk's size and one masked subtraction a level, no slicing or stitching of blocks.
 
     Batched matmuls only, on every backend: XLA:CPU would run ``triangular_solve`` as a LAPACK call through scipy's
     OpenBLAS, whose threads fight XLA's own for the cores (measured on the project's shared 2-core VM, 16 systems of
@@ -110,19 +115,15 @@ def _unit_lower_inverse(A_NCC: jax.Array, precision) -> jax.Array:
     C = A_NCC.shape[-1]
     P = 1 << max(C - 1, 0).bit_length()
     batch = A_NCC.shape[:-2]
-    L_NPP = jnp.pad(A_NCC, [(0, 0)] * len(batch) + [(0, P - C), (0, P - C)]) + jnp.eye(P, dtype=A_NCC.dtype)
-    X = jnp.ones(batch + (P, 1, 1), A_NCC.dtype)  # the inverses of the 1 x 1 diagonal blocks
-    s = 1
-    while s < P:
-        n = P // (2 * s)
-        # the diagonal blocks of 2s rows, [..., n, 2s, 2s], and the lower-left s x s block of each
-        blocks = jnp.moveaxis(jnp.diagonal(L_NPP.reshape(batch + (n, 2 * s, n, 2 * s)), axis1=-4, axis2=-2), -1, -3)
-        X = X.reshape(batch + (n, 2, s, s))
-        X1, X2 = X[..., 0, :, :], X[..., 1, :, :]
-        low = -_dot("...ij,...jk,...kl->...il", X2, blocks[..., s:, :s], X1, precision=precision)
-        X = jnp.concatenate([jnp.concatenate([X1, jnp.zeros_like(X1)], -1), jnp.concatenate([low, X2], -1)], -2)
+    A = jnp.pad(A_NCC, [(0, 0)] * len(batch) + [(0, P - C), (0, P - C)])
+    row, col = np.arange(P)[:, None], np.arange(P)[None, :]  # (the masks: constants of the program)
+    lower_left = lambda s: (row // (2 * s) == col // (2 * s)) & (row // s != col // s)  # noqa: E731  (of 2s-blocks)
+    X = np.eye(P, dtype=A.dtype) - jnp.where(lower_left(1), A, 0.0)  # the blocks of 2 rows (X of 1 x 1 blocks: I)
+    s = 2
+    while s < P:  # X A X's lower-left blocks are X B X's (X is block diagonal): the mask after the matmuls
+        X = X - jnp.where(lower_left(s), _dot("...ij,...jk,...kl->...il", X, A, X, precision=precision), 0.0)
         s *= 2
-    return X.reshape(batch + (P, P))[..., :C, :C]
+    return X[..., :C, :C]
 
 
 # The chunks' terms, written for any leading axes: all N chunks at once (``[N, B, ...]``, batched matmuls before the
@@ -135,7 +136,7 @@ def _decays(g):
     positions D_ij = exp(gamma_i - gamma_j) (i >= j; 0 above the diagonal) ``[..., Hk, G, C, C]``."""
     C = g.shape[-3]
     gamma = jnp.moveaxis(jnp.cumsum(g, axis=-3), -3, -1)
-    row, col = jnp.arange(C)[:, None], jnp.arange(C)[None, :]
+    row, col = np.arange(C)[:, None], np.arange(C)[None, :]
     # Above the diagonal gamma_i - gamma_j > 0 and its exp could overflow: masked before the exp, not after.
     return gamma, jnp.exp(jnp.where(row >= col, gamma[..., :, None] - gamma[..., None, :], -jnp.inf))
 
@@ -148,7 +149,7 @@ def _system(k, g, beta, precision):
     _, decay = _decays(g)
     kk = _dot("...ihk,...jhk->...hij", k, k, precision=precision)  # once per key head, shared by its G value heads
     beta_c = jnp.moveaxis(beta, -3, -1)
-    row, col = jnp.arange(C)[:, None], jnp.arange(C)[None, :]
+    row, col = np.arange(C)[:, None], np.arange(C)[None, :]
     return jnp.where(row > col, beta_c[..., :, None] * kk[..., None, :, :] * decay, 0.0)
 
 
