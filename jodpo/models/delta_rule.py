@@ -135,8 +135,9 @@ def _decays(g):
     """gamma ``[..., Hk, G, C]``, the cumulative log-decay up to each position of the chunk, and the decays between
     positions D_ij = exp(gamma_i - gamma_j) (i >= j; 0 above the diagonal) ``[..., Hk, G, C, C]``."""
     C = g.shape[-3]
-    gamma = jnp.moveaxis(jnp.cumsum(g, axis=-3), -3, -1)
     row, col = np.arange(C)[:, None], np.arange(C)[None, :]
+    # the running sum as a matmul with a lower triangular matrix of ones (XLA:CPU lowers cumsum to a reduce-window)
+    gamma = _dot("ij,...jhg->...hgi", (row >= col).astype(np.float32), g, precision="highest")
     # Above the diagonal gamma_i - gamma_j > 0 and its exp could overflow: masked before the exp, not after.
     return gamma, jnp.exp(jnp.where(row >= col, gamma[..., :, None] - gamma[..., None, :], -jnp.inf))
 
