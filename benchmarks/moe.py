@@ -14,8 +14,8 @@ and a decode step (``--decode-tokens`` tokens, one per sequence, forward only): 
 and transformers, with how many experts' weights the tiles read (the experts the tokens chose; the dense reference
 reads every expert's). Beside the training row, one expert's gate product at a tile's rows (``[t, hidden] x [hidden,
 width]``) through XLA's dot and torch's ``mm``, alternated, the fastest of 20 each: the product the tiles repeat, and
-where their time against transformers' goes. Medians of ``--repeats`` after one untimed call each; the loss is a fixed random weighting of
-the outputs, so every weight and the input have a gradient."""
+where their time against transformers' goes. Medians of ``--repeats`` after one untimed call each; the loss is a
+fixed random weighting of the outputs, so every weight and the input have a gradient."""
 from __future__ import annotations
 
 import statistics

@@ -120,7 +120,7 @@ def _unit_lower_inverse(A_NCC: jax.Array, precision) -> jax.Array:
     lower_left = lambda s: (row // (2 * s) == col // (2 * s)) & (row // s != col // s)  # noqa: E731  (of 2s-blocks)
     X = np.eye(P, dtype=A.dtype) - jnp.where(lower_left(1), A, 0.0)  # the blocks of 2 rows (X of 1 x 1 blocks: I)
     s = 2
-    while s < P:  # X A X's lower-left blocks are X B X's (X is block diagonal): the mask after the matmuls
+    while s < P:  # on the lower-left blocks X A X is X2 L21 X1 (X is block diagonal): the mask after the matmuls
         X = X - jnp.where(lower_left(s), _dot("...ij,...jk,...kl->...il", X, A, X, precision=precision), 0.0)
         s *= 2
     return X[..., :C, :C]
@@ -136,7 +136,8 @@ def _decays(g):
     positions D_ij = exp(gamma_i - gamma_j) (i >= j; 0 above the diagonal) ``[..., Hk, G, C, C]``."""
     C = g.shape[-3]
     row, col = np.arange(C)[:, None], np.arange(C)[None, :]
-    # the running sum as a matmul with a lower triangular matrix of ones (XLA:CPU lowers cumsum to a reduce-window)
+    # the running sum as a matmul with a lower triangular matrix of ones (XLA:CPU lowers cumsum to a reduce-window),
+    # in float32 whatever the model's precision, as the sum was: every decay is an exponential of it
     gamma = _dot("ij,...jhg->...hgi", (row >= col).astype(np.float32), g, precision="highest")
     # Above the diagonal gamma_i - gamma_j > 0 and its exp could overflow: masked before the exp, not after.
     return gamma, jnp.exp(jnp.where(row >= col, gamma[..., :, None] - gamma[..., None, :], -jnp.inf))
