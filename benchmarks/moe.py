@@ -167,7 +167,7 @@ def bench_moe(args) -> dict:
             if "ragged_dot" in med:
                 row["ratio_ragged_dot_over_tiles"] = med["ragged_dot"] / med["tiles"]
             if train:
-                row["expert_product"] = _expert_product(moe._tile(T * shape["top_k"], shape["experts"]),
+                row["expert_product"] = _expert_product(moe.cpu_tile(T * shape["top_k"], shape["experts"]),
                                                         shape["hidden"], shape["width"])
             if not train:  # the experts whose weights the tiles read: those the tokens chose
                 _, _, chosen = moe.route(model, pj["router"], xj)

@@ -159,7 +159,7 @@ def test_a_decode_step_runs_only_the_tiles_of_the_chosen_experts():
         jax.block_until_ready(moe.grouped_tiles(model, p, x, jnp.asarray(sizes)))
     finally:
         moe.einsum = real_einsum
-    assert moe._tile(M, E) == 8 and len(ran) == 4 * 3  # a tile for each of the four experts chosen, of 58
+    assert moe.cpu_tile(M, E) == 8 and len(ran) == 4 * 3  # a tile for each of the four experts chosen, of 58
 
 
 def test_fused_expert_tensors_load_as_the_per_expert_ones(checkpoints):

@@ -135,10 +135,8 @@ def _decays(g):
     """gamma ``[..., Hk, G, C]``, the cumulative log-decay up to each position of the chunk, and the decays between
     positions D_ij = exp(gamma_i - gamma_j) (i >= j; 0 above the diagonal) ``[..., Hk, G, C, C]``."""
     C = g.shape[-3]
+    gamma = jnp.moveaxis(jnp.cumsum(g, axis=-3), -3, -1)
     row, col = np.arange(C)[:, None], np.arange(C)[None, :]
-    # the running sum as a matmul with a lower triangular matrix of ones (XLA:CPU lowers cumsum to a reduce-window),
-    # in float32 whatever the model's precision, as the sum was: every decay is an exponential of it
-    gamma = _dot("ij,...jhg->...hgi", (row >= col).astype(np.float32), g, precision="highest")
     # Above the diagonal gamma_i - gamma_j > 0 and its exp could overflow: masked before the exp, not after.
     return gamma, jnp.exp(jnp.where(row >= col, gamma[..., :, None] - gamma[..., None, :], -jnp.inf))
 

@@ -124,7 +124,7 @@ def _swiglu(model: Model, x, w_gate, w_up, w_down, spec_in: str = "td,df->tf", s
     return recomputed(down)(gate, up, w_down.astype(x.dtype))
 
 
-def _tile(rows: int, experts: int) -> int:
+def cpu_tile(rows: int, experts: int) -> int:
     """The CPU's tile of rows: a quarter more than an expert gets on average (``rows / experts``), in multiples of 8
     from 8 to 128, so that most experts fill one tile and few rows are padding. One layer's forward and backward over
     256 tokens on a 2-core CPU, float32, in one run: OLMoE's shape (32 rows an expert) tiles of 32: 2.30 s, 40: 2.07,
@@ -138,7 +138,7 @@ def grouped_tiles(model: Model, p: Params, x_MD: jax.Array, sizes_E: jax.Array) 
     tiles those fill, each through its expert's weights (the tiles past them are never visited: they run nothing and
     read no weights). Its backward is ``_tiles_bwd``'s."""
     (M, D), E = x_MD.shape, sizes_E.shape[0]
-    t = _tile(M, E)
+    t = cpu_tile(M, E)
     n = -(-(M + E * (t - 1)) // t)  # enough tiles for any split of M rows over E experts
     sizes = jnp.append(sizes_E, M - jnp.sum(sizes_E))  # group E: the rows of no expert here, in tiles never run
     padded = jnp.append((sizes_E + t - 1) // t * t, sizes[E])
