@@ -171,9 +171,12 @@ def bench_moe(args) -> dict:
                                                         shape["hidden"], shape["width"])
             if not train:  # the experts whose weights the tiles read: those the tokens chose
                 _, _, chosen = moe.route(model, pj["router"], xj)
-                used = len(np.unique(np.asarray(chosen)))
+                counts = np.bincount(np.asarray(chosen).ravel(), minlength=shape["experts"])
+                t = moe.cpu_tile(int(counts.sum()), shape["experts"])
+                reads = int(np.sum(-(-counts // t)))  # a tile reads its expert's weights: one per tile run
                 per_expert = 3 * shape["hidden"] * shape["width"] * 4
-                row |= {"experts_read": used, "experts": shape["experts"], "weight_bytes_read": used * per_expert,
+                row |= {"experts_read": int(np.sum(counts > 0)), "experts": shape["experts"], "tile_rows": t,
+                        "expert_weight_reads": reads, "weight_bytes_read": reads * per_expert,
                         "weight_bytes_dense": shape["experts"] * per_expert}
             rows.append(row)
         rows[-1]["transformers_experts_implementation"] = rows[-2]["transformers_experts_implementation"] = \
@@ -186,15 +189,15 @@ def print_moe(result: dict) -> None:
     print(f"one MoE layer (router + experts), {result.get('dtype', 'float32')}, median of {result['repeats']} (s); "
           f"ratios: x / tiles")
     print(f"{'shape':>14s}{'phase':>8s}{'T':>6s}{'tiles':>9s}{'ragged':>9s}{'dense':>9s}{'transf.':>9s}"
-          f"{'transf./t':>11s}{'dense/t':>9s}{'ragged/t':>10s}  experts read  transformers' experts")
+          f"{'transf./t':>11s}{'dense/t':>9s}{'ragged/t':>10s}          experts read  transformers' experts")
     for r in result["rows"]:
         m = r["median_s"]
-        read = f"{r['experts_read']}/{r['experts']}" if "experts_read" in r else ""
+        read = f"{r['experts_read']}/{r['experts']} ({r['expert_weight_reads']} reads)" if "experts_read" in r else ""
         ragged = m.get("ragged_dot", float("nan"))
         print(f"{r['shape']:>14s}{r['phase']:>8s}{r['tokens']:6d}{m['tiles']:9.3f}{ragged:9.3f}"
               f"{m['dense']:9.3f}{m['transformers']:9.3f}{r['ratio_transformers_over_tiles']:10.2f}x"
               f"{r['ratio_dense_over_tiles']:8.2f}x{r.get('ratio_ragged_dot_over_tiles', float('nan')):9.2f}x"
-              f"  {read:>12s}  {r['transformers_experts_implementation']}")
+              f"  {read:>20s}  {r['transformers_experts_implementation']}")
     for r in result["rows"]:
         if g := r.get("expert_product"):
             print(f"{r['shape']:>14s}: one expert's product at {g['rows']} rows (a tile): XLA {g['xla_ms']:.2f} ms "

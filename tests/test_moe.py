@@ -143,11 +143,16 @@ def test_a_gpu_runs_ragged_dot_for_few_rows_and_the_tiles_for_many():
         assert ("chlo.ragged_dot" in text, "stablehlo.while" in text) == (ragged, not ragged), tokens
 
 
-def test_a_decode_step_runs_only_the_tiles_of_the_chosen_experts():
-    """Eight tokens choosing 2 of 64 experts: at most 16 of the tiles hold rows (8 rows a tile); the loop stops at the
-    last of them and never visits the others, so the step reads only the chosen experts' weights."""
+@pytest.mark.parametrize("tile", [None, 8])
+def test_a_decode_step_runs_only_the_tiles_of_the_chosen_experts(tile, monkeypatch):
+    """Eight tokens choosing 2 of 64 experts, here four of them: the CPU's tiles of one row (a decode step's experts get
+    a row or two), 16 of them, each of a chosen expert; or tiles of 8 rows, four of them hold rows, of the 58 a split
+    of 16 rows could need: the loop stops at the last of them and never visits the others, so the step reads only the
+    chosen experts' weights (each once a tile)."""
     model, p = _tiny_block(E=64, k=2)
     M, E = 16, 64
+    if tile:
+        monkeypatch.setattr(moe, "cpu_tile", lambda rows, experts: tile)
     sizes = np.zeros(E, np.int32)
     sizes[[3, 9, 10, 40]] = [5, 4, 4, 3]
     ran = []
@@ -159,7 +164,7 @@ def test_a_decode_step_runs_only_the_tiles_of_the_chosen_experts():
         jax.block_until_ready(moe.grouped_tiles(model, p, x, jnp.asarray(sizes)))
     finally:
         moe.einsum = real_einsum
-    assert moe.cpu_tile(M, E) == 8 and len(ran) == 4 * 3  # a tile for each of the four experts chosen, of 58
+    assert moe.cpu_tile(M, E) == (tile or 1) and len(ran) == (4 if tile else 16) * 3
 
 
 def test_fused_expert_tensors_load_as_the_per_expert_ones(checkpoints):
