@@ -336,7 +336,8 @@ def test_a_decode_step_moves_little_more_than_its_weights_and_cache():
 def test_the_moe_layer_benchmark_times_the_same_layer_four_ways():
     """bench.py moe at a tiny shape: all four sides timed in both phases, the tiles' loss equal to transformers' sparse
     block's on the same weights (so the ratios compare one layer; the sides' equality itself is tests/test_moe.py's),
-    the ratios those of the medians, and a decode step reading the weights of the experts its tokens chose, once a tile."""
+    the ratios those of the medians, and a decode step reading the weights of the experts its tokens chose, once a
+    tile."""
     import argparse
 
     moe = helpers.benchmark("moe")
