@@ -98,6 +98,14 @@ def test_the_compilation_cache_keeps_programs_across_processes(tmp_path, cache_h
     assert backend.set_compilation_cache(None) is None  # off: nothing read or written
     _compile_fresh()
     assert len(cache_hits) == 1 and sorted((tmp_path / "xla").iterdir()) == sorted(written)
+    # "auto" with the directory already jax's (JAX_COMPILATION_CACHE_DIR, read when jax starts): the same settings
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "env"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)  # jax's defaults
+    jax.config.update("jax_compilation_cache_max_size", -1)
+    assert backend.set_compilation_cache("auto", min_compile_time_secs=0) == tmp_path / "env"
+    assert jax.config.jax_persistent_cache_min_compile_time_secs == 0
+    _compile_fresh()
+    assert (tmp_path / "env" / ".lockfile").exists() and len(list((tmp_path / "env").iterdir())) > 1
 
 
 def test_auto_cache_dir_follows_jodpo_cache(monkeypatch, tmp_path):

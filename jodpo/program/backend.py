@@ -153,9 +153,6 @@ def set_compilation_cache(directory: str | None, min_compile_time_secs: float = 
     if directory == "auto":
         directory = jax.config.jax_compilation_cache_dir or str(default_cache_dir())
     path = Path(directory).expanduser().absolute() if directory else None
-    current = jax.config.jax_compilation_cache_dir
-    if (str(path) if path else None) == current and compilation_cache.is_initialized():
-        return path
     if path is not None:
         path.mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", str(path) if path else None)
@@ -164,7 +161,9 @@ def set_compilation_cache(directory: str | None, min_compile_time_secs: float = 
     # an entry another is still writing (the hosts of a job on one disk, or the test suite's two workers), and
     # recompile with a warning. 32 GiB, the least recently used programs evicted past it.
     jax.config.update("jax_compilation_cache_max_size", CACHE_MAX_BYTES)
-    # jax reads the directory once, at its first compile: start over so that this one is used from now on
+    # jax reads the directory and the limit once, at its first compile: start over so that these are used from now on
+    # (also when the directory is the one jax already had, from JAX_COMPILATION_CACHE_DIR: jax's own default, 1 s and
+    # no limit, no lock, held until this reset)
     compilation_cache.reset_cache()
     return path
 
