@@ -2,11 +2,13 @@
 and the run's precision (and its frozen models' compute form) reaching every model it builds."""
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import pytest
+from jax._src import compilation_cache
 
 from jodpo.program import backend
 from jodpo.program import run
@@ -79,9 +81,9 @@ def cache_hits():
     backend.set_compilation_cache("auto")  # the session's cache again (tests/conftest.py)
 
 
-def _compile_fresh():
-    """A new jitted function each time (no in-memory cache hit), the same program each time."""
-    return jax.jit(lambda x: jnp.tanh(x @ x.T).sum()).lower(jnp.ones((64, 64))).compile()
+def _compile_fresh(n: int = 64):
+    """A new jitted function each time (no in-memory cache hit), the same program each time (for each ``n``)."""
+    return jax.jit(lambda x: jnp.tanh(x @ x.T).sum()).lower(jnp.ones((n, n))).compile()
 
 
 def test_the_compilation_cache_keeps_programs_across_processes(tmp_path, cache_hits):
@@ -98,14 +100,23 @@ def test_the_compilation_cache_keeps_programs_across_processes(tmp_path, cache_h
     assert backend.set_compilation_cache(None) is None  # off: nothing read or written
     _compile_fresh()
     assert len(cache_hits) == 1 and sorted((tmp_path / "xla").iterdir()) == sorted(written)
-    # "auto" with the directory already jax's (JAX_COMPILATION_CACHE_DIR, read when jax starts): the same settings
-    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "env"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)  # jax's defaults
+    # "auto" with the directory already jax's (JAX_COMPILATION_CACHE_DIR, read when jax starts), which a process with
+    # jax's defaults (1 s, no size limit) wrote a program into: the same settings, and the directory still written to
+    env = tmp_path / "env"
+    jax.config.update("jax_compilation_cache_dir", str(env))
     jax.config.update("jax_compilation_cache_max_size", -1)
-    assert backend.set_compilation_cache("auto", min_compile_time_secs=0) == tmp_path / "env"
-    assert jax.config.jax_persistent_cache_min_compile_time_secs == 0
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    compilation_cache.reset_cache()
     _compile_fresh()
-    assert (tmp_path / "env" / ".lockfile").exists() and len(list((tmp_path / "env").iterdir())) > 1
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    assert len(list(env.glob("*-cache"))) == 1 and not list(env.glob("*-atime"))
+    assert backend.set_compilation_cache("auto", min_compile_time_secs=0) == env
+    assert jax.config.jax_persistent_cache_min_compile_time_secs == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # jax warns where it cannot write an entry
+        _compile_fresh(32)
+    kept = lambda suffix: {f.name.removesuffix(suffix) for f in env.glob(f"*{suffix}")}  # noqa: E731
+    assert (env / ".lockfile").exists() and len(kept("-cache")) > 1 and kept("-cache") == kept("-atime")
 
 
 def test_auto_cache_dir_follows_jodpo_cache(monkeypatch, tmp_path):

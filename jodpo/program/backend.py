@@ -155,6 +155,7 @@ def set_compilation_cache(directory: str | None, min_compile_time_secs: float = 
     path = Path(directory).expanduser().absolute() if directory else None
     if path is not None:
         path.mkdir(parents=True, exist_ok=True)
+        _date_unlimited_entries(path)
     jax.config.update("jax_compilation_cache_dir", str(path) if path else None)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", min_compile_time_secs)
     # A size limit turns on jax's file lock around every read and write of the cache: without one, a process can read
@@ -166,6 +167,20 @@ def set_compilation_cache(directory: str | None, min_compile_time_secs: float = 
     # no limit, no lock, held until this reset)
     compilation_cache.reset_cache()
     return path
+
+
+def _date_unlimited_entries(path: Path) -> None:
+    """Give each program that jax kept in ``path`` without a size limit (a process with JAX_COMPILATION_CACHE_DIR and
+    jax's defaults) the last-use time that jax's eviction reads for every entry once a limit is set: without it each
+    write into the directory fails (jax warns and keeps nothing). Dated by the file's own time, under jax's lock."""
+    import filelock
+    from jax._src import lru_cache
+
+    with filelock.FileLock(path / ".lockfile", timeout=60):
+        for entry in path.glob(f"*{lru_cache._CACHE_SUFFIX}"):
+            used = entry.with_name(entry.name.removesuffix(lru_cache._CACHE_SUFFIX) + lru_cache._ATIME_SUFFIX)
+            if not used.exists():
+                used.write_bytes(entry.stat().st_mtime_ns.to_bytes(8, "little"))
 
 
 def cache_for_this_job() -> str | None:
