@@ -1,5 +1,6 @@
 """jodpo.program.backend: deterministic GPU kernels and the persistent compilation cache, set up before jax starts;
 and the run's precision (and its frozen models' compute form) reaching every model it builds."""
+import os
 import subprocess
 import sys
 import warnings
@@ -67,6 +68,11 @@ def test_a_command_gives_xla_cpu_four_threads_a_device_for_its_collectives():
     assert warning.startswith("warning: jax started 8 CPU devices with fewer than 32 threads"), warning
 
 
+def _the_suites_cache():
+    """The suite's compilation cache again (tests/conftest.py), as "auto" chose it when jax had no directory."""
+    backend.set_compilation_cache(os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(backend.default_cache_dir()))
+
+
 @pytest.fixture
 def cache_hits():
     hits = []
@@ -78,7 +84,7 @@ def cache_hits():
     jax.monitoring.register_event_listener(listen)
     yield hits
     jax.monitoring.unregister_event_listener(listen)
-    backend.set_compilation_cache("auto")  # the session's cache again (tests/conftest.py)
+    _the_suites_cache()
 
 
 def _compile_fresh(n: int = 64):
@@ -166,3 +172,16 @@ def test_a_command_says_jodpos_warnings_in_one_line(monkeypatch):
     assert said == "jodpo.train: DIR: its vision tower (3 tensors) is left out\n"
     other = warnings.formatwarning("theirs", UserWarning, "/elsewhere/lib.py", 7)
     assert other.startswith("/elsewhere/lib.py:7: UserWarning: theirs")
+
+
+def test_the_cache_threshold_is_half_a_second_unless_the_environment_sets_jax_s(tmp_path, monkeypatch):
+    try:
+        monkeypatch.delenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", raising=False)
+        backend.set_compilation_cache(str(tmp_path / "xla"))
+        assert jax.config.jax_persistent_cache_min_compile_time_secs == 0.5
+        monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.25")
+        backend.set_compilation_cache(str(tmp_path / "xla"))
+        assert jax.config.jax_persistent_cache_min_compile_time_secs == 0.25
+    finally:
+        monkeypatch.undo()
+        _the_suites_cache()

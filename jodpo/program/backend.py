@@ -143,12 +143,16 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("JODPO_CACHE", Path.home() / ".cache" / "jodpo")) / "xla"
 
 
-def set_compilation_cache(directory: str | None, min_compile_time_secs: float = 0.5) -> Path | None:
+def set_compilation_cache(directory: str | None, min_compile_time_secs: float | None = None) -> Path | None:
     """Keep compiled programs in ``directory`` across processes (jax's persistent compilation cache), so a
     restarted or resumed run skips its compiles. ``"auto"``: a directory already given to jax
     (``JAX_COMPILATION_CACHE_DIR``) or else ``$JODPO_CACHE/xla`` (``~/.cache/jodpo/xla``); ``None`` or ``""``:
-    off. Programs that compile in under ``min_compile_time_secs`` are not worth a file and are not kept."""
+    off. Programs that compile in under ``min_compile_time_secs`` are not worth a file and are not kept (None: jax's
+    ``JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS`` where the environment sets it, else 0.5 s)."""
     from jax._src import compilation_cache
+
+    if min_compile_time_secs is None:
+        min_compile_time_secs = float(os.environ.get("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", 0.5))
 
     if directory == "auto":
         directory = jax.config.jax_compilation_cache_dir or str(default_cache_dir())
