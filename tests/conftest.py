@@ -71,8 +71,13 @@ if not (_ACCELERATOR or os.environ.get("JODPO_TEST_FULL_OPT")):
 import pytest
 
 import jodpo
-from jodpo.program.backend import set_compilation_cache
+from jodpo.program.backend import CACHE_MAX_BYTES, set_compilation_cache
 from tests import hf_fixtures
+
+# Every child process of the suite that compiles (also those that never call jodpo's set_compilation_cache) bounds the
+# cache as jodpo does: a process without a bound writes programs without the last-use file that a bounded one's
+# eviction reads beside each entry, and that one's next write then fails (seen: 30 warnings a session)
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(CACHE_MAX_BYTES))
 
 # Every test process keeps its compiled programs in the suite's compilation cache (above; where the training runs and
 # the subprocesses keep theirs): a program that another worker, a subprocess or an earlier session compiled is read,

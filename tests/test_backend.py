@@ -185,3 +185,14 @@ def test_the_cache_threshold_is_half_a_second_unless_the_environment_sets_jax_s(
     finally:
         monkeypatch.undo()
         _the_suites_cache()
+
+
+def test_a_cache_whose_lock_another_process_keeps_starts_with_a_warning(tmp_path, monkeypatch):
+    import filelock
+
+    monkeypatch.setattr(backend, "CACHE_LOCK_TIMEOUT_S", 0.1)
+    try:
+        with filelock.FileLock(tmp_path / ".lockfile"), pytest.warns(UserWarning, match="could not be dated"):
+            assert backend.set_compilation_cache(str(tmp_path)) == tmp_path
+    finally:
+        _the_suites_cache()

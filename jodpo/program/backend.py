@@ -137,6 +137,7 @@ def one_line_warnings(command: str) -> None:
 
 
 CACHE_MAX_BYTES = 32 * 2**30
+CACHE_LOCK_TIMEOUT_S = 60.0
 
 
 def default_cache_dir() -> Path:
@@ -177,14 +178,20 @@ def _date_unlimited_entries(path: Path) -> None:
     """Give each program that jax kept in ``path`` without a size limit (a process with JAX_COMPILATION_CACHE_DIR and
     jax's defaults) the last-use time that jax's eviction reads for every entry once a limit is set: without it each
     write into the directory fails (jax warns and keeps nothing). Dated by the file's own time, under jax's lock."""
+    import warnings
+
     import filelock
     from jax._src import lru_cache
 
-    with filelock.FileLock(path / ".lockfile", timeout=60):
-        for entry in path.glob(f"*{lru_cache._CACHE_SUFFIX}"):
-            used = entry.with_name(entry.name.removesuffix(lru_cache._CACHE_SUFFIX) + lru_cache._ATIME_SUFFIX)
-            if not used.exists():
-                used.write_bytes(entry.stat().st_mtime_ns.to_bytes(8, "little"))
+    try:
+        with filelock.FileLock(path / ".lockfile", timeout=CACHE_LOCK_TIMEOUT_S):
+            for entry in path.glob(f"*{lru_cache._CACHE_SUFFIX}"):
+                used = entry.with_name(entry.name.removesuffix(lru_cache._CACHE_SUFFIX) + lru_cache._ATIME_SUFFIX)
+                if not used.exists():
+                    used.write_bytes(entry.stat().st_mtime_ns.to_bytes(8, "little"))
+    except (OSError, filelock.Timeout) as e:  # a read-only directory, or one whose lock another process keeps
+        warnings.warn(f"compilation cache {path}: its programs could not be dated for jax's eviction ({e}); the run "
+                      "goes on, and jax may keep no new program there", stacklevel=3)
 
 
 def cache_for_this_job() -> str | None:
