@@ -198,9 +198,9 @@ def _tiles_bwd(model: Model, res, d_out_ntD):
     experts, which writes the three gradients whole (no buffer of zeros, nothing read back), then a loop adding in
     place the tiles past an expert's first (an expert with more rows than a tile). Adding every tile's products into
     zeros would read and write each expert's slot of all three once per tile (at OLMoE's layer over 256 tokens: 1.5 GiB
-    of zeros made and 4.6 GB more read and written a step; docs/performance.md). Autodiff of the
-    forward's loop would add a whole zero-padded copy of every weight's gradient per tile. The products read the
-    weights as they are stored, wide dimension first."""
+    of zeros made and 4.6 GB more read and written a step; docs/performance.md). Autodiff of the forward's loop would
+    add a whole zero-padded copy of every weight's gradient per tile. The products read the weights as they are
+    stored, wide dimension first."""
     w_gate, w_up, w_down, tiles_ntD, expert_n, used, gate_ntF, up_ntF = res
     (n, t, _), (E, _, F) = tiles_ntD.shape, w_gate.shape
     act = ACTIVATIONS[model.moe.activation]
