@@ -25,7 +25,7 @@ ratios within a run, not seconds across runs). docs/performance.md has the figur
                                    (Gated DeltaNet's delta rule, forward+backward: deltanet.py)
   python benchmarks/bench.py depth [--models qwen3-0.6b qwen3.5-0.8b gemma-3-1b gemma-4-e2b] [--prompts 8]
                                 [--prompt-len 128] [--completion-len 64] [--remat full] [--no-sample] [--repeats 3]
-                                [--out F.json]
+                                [--layers N] [--tpu v6e:1x1] [--out F.json]
                                 (compile time and XLA temporaries per layer at real configs: depth.py)
   python benchmarks/bench.py moe [--shapes olmoe-1b-7b qwen3-30b-a3b] [--tokens 256] [--decode-tokens 8]
                               [--repeats 3] [--out F.json]  (one MoE layer: tiles, ragged_dot, dense, transformers)

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from harness import Phases, disturbance_warning
+from memory import compile_devices
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 GB = 1e9
@@ -34,17 +35,27 @@ def add_parser(sub) -> None:
     s.add_argument("--remat", default="full", choices=("full", "dots"))
     s.add_argument("--no-sample", action="store_true", help="skip the sampler's compile")
     s.add_argument("--repeats", type=int, default=1, help="compile each program this many times, keep the fastest")
+    s.add_argument("--layers", type=int, help="each model cut to its first N layers (the config's num_hidden_layers "
+                   "and layer_types): one period of a 2026 family, to compile quickly")
+    s.add_argument("--tpu", metavar="TOPOLOGY", help="compile for one chip of this TPU topology with libtpu, ahead of "
+                   "time (e.g. v6e:1x1; as bench.py memory --tpu): XLA:TPU's compile seconds and temporaries")
     s.add_argument("--out", type=Path)
 
 
-def model_of(name: str, dtype: str = "bfloat16"):
-    """The ``Model`` of ``benchmarks/configs/NAME.json`` (compute in ``dtype``)."""
+def model_of(name: str, dtype: str = "bfloat16", layers: int | None = None):
+    """The ``Model`` of ``benchmarks/configs/NAME.json`` (compute in ``dtype``), cut to its first ``layers``."""
     import tempfile
 
     from jodpo.models.loading import model_from_dir
 
+    raw = json.loads((CONFIGS / f"{name}.json").read_text())
+    if layers is not None:
+        text = raw.get("text_config", raw)  # a *ForConditionalGeneration's language model
+        text["num_hidden_layers"] = layers
+        if "layer_types" in text:
+            text["layer_types"] = text["layer_types"][:layers]
     with tempfile.TemporaryDirectory() as d:
-        (Path(d) / "config.json").write_text((CONFIGS / f"{name}.json").read_text())
+        (Path(d) / "config.json").write_text(json.dumps(raw))
         return model_from_dir(Path(d), "causal_lm", dtype)
 
 
@@ -68,10 +79,13 @@ def measure(name: str, args) -> dict:
     import jodpo
     from jodpo.losses import completion_logprobs
 
-    model = model_of(name)
-    params = jax.eval_shape(lambda: jodpo.init_params(model, jax.random.key(0)))  # float32 master weights
+    model = model_of(name, layers=args.layers)
+    # float32 master weights, abstract; on a TPU chip's device where --tpu names one (jax itself stays on the CPU)
+    sharding = jax.sharding.SingleDeviceSharding(compile_devices(args)[0]) if args.tpu else None
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+                          jax.eval_shape(lambda: jodpo.init_params(model, jax.random.key(0))))
     B, P, C = args.prompts, args.prompt_len, args.completion_len
-    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32, sharding=sharding)  # noqa: E731
     batch = (i32(B, P), i32(B, P), i32(2 * B, C), i32(2 * B, C))
     out = {"model": name, "layers": model.num_layers, "kinds": sorted(set(model.kinds))}
     for remat in (args.remat, "none"):
@@ -108,7 +122,8 @@ def bench_depth(args) -> dict:
         rows.append(measure(name, args))
         phases.end(name)
         print(json.dumps(rows[-1]), flush=True)
-    return {"settings": {k: getattr(args, k) for k in ("prompts", "prompt_len", "completion_len", "remat", "repeats")},
+    return {"settings": {k: getattr(args, k) for k in ("prompts", "prompt_len", "completion_len", "remat", "repeats",
+                                                       "layers", "tpu")},
             "models": rows, "cores_taken_by_others_share": phases.foreign}
 
 
