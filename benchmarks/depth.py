@@ -131,7 +131,9 @@ def print_depth(result: dict) -> None:
     s = result["settings"]
     print(f"\n{s['prompts']} prompts of {s['prompt_len']} tokens, two completions of {s['completion_len']}; bf16 "
           f"compute, float32 weights; remat {s['remat']} (temporaries without remat beside); compile seconds the "
-          f"fewest of {s.get('repeats', 1)}")
+          f"fewest of {s.get('repeats', 1)}"
+          + (f"; each config's first {s['layers']} layers" if s.get("layers") else "")
+          + (f"; compiled by XLA:TPU for one chip of {s['tpu']}" if s.get("tpu") else ""))
     print("| model | layers | grad compile s (per layer) | grad temporaries GB (per layer) | without remat GB | "
           "remat saves | sample compile s (per layer) |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
