@@ -189,7 +189,8 @@ def _high_water_kib(pid: int) -> int:
 def run_cell(cmd: list[str], path: Path, timeout_s: float) -> dict:
     """One cell's compile (``cmd``, a process of its own that writes ``path``) for at most ``timeout_s`` seconds.
     Returns its wall and CPU seconds (``os.wait4``) and its peak host memory (its high-water resident set, read every
-    0.2 s), also kept in the cell's JSON (``host``). A compile still running at ``timeout_s`` is stopped and its
+    0.2 s), and the libtpu flags it ran with (``LIBTPU_INIT_ARGS``, where set), also kept in the cell's JSON
+    (``host``). A compile still running at ``timeout_s`` is stopped and its
     cell written as not compiled in that time; a process that fails otherwise stops the grid."""
     t = time.perf_counter()
     proc = subprocess.Popen(cmd)
@@ -208,6 +209,8 @@ def run_cell(cmd: list[str], path: Path, timeout_s: float) -> dict:
     proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait for it again
     host = {"wall_s": round(time.perf_counter() - t, 1), "cpu_s": round(usage.ru_utime + usage.ru_stime, 1),
             "peak_rss_gib": round(peak_kib / 2 ** 20, 2)}
+    if os.environ.get("LIBTPU_INIT_ARGS"):  # XLA:TPU's flags change its compile time (docs/tpu.md: scoped VMEM)
+        host["libtpu_init_args"] = os.environ["LIBTPU_INIT_ARGS"]
     if timed_out:
         path.write_text(json.dumps({"compiled": {"online_step": {"timeout_s": timeout_s}}, "host": host}, indent=2))
     elif proc.returncode != 0:

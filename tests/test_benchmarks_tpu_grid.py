@@ -54,8 +54,9 @@ def test_the_grid_settles_cells_from_compiled_ones_and_floors(tmp_path):
     assert "| gemma-3-1b | ? (floor 14.9) |" in proc.stdout and (out / "qwen3-4b_v5p-1x1x1_full.json").exists()
 
 
-def test_a_cell_compiles_for_at_most_its_time_and_keeps_its_host_numbers(tmp_path):
+def test_a_cell_compiles_for_at_most_its_time_and_keeps_its_host_numbers(tmp_path, monkeypatch):
     tpu_grid = helpers.benchmark("tpu_grid")
+    monkeypatch.delenv("LIBTPU_INIT_ARGS", raising=False)
     done, slow = tmp_path / "done.json", tmp_path / "slow.json"
     # a compile that finishes writes its cell (as bench.py memory does); the grid adds its wall and CPU seconds and
     # its peak host memory: this child's own, 64 MiB held (not the grid's, which spawned it)
@@ -66,10 +67,14 @@ def test_a_cell_compiles_for_at_most_its_time_and_keeps_its_host_numbers(tmp_pat
     host = tpu_grid.run_cell([sys.executable, "-c", write], done, timeout_s=60)
     kept = json.loads(done.read_text())
     assert kept["host"] == host and kept["compiled"]["online_step"] == {"peak_mib": 1.0}
+    assert "libtpu_init_args" not in host
     assert host["cpu_s"] >= 0.3 and host["wall_s"] >= host["cpu_s"] - 0.1 and 0.0625 <= host["peak_rss_gib"] < 0.5
-    # one still running at its time is stopped, and its cell kept as not compiled in that time
+    # one still running at its time is stopped, and its cell kept as not compiled in that time, with the libtpu
+    # flags it was compiled with
+    monkeypatch.setenv("LIBTPU_INIT_ARGS", "--xla_tpu_scoped_vmem_limit_kib=8192")
     host = tpu_grid.run_cell([sys.executable, "-c", "import time; time.sleep(60)"], slow, timeout_s=1)
     assert 1 <= host["wall_s"] < 30 and host["peak_rss_gib"] < 0.0625
+    assert host["libtpu_init_args"] == "--xla_tpu_scoped_vmem_limit_kib=8192"
     assert json.loads(slow.read_text()) == {"compiled": {"online_step": {"timeout_s": 1}}, "host": host}
     assert tpu_grid.verdict(slow, 16.0) == (None, "not compiled in 1 s")
     # any other failure stops the grid, naming the command

@@ -1,6 +1,7 @@
 """The gated delta rule (jodpo.models.delta_rule): the chunked form equals the recurrence and a token-by-token numpy
 loop, both equal transformers' Qwen3-Next functions, the chunked form's recomputing backward equals autodiff of the
-recurrence, padding (ragged rows) changes nothing, and the recomputing backward holds less than autodiff would.
+recurrence, padding (ragged rows) changes nothing, the recomputing backward holds less than autodiff would, and the
+rows taken in turn equal the rows at once.
 
 Shapes are tiny and few (each is a compile): the functions are jitted once here and the cases share shapes."""
 import jax
@@ -196,3 +197,18 @@ def test_the_chunk_scan_holds_only_the_dots_that_read_or_write_the_state():
     body = scan.params["jaxpr"].jaxpr
     dots = [e for e in body.eqns if e.primitive.name == "dot_general"]
     assert len(dots) == 4, [str(e) for e in dots]
+
+
+def test_rows_in_turn_equal_rows_at_once():
+    """``rows_in_turn``: the rows two at a time (as on two devices) in a loop around the chunk scan: the same outputs,
+    state and gradient as all rows at once (the same operations, batched otherwise: a few float32 roundings)."""
+    T, C, G, _ = CASES[2]
+    x = inputs(T, G, seed=2, Bs=4)
+    way = lambda turn: lambda *a: chunked_delta_rule(*a, chunk=C, row_parts=2, rows_in_turn=turn)  # noqa: E731
+    loops = [jax.jit(way(t)).lower(*x).as_text().count("stablehlo.while") for t in (False, True)]
+    assert loops == [1, 2], loops
+    for a, b in zip(jax.jit(way(True))(*x), jax.jit(way(False))(*x)):
+        assert_close(a, b, rtol=2e-6)
+    grads = [jax.jit(jax.grad(loss(way(t)), argnums=ARGS))(*x) for t in (False, True)]
+    for name, a, b in zip(("q", "k", "v", "g", "beta", "state"), *grads):
+        assert_close(a, b, rtol=2e-6, name=name)

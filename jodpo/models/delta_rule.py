@@ -253,24 +253,42 @@ def _chunked_bwd(chunk, precision, res, cts):
 _chunked_recomputing.defvjp(_chunked_fwd, _chunked_bwd)
 
 
-def _chunked(q, k, v, g, beta, state, chunk: int, recompute: bool, precision: str):
+def _rows_in_turn(rows, parts: int):
+    """``rows`` (a function of the rows' inputs and states) on ``parts`` rows at a time in a ``lax.map``: the rows
+    split ``[parts, B / parts]`` so that each turn takes one row from each of the ``parts`` devices the batch is split
+    over (its leading part), and no device waits for another's rows."""
+    def in_turn(*xs):
+        B = xs[0].shape[0]
+        split = lambda x: jnp.swapaxes(x.reshape(parts, B // parts, *x.shape[1:]), 0, 1)  # noqa: E731
+        ys = jax.lax.map(lambda x: rows(*x), [split(x) for x in xs])
+        return tuple(jnp.swapaxes(y, 0, 1).reshape(B, *y.shape[2:]) for y in ys)
+    return in_turn
+
+
+def _chunked(q, k, v, g, beta, state, chunk: int, recompute: bool, precision: str, row_parts: int = 1,
+             rows_in_turn: bool = False):
     B, T, Hk, Dk = k.shape
     Hv, Dv = v.shape[-2:]
     S = _initial_state(state, B, Hk, Hv // Hk, Dk, Dv)
     if T == 0:
         return jnp.zeros((B, 0, Hv, Dv), jnp.float32), S.reshape(B, Hv, Dk, Dv)
     chunk = min(chunk, T)  # a sequence shorter than a chunk is one chunk of its own length, not padded
-    if recompute:
-        out_NBCHGV, S = _chunked_recomputing(q, k, v, g, beta, S, chunk, precision)
-    else:
-        out_NBCHGV, S, _ = _forward(_chunked_inputs(q, k, v, g, beta, chunk), S, precision)
-    N = out_NBCHGV.shape[0]
-    out_BTVD = jnp.moveaxis(out_NBCHGV, 0, 1).reshape(B, N * chunk, Hv, Dv)[:, :T]
+
+    def rows(q, k, v, g, beta, S):
+        if recompute:
+            out_NBCHGV, S = _chunked_recomputing(q, k, v, g, beta, S, chunk, precision)
+        else:
+            out_NBCHGV, S, _ = _forward(_chunked_inputs(q, k, v, g, beta, chunk), S, precision)
+        N = out_NBCHGV.shape[0]
+        return jnp.moveaxis(out_NBCHGV, 0, 1).reshape(q.shape[0], N * chunk, Hv, Dv)[:, :T], S
+
+    in_turn = rows_in_turn and row_parts < B and B % row_parts == 0
+    out_BTVD, S = (_rows_in_turn(rows, row_parts) if in_turn else rows)(q, k, v, g, beta, S)
     return out_BTVD, S.reshape(B, Hv, Dk, Dv)
 
 
-def chunked_delta_rule(q, k, v, g, beta, state=None, chunk: int = 64,
-                       precision: str = "highest") -> tuple[jax.Array, jax.Array]:
+def chunked_delta_rule(q, k, v, g, beta, state=None, chunk: int = 64, precision: str = "highest",
+                       row_parts: int = 1, rows_in_turn: bool = False) -> tuple[jax.Array, jax.Array]:
     """The gated delta rule chunk by chunk: the same outputs and final state as ``recurrent_delta_rule`` (up to
     float32 rounding), computed ``chunk`` tokens at a time in the WY/UT form (one unit lower triangular system per
     chunk and value head, solved by its inverse) with a ``lax.scan`` over the chunks.
@@ -286,16 +304,22 @@ def chunked_delta_rule(q, k, v, g, beta, state=None, chunk: int = 64,
       chunk: tokens per chunk (static). T is padded up to a multiple of it with positions that neither write nor
         decay; a T below it is one chunk of T tokens.
       precision: the float32 dots' (static), as ``recurrent_delta_rule``'s.
+      row_parts: how many devices the rows (B) are split over, in equal leading parts (static; the caller's mesh).
+      rows_in_turn: the rows ``row_parts`` at a time (one a device) in a ``lax.map`` instead of all at once
+        (static): the same numbers, a compile that does not grow with the batch, ``B / row_parts`` times the
+        sequential steps. XLA:TPU emits a batch of small float32 matmuls (a chunk's 64 x 64 systems) whole as
+        straight-line code: at Qwen3.5-0.8B's heads, 16 rows of 192 tokens, this gradient compiles for a v6e in 70 s
+        all at once, 12-17 s one row a turn, 84 s four rows a turn (docs/tpu.md).
 
     Returns:
       ``(out [B, T, Hv, Dv], state [B, Hv, Dk, Dv])``, both float32.
     """
-    return _chunked(q, k, v, g, beta, state, chunk, True, precision)
+    return _chunked(q, k, v, g, beta, state, chunk, True, precision, row_parts, rows_in_turn)
 
 
-def chunked_delta_rule_autodiff(q, k, v, g, beta, state=None, chunk: int = 64,
-                                precision: str = "highest") -> tuple[jax.Array, jax.Array]:
+def chunked_delta_rule_autodiff(q, k, v, g, beta, state=None, chunk: int = 64, precision: str = "highest",
+                                row_parts: int = 1, rows_in_turn: bool = False) -> tuple[jax.Array, jax.Array]:
     """``chunked_delta_rule`` without its custom backward: jax differentiates through the scan over chunks, keeping
     each chunk's state and intermediates from the forward. The same forward; the reference its gradient and memory
     are measured against (tests/test_delta_rule.py, ``bench.py deltanet``)."""
-    return _chunked(q, k, v, g, beta, state, chunk, False, precision)
+    return _chunked(q, k, v, g, beta, state, chunk, False, precision, row_parts, rows_in_turn)
