@@ -212,3 +212,5 @@ def test_rows_in_turn_equal_rows_at_once():
     grads = [jax.jit(jax.grad(loss(way(t)), argnums=ARGS))(*x) for t in (False, True)]
     for name, a, b in zip(("q", "k", "v", "g", "beta", "state"), *grads):
         assert_close(a, b, rtol=2e-6, name=name)
+    with pytest.raises(ValueError, match="row_parts=3 does not divide the 4 rows"):
+        chunked_delta_rule(*x, chunk=C, row_parts=3, rows_in_turn=True)

@@ -282,7 +282,10 @@ def _chunked(q, k, v, g, beta, state, chunk: int, recompute: bool, precision: st
         N = out_NBCHGV.shape[0]
         return jnp.moveaxis(out_NBCHGV, 0, 1).reshape(q.shape[0], N * chunk, Hv, Dv)[:, :T], S
 
-    in_turn = rows_in_turn and row_parts < B and B % row_parts == 0
+    if rows_in_turn and B % row_parts:
+        raise ValueError(f"chunked_delta_rule: row_parts={row_parts} does not divide the {B} rows; pass the number "
+                         "of devices the batch is split over (a divisor of B), or rows_in_turn=False")
+    in_turn = rows_in_turn and row_parts < B  # (as many parts as rows: one turn, all at once)
     out_BTVD, S = (_rows_in_turn(rows, row_parts) if in_turn else rows)(q, k, v, g, beta, S)
     return out_BTVD, S.reshape(B, Hv, Dk, Dv)
 
@@ -304,7 +307,8 @@ def chunked_delta_rule(q, k, v, g, beta, state=None, chunk: int = 64, precision:
       chunk: tokens per chunk (static). T is padded up to a multiple of it with positions that neither write nor
         decay; a T below it is one chunk of T tokens.
       precision: the float32 dots' (static), as ``recurrent_delta_rule``'s.
-      row_parts: how many devices the rows (B) are split over, in equal leading parts (static; the caller's mesh).
+      row_parts: how many devices the rows (B) are split over, in equal leading parts (static; the caller's mesh; a
+        divisor of B).
       rows_in_turn: the rows ``row_parts`` at a time (one a device) in a ``lax.map`` instead of all at once
         (static): the same numbers, a compile that does not grow with the batch, ``B / row_parts`` times the
         sequential steps. XLA:TPU emits a batch of small float32 matmuls (a chunk's 64 x 64 systems) whole as
@@ -317,9 +321,9 @@ def chunked_delta_rule(q, k, v, g, beta, state=None, chunk: int = 64, precision:
     return _chunked(q, k, v, g, beta, state, chunk, True, precision, row_parts, rows_in_turn)
 
 
-def chunked_delta_rule_autodiff(q, k, v, g, beta, state=None, chunk: int = 64, precision: str = "highest",
-                                row_parts: int = 1, rows_in_turn: bool = False) -> tuple[jax.Array, jax.Array]:
+def chunked_delta_rule_autodiff(q, k, v, g, beta, state=None, chunk: int = 64,
+                                precision: str = "highest") -> tuple[jax.Array, jax.Array]:
     """``chunked_delta_rule`` without its custom backward: jax differentiates through the scan over chunks, keeping
     each chunk's state and intermediates from the forward. The same forward; the reference its gradient and memory
     are measured against (tests/test_delta_rule.py, ``bench.py deltanet``)."""
-    return _chunked(q, k, v, g, beta, state, chunk, False, precision, row_parts, rows_in_turn)
+    return _chunked(q, k, v, g, beta, state, chunk, False, precision)
