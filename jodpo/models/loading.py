@@ -258,8 +258,8 @@ def _per_expert(tensors: Iterator[tuple[str, np.ndarray]], fused) -> Iterator[tu
 def load_params(model: Model, path: Path, dtype=jnp.float32, place=None, tensors=None) -> Params:
     """Stream the checkpoint's tensors into layer-stacked host arrays; each leaf goes to the device (and
     its host copy is freed) as soon as all its layers are in, so the peak stays near twice the model.
-    ``place(leaf_path, host_array)`` puts a leaf on the devices (default: ``jax.device_put``, which copies it to the default device
-    without compiling anything: ``jnp.asarray`` compiles a program for each new shape); ``tensors`` yields
+    ``place(leaf_path, host_array)`` puts a leaf on the devices (default: ``jax.device_put`` to the default device,
+    which compiles nothing: ``jnp.asarray`` compiles a program for each new shape); ``tensors`` yields
     ``(transformers name, array)`` pairs (default: the directory's safetensors or .bin files)."""
     np_dtype = np.dtype(jnp.dtype(dtype))
     leaves: dict[tuple[str, ...], np.ndarray] = {}  # host buffers still being filled
