@@ -159,8 +159,8 @@ def test_recomputing_backward_keeps_less_than_autodiff():
     """XLA's temporaries of the gradient at T = 256 in chunks of 16 (C = D, so a chunk's C x C intermediates are the
     size of its state): autodiff through the chunk scan keeps every chunk's state and its intermediates (the decays,
     the writes, the system's inverse's levels) for the backward; the recomputing backward keeps the inputs, the
-    state before each chunk and each chunk's inverse (C x C a value head), beside arrays the size of the inputs (the
-    chunks' terms, computed for all chunks at once; their cotangents) and one chunk's intermediates at a time."""
+    state before each chunk and each chunk's inverse (C x C a value head), beside arrays the size of the inputs (a
+    group's terms, computed for its chunks at once; the inputs' cotangents) and one chunk's intermediates at a time."""
     Bs, T, H, D, C = 1, 256, 2, 16, 16
     sd = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)  # noqa: E731
     args = (sd(Bs, T, H, D), sd(Bs, T, H, D), sd(Bs, T, H, D), sd(Bs, T, H), sd(Bs, T, H), sd(Bs, H, D, D))
@@ -179,10 +179,11 @@ def test_recomputing_backward_keeps_less_than_autodiff():
 
 def test_the_chunk_scan_holds_only_the_dots_that_read_or_write_the_state():
     """Issue 60: the work that does not depend on the state (the decays, k k^T, the triangular system's inverse, U and
-    W, q k^T) runs for all chunks at once before the sequential scan; its body is the four dots that read or write
-    the state (the writes U - W S, the reads q S, the chunk's own writes read through P, the state's update)."""
+    W, q k^T) runs for a group's chunks at once before the sequential scan through them; its body is the four dots
+    that read or write the state (the writes U - W S, the reads q S, the chunk's own writes read through P, the
+    state's update). Five chunks in groups of 2: three groups, a scan over them around the chunk scan."""
     T, C, G, _ = CASES[2]
-    jaxpr = jax.make_jaxpr(lambda *a: chunked_delta_rule(*a, chunk=C))(*inputs(T, G)).jaxpr
+    jaxpr = jax.make_jaxpr(lambda *a: chunked_delta_rule(*a, chunk=C, group=2))(*inputs(T, G)).jaxpr
 
     def scans(j):
         for e in j.eqns:
@@ -193,10 +194,32 @@ def test_the_chunk_scan_holds_only_the_dots_that_read_or_write_the_state():
                 if inner is not None:
                     yield from scans(getattr(inner, "jaxpr", inner))
 
-    [scan] = list(scans(jaxpr))
-    body = scan.params["jaxpr"].jaxpr
-    dots = [e for e in body.eqns if e.primitive.name == "dot_general"]
+    groups, chunk_scan = list(scans(jaxpr))
+    assert groups.params["length"] == 3 and chunk_scan.params["length"] == 2
+    dots = [e for e in chunk_scan.params["jaxpr"].jaxpr.eqns if e.primitive.name == "dot_general"]
     assert len(dots) == 4, [str(e) for e in dots]
+
+
+def test_any_group_and_one_row_equal_the_default():
+    """The chunks a group at a time (1, 2: T padded to whole groups) and one row alone (no row axis inside) give the
+    outputs, state and gradient of the default; float32 roundings of differently batched matmuls apart."""
+    T, C, G, _ = CASES[2]
+    x = inputs(T, G, seed=3)
+    way = lambda **kw: jax.jit(jax.value_and_grad(loss(lambda *a: chunked_delta_rule(*a, chunk=C, **kw)),  # noqa: E731
+                                                  argnums=ARGS))
+    want_loss, want = way()(*x)
+    for group in (1, 2):
+        got_loss, got = way(group=group)(*x)
+        assert_close(got_loss, want_loss, rtol=2e-6)
+        for name, a, b in zip(("q", "k", "v", "g", "beta", "state"), got, want):
+            assert_close(a, b, rtol=2e-6, name=f"group={group}: {name}")
+    row = [a[:1] for a in x]
+    for a, b in zip(jax.jit(lambda *a: chunked_delta_rule(*a, chunk=C))(*row), chunked(*x, chunk=C)):
+        assert_close(a, np.asarray(b)[:1], rtol=2e-6)
+    _, got = way()(*row)
+    _, want = way()(*[np.concatenate([a[:1], np.zeros_like(a[1:])]) for a in x])  # row 1 adds nothing to row 0's
+    for name, a, b in zip(("q", "k", "v", "g", "beta", "state"), got, want):
+        assert_close(a, np.asarray(b)[:1], rtol=2e-6, name=f"one row: {name}")
 
 
 def test_rows_in_turn_equal_rows_at_once():
@@ -206,7 +229,7 @@ def test_rows_in_turn_equal_rows_at_once():
     x = inputs(T, G, seed=2, Bs=4)
     way = lambda turn: lambda *a: chunked_delta_rule(*a, chunk=C, row_parts=2, rows_in_turn=turn)  # noqa: E731
     loops = [jax.jit(way(t)).lower(*x).as_text().count("stablehlo.while") for t in (False, True)]
-    assert loops == [1, 2], loops
+    assert loops[1] == loops[0] + 1, loops  # (the groups' and chunks' scans, and the rows' loop around them)
     for a, b in zip(jax.jit(way(True))(*x), jax.jit(way(False))(*x)):
         assert_close(a, b, rtol=2e-6)
     grads = [jax.jit(jax.grad(loss(way(t)), argnums=ARGS))(*x) for t in (False, True)]

@@ -154,5 +154,7 @@ def test_a_rematerialised_period_gives_the_gradients_of_none(checkpoints, family
              np.ones((4, 5), np.int32))
     grads = {remat: jax.jit(jax.grad(lambda p, m=model.replace(remat=remat): completion_logprobs(m, p, *batch).sum()))(
         params) for remat in ("full", "none")}
+    # float32 roundings apart: DeltaNet's log-decay gradients (a_log, dt_bias) sum over every position with
+    # cancellation, and each of the two is 0.5-2.5e-5 (relative to the largest) from a float64 gradient (2026-12-03)
     for got, want in zip(jax.tree.leaves(grads["full"]), jax.tree.leaves(grads["none"])):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=4e-5 * np.abs(want).max())

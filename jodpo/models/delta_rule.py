@@ -1,7 +1,7 @@
 """The gated delta rule, the recurrence at the core of Gated DeltaNet (Qwen3.5's linear-attention layers), as pure,
 jittable functions: token by token (``recurrent_delta_rule``, also the sampler's one-token decode step) and chunk by
-chunk in the WY/UT form (``chunked_delta_rule``, for training and prefill), whose backward recomputes the states
-instead of keeping them from the forward.
+chunk in the WY/UT form (``chunked_delta_rule``, for training and prefill), whose backward keeps one state a chunk
+from the forward and recomputes everything else a chunk at a time.
 
 The semantics are transformers' ``torch_recurrent_gated_delta_rule`` / ``torch_chunk_gated_delta_rule``
 (models/qwen3_next), per value head, token by token::
@@ -34,12 +34,16 @@ def _dot(spec: str, *operands: jax.Array, precision) -> jax.Array:
     return jnp.einsum(spec, *operands, precision=jax.lax.Precision(precision))
 
 
+def _check_heads(Hk: int, Hv: int) -> None:
+    if Hv % Hk:
+        raise ValueError(f"the value heads ({Hv}) must be a multiple of the key heads ({Hk})")
+
+
 def _grouped(q_BTHD, k_BTHD, v_BTVD, g_BTV, beta_BTV):
     """float32 copies, the value heads (and g, beta) split into [Hk, G]; q and k keep their Hk heads."""
     B, T, Hk, _ = k_BTHD.shape
     Hv, Dv = v_BTVD.shape[-2:]
-    if Hv % Hk:
-        raise ValueError(f"the value heads ({Hv}) must be a multiple of the key heads ({Hk})")
+    _check_heads(Hk, Hv)
     G = Hv // Hk
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
     return (f32(q_BTHD), f32(k_BTHD), f32(v_BTVD).reshape(B, T, Hk, G, Dv), f32(g_BTV).reshape(B, T, Hk, G),
@@ -126,16 +130,18 @@ def _unit_lower_inverse(A_NCC: jax.Array, precision) -> jax.Array:
     return X[..., :C, :C]
 
 
-# The chunks' terms, written for any leading axes: all N chunks at once (``[N, B, ...]``, batched matmuls before the
-# sequential scan) or one chunk inside a scan (``[B, ...]``). A chunk's inputs as ``_chunked_inputs`` lays them out:
-# q, k ``[..., C, Hk, Dk]``, v ``[..., C, Hk, G, Dv]``, g, beta ``[..., C, Hk, G]``.
+# The chunks' terms, written for any leading axes: a group's n chunks at once (``[n, B, ...]``, batched matmuls
+# before the sequential scan over them) or one chunk inside a scan (``[B, ...]``; one row may come without its row
+# axis). A chunk's inputs as ``_heads_first`` lays them out, heads before positions so that every dot is a plain
+# batched matmul over the leading axes: q, k ``[..., Hk, C, Dk]``, v ``[..., Hk, G, C, Dv]``, g, beta
+# ``[..., Hk, G, C]``.
 
 
 def _decays(g):
     """gamma ``[..., Hk, G, C]``, the cumulative log-decay up to each position of the chunk, and the decays between
     positions D_ij = exp(gamma_i - gamma_j) (i >= j; 0 above the diagonal) ``[..., Hk, G, C, C]``."""
-    C = g.shape[-3]
-    gamma = jnp.moveaxis(jnp.cumsum(g, axis=-3), -3, -1)
+    C = g.shape[-1]
+    gamma = jnp.cumsum(g, axis=-1)
     row, col = np.arange(C)[:, None], np.arange(C)[None, :]
     # Above the diagonal gamma_i - gamma_j > 0 and its exp could overflow: masked before the exp, not after.
     return gamma, jnp.exp(jnp.where(row >= col, gamma[..., :, None] - gamma[..., None, :], -jnp.inf))
@@ -145,90 +151,149 @@ def _system(k, g, beta, precision):
     """The strictly lower triangular A of the chunk's unit lower triangular system (I + A):
     A_ij = beta_i (k_i . k_j) D_ij below the diagonal (the UT transform: each write corrects for the earlier writes of
     the chunk that its key reads back)."""
-    C = k.shape[-3]
+    C = k.shape[-2]
     _, decay = _decays(g)
-    kk = _dot("...ihk,...jhk->...hij", k, k, precision=precision)  # once per key head, shared by its G value heads
-    beta_c = jnp.moveaxis(beta, -3, -1)
+    kk = _dot("...ik,...jk->...ij", k, k, precision=precision)  # once per key head, shared by its G value heads
     row, col = np.arange(C)[:, None], np.arange(C)[None, :]
-    return jnp.where(row > col, beta_c[..., :, None] * kk[..., None, :, :] * decay, 0.0)
+    return jnp.where(row > col, beta[..., :, None] * kk[..., None, :, :] * decay, 0.0)
+
+
+def _per_value_head(x, G):
+    """A key head's ``[..., Hk, C, D]`` read by each of its G value heads: ``[..., Hk, G, C, D]``."""
+    return jnp.broadcast_to(x[..., None, :, :], (*x.shape[:-2], G, *x.shape[-2:]))
 
 
 def _terms(q, k, v, g, beta, inverse, precision):
     """What the chunk's scan step reads, from its inputs and ``(I + A)^-1``:
       U, W   the chunk's writes are ``U - W S`` for the state S before it: (I + A) [U W] = [beta v, beta k e^gamma];
       P      ``(q_i . k_j) D_ij``: how each position reads the chunk's own writes;
-      q, eg  the queries and ``e^gamma``: how each position reads the state before the chunk;
-      k, tail  the keys and each write's decay to the chunk's end, ``e^(gamma_C - gamma_i)`` (1 at the chunk's end:
-             the whole chunk's decay of the state before it is ``eg``'s last)."""
+      qe     ``q e^gamma``: how each position reads the state before the chunk (the decay on the query, not on the
+             read: the backward's cotangent of e^gamma is then elementwise, not one more product with the state);
+      k, tail  the keys and each write's decay to the chunk's end, ``e^(gamma_C - gamma_i)``;
+      last   the whole chunk's decay of the state before it, ``e^gamma_C``."""
+    G = v.shape[-3]
     gamma, decay = _decays(g)
-    beta_c, eg = jnp.moveaxis(beta, -3, -1), jnp.exp(gamma)
-    k_hc = jnp.moveaxis(k, -3, -2)  # [..., Hk, C, Dk]
-    U = _dot("...ij,...jd->...id", inverse, jnp.moveaxis(v, -4, -2) * beta_c[..., None], precision=precision)
-    W = _dot("...ij,...jd->...id", inverse, k_hc[..., None, :, :] * (beta_c * eg)[..., None], precision=precision)
-    P = _dot("...ihk,...jhk->...hij", q, k, precision=precision)[..., None, :, :] * decay
-    return U, W, P, q, k, eg, jnp.exp(gamma[..., -1:] - gamma)
+    eg = jnp.exp(gamma)
+    U = _dot("...ij,...jd->...id", inverse, v * beta[..., None], precision=precision)
+    W = _dot("...ij,...jd->...id", inverse, _per_value_head(k, G) * (beta * eg)[..., None], precision=precision)
+    P = _dot("...ik,...jk->...ij", q, k, precision=precision)[..., None, :, :] * decay
+    qe = _per_value_head(q, G) * eg[..., None]
+    return U, W, P, qe, k, jnp.exp(gamma[..., -1:] - gamma), eg[..., -1]
 
 
 def _chunk_step(S_BHGKV, x, precision):
     """One chunk of C tokens from the state before it (its ``_terms``): the state after it and the chunk's outputs
-    ``[B, C, Hk, G, Dv]``, equal to C steps of ``_token_step``. Only what reads or writes the state: four dots."""
-    U, W, P, q_BCHK, k_BCHK, eg_BHGC, tail_BHGC = x
-    new_BHGCV = U - _dot("bhgck,bhgkv->bhgcv", W, S_BHGKV, precision=precision)  # the chunk's writes
-    inter_BCHGV = (_dot("bchk,bhgkv->bchgv", q_BCHK, S_BHGKV, precision=precision)
-                   * jnp.einsum("bhgc->bchg", eg_BHGC)[..., None])  # the state before, decayed to each position
-    intra_BCHGV = _dot("bhgij,bhgjv->bihgv", P, new_BHGCV, precision=precision)  # the chunk's own writes, read
-    S_BHGKV = (S_BHGKV * eg_BHGC[..., -1, None, None]  # each write decays from its position to the chunk's end
-               + _dot("bchk,bhgcv->bhgkv", k_BCHK, new_BHGCV * tail_BHGC[..., None], precision=precision))
-    return S_BHGKV, inter_BCHGV + intra_BCHGV
+    ``[B, Hk, G, C, Dv]``, equal to C steps of ``_token_step``. Only what reads or writes the state: four dots, each a
+    batched matmul over (B, Hk, G)."""
+    U, W, P, qe_BHGCK, k_BHCK, tail_BHGC, last_BHG = x
+    new_BHGCV = U - _dot("...ck,...kv->...cv", W, S_BHGKV, precision=precision)  # the chunk's writes
+    inter_BHGCV = _dot("...ck,...kv->...cv", qe_BHGCK, S_BHGKV, precision=precision)  # the state before, decayed
+    intra_BHGCV = _dot("...ij,...jv->...iv", P, new_BHGCV, precision=precision)  # the chunk's own writes, read
+    S_BHGKV = (S_BHGKV * last_BHG[..., None, None]  # each write decays from its position to the chunk's end
+               + _dot("...ck,...cv->...kv", _per_value_head(k_BHCK, U.shape[-3]), new_BHGCV * tail_BHGC[..., None],
+                      precision=precision))
+    return S_BHGKV, inter_BHGCV + intra_BHGCV
 
 
-def _chunked_inputs(q, k, v, g, beta, chunk: int):
-    """The grouped float32 inputs padded to whole chunks (k = v = q = 0, beta = g = 0: no write, no decay) and laid
-    out chunk-major: ``[N, B, C, ...]``."""
-    T = k.shape[1]
+def _group_size(N: int, group: int) -> int:
+    """Chunks a group for N chunks in groups of at most ``group``: as many groups as ``group`` needs, as even as they
+    go, so that padding N to whole groups adds fewer chunks than there are groups."""
+    return -(-N // -(-N // group))
+
+
+def _chunked_inputs(q, k, v, g, beta, chunk: int, group: int):
+    """The inputs, in their own dtype, padded to whole groups of ``group`` whole chunks (k = v = q = 0, beta = g = 0:
+    no write, no decay) and laid out chunk-major: ``[N, B, C, H, (D)]``, or ``[N, C, H, (D)]`` for one row passed
+    without its row axis. One row's is then a view of its inputs, where a unit row axis moved behind N would be
+    copied: XLA:CPU lays out an array with a transposed unit axis that enters a loop again, a copy of the whole
+    array."""
+    rows = q.ndim - 3  # 1, or 0 without the row axis
+    T = k.shape[rows]
     N = -(-T // chunk)
+    N = -(-N // group) * group
+    _check_heads(k.shape[-2], v.shape[-2])
     out = []
-    for x in _grouped(q, k, v, g, beta):
-        x = jnp.pad(x, [(0, 0), (0, N * chunk - T)] + [(0, 0)] * (x.ndim - 2))
-        out.append(jnp.moveaxis(x.reshape(x.shape[0], N, chunk, *x.shape[2:]), 1, 0))
-    return out
+    for x in (q, k, v, g, beta):
+        x = jnp.pad(x, [(0, 0)] * rows + [(0, N * chunk - T)] + [(0, 0)] * (x.ndim - rows - 1))
+        x = x.reshape(*x.shape[:rows], N, chunk, *x.shape[rows + 1:])
+        out.append(jnp.swapaxes(x, 0, 1) if rows else x)
+    return tuple(out)
 
 
-def _forward(xs, S, precision):
-    """The chunks' inverses and terms for all chunks at once, then the scan over them: (outputs, state, inverses)."""
-    q, k, v, g, beta = xs
-    inverse = _unit_lower_inverse(_system(k, g, beta, precision), precision)
-    S, out_NBCHGV = jax.lax.scan(functools.partial(_chunk_step, precision=precision), S,
-                                 _terms(*xs, inverse, precision=precision))
-    return out_NBCHGV, S, inverse
+def _heads_first(q, k, v, g, beta):
+    """A chunk's inputs (any leading axes, ``[..., C, H, (D)]``) with the value heads split into [Hk, G] and the heads
+    before the positions, as the terms read them: q, k ``[..., Hk, C, Dk]``, v ``[..., Hk, G, C, Dv]``, g, beta
+    ``[..., Hk, G, C]``. (Split here, not before: XLA:CPU copies an array that enters a loop with a unit axis, G = 1,
+    to lay that axis out again.)"""
+    Hk = k.shape[-2]
+    q, k, v, g, beta = (x.astype(jnp.float32) for x in (q, k, v, g, beta))
+    split = lambda x: x.reshape(*x.shape[:-1], Hk, x.shape[-1] // Hk)  # noqa: E731
+    return (jnp.swapaxes(q, -3, -2), jnp.swapaxes(k, -3, -2), _heads_first_v(v, Hk), jnp.moveaxis(split(g), -3, -1),
+            jnp.moveaxis(split(beta), -3, -1))
+
+
+def _heads_first_v(v, Hk):
+    """Values or their cotangents ``[..., C, Hv, Dv]`` as ``[..., Hk, G, C, Dv]``."""
+    return jnp.moveaxis(v.reshape(*v.shape[:-2], Hk, v.shape[-2] // Hk, v.shape[-1]), -4, -2)
+
+
+def _positions_first(out):
+    """A chunk's outputs ``[..., Hk, G, C, Dv]`` as ``[..., C, Hv, Dv]`` (the inverse of ``_heads_first_v``)."""
+    out = jnp.moveaxis(out, -2, -4)
+    return out.reshape(*out.shape[:-3], -1, out.shape[-1])
+
+
+def _in_groups(group_step, carry, xs, group: int):
+    """``group_step(carry, xs_of_a_group) -> (carry, ys)`` over the chunks ``group`` at a time (a ``lax.scan`` over
+    the groups, none for one group; N a multiple of ``group``); the ys of every chunk back as ``[N, ...]``. Each
+    group's xs are sliced out of the whole arrays in the loop (a view), not read from a copy laid out by group."""
+    N = jax.tree.leaves(xs)[0].shape[0]
+    if group == N:
+        return group_step(carry, xs)
+
+    def one_group(carry, i):
+        return group_step(carry, jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, i * group, group), xs))
+
+    carry, ys = jax.lax.scan(one_group, carry, jnp.arange(N // group))
+    return carry, jax.tree.map(lambda y: y.reshape(N, *y.shape[2:]), ys)
+
+
+def _forward(xs, S, precision, group):
+    """The chunks a group at a time: the group's systems, inverses and terms for all its chunks at once (batched
+    matmuls; a group's, not the sequence's, so that they hold a group's memory), then the scan through its chunks.
+    Returns the outputs ``[N, (B,) C, Hv, Dv]``, the state after the last chunk, each chunk's inverse and the state
+    before each chunk."""
+    step = functools.partial(_chunk_step, precision=precision)
+
+    def keeping_the_state(S, x):
+        S_after, out = step(S, x)
+        return S_after, (_positions_first(out), S)
+
+    def group_step(S, xs):
+        x = _heads_first(*xs)
+        inverse = _unit_lower_inverse(_system(*[x[i] for i in (1, 3, 4)], precision), precision)
+        S, (out, S_before) = jax.lax.scan(keeping_the_state, S, _terms(*x, inverse, precision=precision))
+        return S, (out, inverse, S_before)
+
+    S, (out, inverse, S_before) = _in_groups(group_step, S, xs, group)
+    return out, S, inverse, S_before
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def _chunked_recomputing(q, k, v, g, beta, S, chunk, precision):
-    return _forward(_chunked_inputs(q, k, v, g, beta, chunk), S, precision)[:2]
+def _chunked_recomputing(q, k, v, g, beta, S, precision, group):
+    return _forward((q, k, v, g, beta), S, precision, group)[:2]
 
 
-def _chunked_fwd(q, k, v, g, beta, S, chunk, precision):
-    # The inputs (in their own dtype), the initial state and each chunk's (I + A)^-1 cross to the backward, never a
-    # state per chunk: the backward inverts nothing again
-    out, S_last, inverse = _forward(_chunked_inputs(q, k, v, g, beta, chunk), S, precision)
-    return (out, S_last), (q, k, v, g, beta, S, inverse)
+def _chunked_fwd(q, k, v, g, beta, S, precision, group):
+    # The chunk-major inputs (in their own dtype), each chunk's (I + A)^-1 and the state before it cross to the
+    # backward: the backward inverts nothing again and runs no scan to find the states
+    out, S_last, inverse, S_before_N = _forward((q, k, v, g, beta), S, precision, group)
+    return (out, S_last), ((q, k, v, g, beta), inverse, S_before_N)
 
 
-def _chunked_bwd(chunk, precision, res, cts):
-    *inputs, S0, inverse = res
-    d_out_NBCHGV, d_S = cts
-    xs, inputs_vjp = jax.vjp(functools.partial(_chunked_inputs, chunk=chunk), *inputs)
-
-    # The states entering each chunk, from its inputs and inverse (a chunk's terms at a time: none kept for all)
-    def state_after(S, item):
-        x, X = item
-        U, W, _, _, k, eg, tail = _terms(*x, X, precision=precision)
-        new = U - _dot("bhgck,bhgkv->bhgcv", W, S, precision=precision)
-        return S * eg[..., -1, None, None] + _dot("bchk,bhgcv->bhgkv", k, new * tail[..., None],
-                                                  precision=precision), S
-
-    _, S_before_N = jax.lax.scan(state_after, S0, (xs, inverse))
+def _chunked_bwd(precision, group, res, cts):
+    xs, inverse, S_before_N = res
+    d_out, d_S = cts
 
     # Backward through the chunks, last first, each from the state before it and its inverse: the chunk's terms and
     # step differentiated together (their intermediates live for one iteration), then through the inverse
@@ -237,17 +302,18 @@ def _chunked_bwd(chunk, precision, res, cts):
 
     def chunk_back(d_S, item):
         x, X, S, d_out = item
+        x, heads_vjp = jax.vjp(_heads_first, *x)
         _, vjp = jax.vjp(lambda S, x, X: step(S, _terms(*x, X, precision=precision)), S, x, X)
-        d_S_before, d_x, d_X = vjp((d_S, d_out))
+        d_S_before, d_x, d_X = vjp((d_S, _heads_first_v(d_out, X.shape[-4])))
         d_A = -_dot("...ji,...jk,...lk->...il", X, d_X, X, precision=precision)
         q, k, v, g, beta = x
         _, system_vjp = jax.vjp(lambda k, g, beta: _system(k, g, beta, precision), k, g, beta)
         d_k, d_g, d_beta = system_vjp(d_A)
         d_q, d_k2, d_v, d_g2, d_beta2 = d_x
-        return d_S_before, (d_q, d_k + d_k2, d_v, d_g + d_g2, d_beta + d_beta2)
+        return d_S_before, heads_vjp((d_q, d_k + d_k2, d_v, d_g + d_g2, d_beta + d_beta2))
 
-    d_S0, d_xs = jax.lax.scan(chunk_back, d_S, (xs, inverse, S_before_N, d_out_NBCHGV), reverse=True)
-    return (*inputs_vjp(list(d_xs)), d_S0)
+    d_S0, d_xs = jax.lax.scan(chunk_back, d_S, (xs, inverse, S_before_N, d_out), reverse=True)
+    return (*d_xs, d_S0)
 
 
 _chunked_recomputing.defvjp(_chunked_fwd, _chunked_bwd)
@@ -265,7 +331,7 @@ def _rows_in_turn(rows, parts: int):
     return in_turn
 
 
-def _chunked(q, k, v, g, beta, state, chunk: int, recompute: bool, precision: str, row_parts: int = 1,
+def _chunked(q, k, v, g, beta, state, chunk: int, recompute: bool, precision: str, group: int, row_parts: int = 1,
              rows_in_turn: bool = False):
     B, T, Hk, Dk = k.shape
     Hv, Dv = v.shape[-2:]
@@ -273,14 +339,22 @@ def _chunked(q, k, v, g, beta, state, chunk: int, recompute: bool, precision: st
     if T == 0:
         return jnp.zeros((B, 0, Hv, Dv), jnp.float32), S.reshape(B, Hv, Dk, Dv)
     chunk = min(chunk, T)  # a sequence shorter than a chunk is one chunk of its own length, not padded
+    group = _group_size(-(-T // chunk), group)
 
-    def rows(q, k, v, g, beta, S):
+    def row_or_rows(q, k, v, g, beta, S):  # [B, T, ...] or one row's [T, ...]
+        xs = _chunked_inputs(q, k, v, g, beta, chunk, group)
         if recompute:
-            out_NBCHGV, S = _chunked_recomputing(q, k, v, g, beta, S, chunk, precision)
+            out, S = _chunked_recomputing(*xs, S, precision, group)
         else:
-            out_NBCHGV, S, _ = _forward(_chunked_inputs(q, k, v, g, beta, chunk), S, precision)
-        N = out_NBCHGV.shape[0]
-        return jnp.moveaxis(out_NBCHGV, 0, 1).reshape(q.shape[0], N * chunk, Hv, Dv)[:, :T], S
+            out, S = _forward(xs, S, precision, group)[:2]
+        N, lead = out.shape[0], out.shape[1:-3]  # out [N, (B,) C, Hv, Dv]
+        out = (jnp.swapaxes(out, 0, 1) if lead else out).reshape(*lead, N * chunk, Hv, Dv)
+        return out[..., :T, :, :], S
+
+    def rows(*xs):
+        if xs[0].shape[0] > 1:
+            return row_or_rows(*xs)
+        return tuple(y[None] for y in row_or_rows(*[x[0] for x in xs]))  # one row: without its row axis
 
     if rows_in_turn and B % row_parts:
         raise ValueError(f"chunked_delta_rule: row_parts={row_parts} does not divide the {B} rows; pass the number "
@@ -290,16 +364,21 @@ def _chunked(q, k, v, g, beta, state, chunk: int, recompute: bool, precision: st
     return out_BTVD, S.reshape(B, Hv, Dk, Dv)
 
 
-def chunked_delta_rule(q, k, v, g, beta, state=None, chunk: int = 64, precision: str = "highest",
+def chunked_delta_rule(q, k, v, g, beta, state=None, chunk: int = 64, precision: str = "highest", group: int = 4,
                        row_parts: int = 1, rows_in_turn: bool = False) -> tuple[jax.Array, jax.Array]:
     """The gated delta rule chunk by chunk: the same outputs and final state as ``recurrent_delta_rule`` (up to
     float32 rounding), computed ``chunk`` tokens at a time in the WY/UT form (one unit lower triangular system per
     chunk and value head, solved by its inverse) with a ``lax.scan`` over the chunks.
 
-    Its gradient is exact and cheap in memory: the forward keeps only its inputs and the initial state for the
-    backward, which recomputes the state before each chunk (a forward scan), then runs backward through the chunks
-    with each chunk's ``jax.vjp`` from its recomputed state. Autodiff through the scan instead would keep every
-    chunk's state and intermediates from the forward until the backward (``chunked_delta_rule_autodiff``).
+    The work that does not read the state (the decays, k k^T, each chunk's triangular system and its inverse, the
+    writes' U and W, q k^T) runs for ``group`` chunks at once, before the scan through them, whose body is the four
+    dots that read or write the state.
+
+    Its gradient is exact and cheap in memory: the forward keeps its inputs, each chunk's inverse and the state
+    before each chunk (one a chunk: ``chunk`` times fewer than the recurrence's autodiff keeps) for the backward,
+    which runs back through the chunks with each chunk's ``jax.vjp`` of its terms and step (their intermediates
+    live for one chunk). Autodiff through the scan instead would keep every chunk's intermediates from the forward
+    until the backward (``chunked_delta_rule_autodiff``).
 
     Args:
       q, k, v, g, beta, state: as ``recurrent_delta_rule``'s (q and k L2-normalised by the caller, q also scaled by
@@ -307,6 +386,9 @@ def chunked_delta_rule(q, k, v, g, beta, state=None, chunk: int = 64, precision:
       chunk: tokens per chunk (static). T is padded up to a multiple of it with positions that neither write nor
         decay; a T below it is one chunk of T tokens.
       precision: the float32 dots' (static), as ``recurrent_delta_rule``'s.
+      group: at most this many chunks' state-free work at once (static; the chunks split into as few groups as that
+        allows, as even as they go, T padded to whole groups): a group's terms are held at once, so the memory grows
+        with it; 4 (256 tokens) is about as fast on a CPU as the whole sequence at once (``bench.py deltanet``).
       row_parts: how many devices the rows (B) are split over, in equal leading parts (static; the caller's mesh; a
         divisor of B).
       rows_in_turn: the rows ``row_parts`` at a time (one a device) in a ``lax.map`` instead of all at once
@@ -318,12 +400,12 @@ def chunked_delta_rule(q, k, v, g, beta, state=None, chunk: int = 64, precision:
     Returns:
       ``(out [B, T, Hv, Dv], state [B, Hv, Dk, Dv])``, both float32.
     """
-    return _chunked(q, k, v, g, beta, state, chunk, True, precision, row_parts, rows_in_turn)
+    return _chunked(q, k, v, g, beta, state, chunk, True, precision, group, row_parts, rows_in_turn)
 
 
-def chunked_delta_rule_autodiff(q, k, v, g, beta, state=None, chunk: int = 64,
-                                precision: str = "highest") -> tuple[jax.Array, jax.Array]:
+def chunked_delta_rule_autodiff(q, k, v, g, beta, state=None, chunk: int = 64, precision: str = "highest",
+                                group: int = 4) -> tuple[jax.Array, jax.Array]:
     """``chunked_delta_rule`` without its custom backward: jax differentiates through the scan over chunks, keeping
     each chunk's state and intermediates from the forward. The same forward; the reference its gradient and memory
     are measured against (tests/test_delta_rule.py, ``bench.py deltanet``)."""
-    return _chunked(q, k, v, g, beta, state, chunk, False, precision)
+    return _chunked(q, k, v, g, beta, state, chunk, False, precision, group)
