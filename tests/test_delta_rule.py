@@ -216,6 +216,8 @@ def test_any_group_and_one_row_equal_the_default():
     row = [a[:1] for a in x]
     for a, b in zip(jax.jit(lambda *a: chunked_delta_rule(*a, chunk=C))(*row), chunked(*x, chunk=C)):
         assert_close(a, np.asarray(b)[:1], rtol=2e-6)
+    with pytest.raises(ValueError, match="group=0 must be at least 1"):
+        chunked_delta_rule(*x, chunk=C, group=0)
     _, got = way()(*row)
     _, want = way()(*[np.concatenate([a[:1], np.zeros_like(a[1:])]) for a in x])  # row 1 adds nothing to row 0's
     for name, a, b in zip(("q", "k", "v", "g", "beta", "state"), got, want):

@@ -333,6 +333,9 @@ def _rows_in_turn(rows, parts: int):
 
 def _chunked(q, k, v, g, beta, state, chunk: int, recompute: bool, precision: str, group: int, row_parts: int = 1,
              rows_in_turn: bool = False):
+    if group < 1 or chunk < 1:
+        raise ValueError(f"chunked_delta_rule: chunk={chunk} and group={group} must be at least 1 (tokens a chunk, "
+                         "chunks a group)")
     B, T, Hk, Dk = k.shape
     Hv, Dv = v.shape[-2:]
     S = _initial_state(state, B, Hk, Hv // Hk, Dk, Dv)
