@@ -2,8 +2,8 @@
 Qwen3.5-0.8B's sizes (16 key and 16 value heads of 128, batch 1), forward and backward, three ways in one
 run: jodpo's ``chunked_delta_rule`` (WY/UT chunks, the backward from a state saved a chunk) alternated with
 transformers' reference ``torch_chunk_gated_delta_rule`` (Qwen3-Next's, what Qwen3.5 runs without
-flash-linear-attention) under torch autograd, then jax's autodiff of the plain token-by-token recurrence (``recurrent_delta_rule``, a
-``lax.scan``) on its own; the median of ``--repeats`` after one untimed call each. Next to the times, XLA's temporaries
+flash-linear-attention) under torch autograd, then jax's autodiff of the plain token-by-token recurrence
+(``recurrent_delta_rule``, a ``lax.scan``) on its own; the median of ``--repeats`` after one untimed call each. Next to the times, XLA's temporaries
 (``memory_analysis()`` of the compiled gradient) of the recomputing backward, of autodiff through the recurrence and of
 autodiff through the same chunked scan (``chunked_delta_rule_autodiff``), and how far jodpo's outputs and gradients
 are from transformers'.
