@@ -1,12 +1,12 @@
-"""``bench.py deltanet``: one Gated DeltaNet core (the gated delta rule, ``jodpo.models.delta_rule``) at
-Qwen3.5-0.8B's sizes (16 key and 16 value heads of 128, batch 1), forward and backward, three ways in one
-run: jodpo's ``chunked_delta_rule`` (WY/UT chunks, the backward from a state saved a chunk) alternated with
-transformers' reference ``torch_chunk_gated_delta_rule`` (Qwen3-Next's, what Qwen3.5 runs without
-flash-linear-attention) under torch autograd, then jax's autodiff of the plain token-by-token recurrence
-(``recurrent_delta_rule``, a ``lax.scan``) on its own; the median of ``--repeats`` after one untimed call each. Next to the times, XLA's temporaries
-(``memory_analysis()`` of the compiled gradient) of the recomputing backward, of autodiff through the recurrence and of
-autodiff through the same chunked scan (``chunked_delta_rule_autodiff``), and how far jodpo's outputs and gradients
-are from transformers'.
+"""``bench.py deltanet``: one Gated DeltaNet core (the gated delta rule, ``jodpo.models.delta_rule``) at Qwen3.5-0.8B's
+sizes (16 key and 16 value heads of 128, batch 1), forward and backward, three ways in one run: jodpo's
+``chunked_delta_rule`` (WY/UT chunks, the backward from a state saved a chunk) alternated with transformers'
+reference ``torch_chunk_gated_delta_rule`` (Qwen3-Next's, what Qwen3.5 runs without flash-linear-attention) under
+torch autograd, then jax's autodiff of the plain token-by-token recurrence (``recurrent_delta_rule``, a ``lax.scan``)
+on its own; the median of ``--repeats`` after one untimed call each. Next to the times, XLA's temporaries
+(``memory_analysis()`` of the compiled gradient) of the recomputing backward, of autodiff through the recurrence and
+of autodiff through the same chunked scan (``chunked_delta_rule_autodiff``), and how far jodpo's outputs and
+gradients are from transformers'.
 
 The loss is a fixed random weighting of every output and of the final state, so every input has a gradient. The
 three read the same float32 inputs (q and k L2-normalised, g <= 0, beta in (0, 1), a random initial state);
