@@ -9,8 +9,9 @@ L2-normalised in float32, q scaled by Dk**-0.5; beta = sigmoid(b), g = -exp(A_lo
 float32; the gated delta rule (``jodpo.models.delta_rule``) with value head h reading key head h // (Hv / Hk); a
 gated RMSNorm of the output (w * norm(o), times SiLU(z)); the output projection.
 
-Its cache state, per layer: the convolution's window (the last ``conv_kernel - 1`` inputs of q, k, v) and the
-recurrent state ``[B, Hv, Dk, Dv]`` in float32: constant in the sequence's length. A prompt's state is computed once
+Its cache state, per layer: the convolution's window (the last ``conv_kernel - 1`` inputs of q, k, v, side by side
+per key head: ``[B, W - 1, Hk, 2 Dk + G Dv]`` with G = Hv / Hk) and the recurrent state ``[B, Hv, Dk, Dv]`` in
+float32: constant in the sequence's length. A prompt's state is computed once
 and every completion row continues from a copy of it (the shared-prompt layout and the sampler's tiled prefill).
 """
 from __future__ import annotations
@@ -23,7 +24,7 @@ from jodpo.models.layers import Context
 from jodpo.models.model import Model, Params, einsum
 
 WEIGHTS = ("in_q", "in_k", "in_v", "in_z", "in_b", "in_a", "out")  # the projections LoRA can adapt
-_CONV = (("q", "in_q", "conv_q"), ("k", "in_k", "conv_k"), ("v", "in_v", "conv_v"))
+_CONV = (("in_q", "conv_q"), ("in_k", "conv_k"), ("in_v", "conv_v"))  # q, k, v: one convolution (``_conv``)
 
 
 def specs(model: Model, n: int) -> dict:
@@ -56,21 +57,29 @@ def init(name: str, key: jax.Array, shape, dtype):
 def init_state(model: Model, batch: int, length: int, dtype) -> dict:
     d = model.deltanet
     W = d.conv_kernel - 1
-    return {"conv_q": jnp.zeros((batch, W, d.num_k_heads, d.k_head_dim), dtype),
-            "conv_k": jnp.zeros((batch, W, d.num_k_heads, d.k_head_dim), dtype),
-            "conv_v": jnp.zeros((batch, W, d.num_v_heads, d.v_head_dim), dtype),
+    per_key_head = 2 * d.k_head_dim + d.num_v_heads // d.num_k_heads * d.v_head_dim  # q, k and its G value heads
+    return {"conv": jnp.zeros((batch, W, d.num_k_heads, per_key_head), dtype),
             "rec": jnp.zeros((batch, d.num_v_heads, d.k_head_dim, d.v_head_dim), jnp.float32)}
 
 
 def _conv(x_BLHD, window_BWHD, w_KHD, last_BW):
     """The causal depthwise convolution and SiLU over ``window`` (the inputs before) and ``x``, as transformers'
     ``causal_conv1d_fn``/``_update`` (the sum in float32, the result rounded to the compute dtype, then SiLU);
-    returns the outputs and the new window: the inputs at ``last`` (``_window_slots``: the last real ones)."""
+    returns the outputs and the new window: the inputs at ``last`` (``_window_slots``: the last real ones). q, k and
+    v go through it as one (``_side_by_side``): every decode step of every DeltaNet layer compiles its own
+    convolution and window, a third as many operations as one each."""
     dt, W, L = x_BLHD.dtype, w_KHD.shape[0], x_BLHD.shape[1]
     xw = jnp.concatenate([window_BWHD.astype(dt), x_BLHD], 1)  # [B, W - 1 + L, H, D]
     y = sum(xw[:, j:j + L].astype(jnp.float32) * w_KHD[j].astype(dt).astype(jnp.float32) for j in range(W))
     y = jax.nn.silu(y.astype(dt).astype(jnp.float32)).astype(dt)
     return y, jnp.take_along_axis(xw, last_BW[:, :, None, None], 1)
+
+
+def _side_by_side(d, qkv):
+    """q, k ``[..., Hk, Dk]`` and v ``[..., Hv, Dv]`` (inputs or convolution weights) as one ``[..., Hk, 2 Dk + G Dv]``:
+    each key head beside its G value heads, so an axis that splits the heads over devices splits this one alike."""
+    q, k, v = qkv
+    return jnp.concatenate([q, k, v.reshape(*v.shape[:-2], d.num_k_heads, -1)], -1)
 
 
 def _window_slots(mask_BL, W: int):
@@ -101,10 +110,12 @@ def _run(model: Model, p: Params, x_BLD, mask_BL, state: dict) -> tuple[jax.Arra
     dt = x_BLD.dtype
     x = x_BLD * mask_BL[..., None].astype(dt)  # padding contributes nothing (transformers' apply_mask_to_padding)
     proj = lambda name, spec: einsum(model, spec, x, p[name].astype(dt))  # noqa: E731
-    qkv, new = {}, {}
-    last = _window_slots(mask_BL, model.deltanet.conv_kernel)
-    for key, w_in, w_conv in _CONV:
-        qkv[key], new[w_conv] = _conv(proj(w_in, "bld,dhk->blhk"), state[w_conv], p[w_conv], last)
+    d = model.deltanet
+    qkv, window = _conv(_side_by_side(d, [proj(w_in, "bld,dhk->blhk") for w_in, _ in _CONV]), state["conv"],
+                        _side_by_side(d, [p[w_conv] for _, w_conv in _CONV]), _window_slots(mask_BL, d.conv_kernel))
+    q, k, v = jnp.split(qkv, [d.k_head_dim, 2 * d.k_head_dim], -1)
+    v = v.reshape(*v.shape[:2], d.num_v_heads, d.v_head_dim)
+    new = {"conv": window}
     z = proj("in_z", "bld,dhk->blhk")
     # Padding is inert: no decay (g = 0) and no write (beta = 0), so the state after [x1 .. x5, pad, x6] is the state
     # after [x1 .. x6] (transformers runs sigmoid(0) and softplus(dt_bias) there: harmless only where the pads lead)
@@ -112,9 +123,9 @@ def _run(model: Model, p: Params, x_BLD, mask_BL, state: dict) -> tuple[jax.Arra
     beta = jax.nn.sigmoid(proj("in_b", "bld,dh->blh")) * real.astype(dt)
     g = -jnp.exp(p["a_log"].astype(dt).astype(jnp.float32)) * jax.nn.softplus(
         proj("in_a", "bld,dh->blh").astype(jnp.float32) + p["dt_bias"].astype(dt).astype(jnp.float32)) * real
-    q = _l2norm(qkv["q"]) * model.deltanet.k_head_dim ** -0.5
+    q = _l2norm(q) * d.k_head_dim ** -0.5
     rule = recurrent_delta_rule if x.shape[1] == 1 else chunked_delta_rule  # one decode step: no chunk to solve
-    o, new["rec"] = rule(q, _l2norm(qkv["k"]), qkv["v"], g, beta, state["rec"], precision=model.precision)
+    o, new["rec"] = rule(q, _l2norm(k), v, g, beta, state["rec"], precision=model.precision)
     o = _gated_norm(model, p["gnorm"], o.astype(dt), z)
     return einsum(model, "blhk,hkd->bld", o, p["out"].astype(dt)), new
 
