@@ -11,8 +11,8 @@ gated RMSNorm of the output (w * norm(o), times SiLU(z)); the output projection.
 
 Its cache state, per layer: the convolution's window (the last ``conv_kernel - 1`` inputs of q, k, v, side by side
 per key head: ``[B, W - 1, Hk, 2 Dk + G Dv]`` with G = Hv / Hk) and the recurrent state ``[B, Hv, Dk, Dv]`` in
-float32: constant in the sequence's length. A prompt's state is computed once
-and every completion row continues from a copy of it (the shared-prompt layout and the sampler's tiled prefill).
+float32: constant in the sequence's length. A prompt's state is computed once and every completion row continues from
+a copy of it (the shared-prompt layout and the sampler's tiled prefill).
 """
 from __future__ import annotations
 
@@ -66,8 +66,8 @@ def _conv(x_BLHD, window_BWHD, w_KHD, last_BW):
     """The causal depthwise convolution and SiLU over ``window`` (the inputs before) and ``x``, as transformers'
     ``causal_conv1d_fn``/``_update`` (the sum in float32, the result rounded to the compute dtype, then SiLU);
     returns the outputs and the new window: the inputs at ``last`` (``_window_slots``: the last real ones). q, k and
-    v go through it as one (``_side_by_side``): every decode step of every DeltaNet layer compiles its own
-    convolution and window, a third as many operations as one each."""
+    v go through it as one (``_side_by_side``): one convolution and one window update a layer instead of three, in
+    the compiled code of every decode step (the sampler unrolls its layers)."""
     dt, W, L = x_BLHD.dtype, w_KHD.shape[0], x_BLHD.shape[1]
     xw = jnp.concatenate([window_BWHD.astype(dt), x_BLHD], 1)  # [B, W - 1 + L, H, D]
     y = sum(xw[:, j:j + L].astype(jnp.float32) * w_KHD[j].astype(dt).astype(jnp.float32) for j in range(W))
