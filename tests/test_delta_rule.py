@@ -1,7 +1,7 @@
 """The gated delta rule (jodpo.models.delta_rule): the chunked form equals the recurrence and a token-by-token numpy
 loop, both equal transformers' Qwen3-Next functions, the chunked form's recomputing backward equals autodiff of the
-recurrence, padding (ragged rows) changes nothing, the recomputing backward holds less than autodiff would, and the
-rows taken in turn equal the rows at once.
+recurrence, padding (ragged rows) changes nothing, the recomputing backward holds less than autodiff would, the
+rows taken in turn equal the rows at once, and prefixes with their continuations in one pass equal two calls.
 
 Shapes are tiny and few (each is a compile): the functions are jitted once here and the cases share shapes."""
 import jax
@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jodpo.models.delta_rule import chunked_delta_rule, chunked_delta_rule_autodiff, recurrent_delta_rule
+from jodpo.models.delta_rule import (chunked_delta_rule, chunked_delta_rule_autodiff, prefixed_delta_rule,
+                                     recurrent_delta_rule)
 
 B, HK, DK, DV = 2, 2, 8, 6
 recurrent = jax.jit(recurrent_delta_rule)
@@ -239,3 +240,33 @@ def test_rows_in_turn_equal_rows_at_once():
         assert_close(a, b, rtol=2e-6, name=name)
     with pytest.raises(ValueError, match="row_parts=3 does not divide the 4 rows"):
         chunked_delta_rule(*x, chunk=C, row_parts=3, rows_in_turn=True)
+
+
+def test_prefixes_and_their_continuations_in_one_pass_equal_two_calls():
+    """``prefixed_delta_rule``: 2 prefixes of 13 tokens and 2 continuations of each (5 tokens, block layout), in chunks
+    of 4, groups of 2 (the continuations start mid-group, and the second continuation after a chunk's padding): the
+    outputs, the prefixes' last state and every input's gradient equal the prefixes' ``chunked_delta_rule`` from zero,
+    then the continuations' from those states; the program holds one copy of the rule (one custom VJP), not two."""
+    T, C, G, _ = CASES[0]
+    prefix, suffix = inputs(T, G, seed=4)[:5], inputs(5, G, seed=5, Bs=2 * B)[:5]
+
+    def two_calls(prefix, suffix):
+        out_p, S = chunked_delta_rule(*prefix, chunk=C)
+        return out_p, chunked_delta_rule(*suffix, jnp.concatenate([S, S]), chunk=C)[0], S
+
+    def one_pass(prefix, suffix):
+        return prefixed_delta_rule(prefix, suffix, chunk=C, group=2)
+
+    want, got = jax.jit(two_calls)(prefix, suffix), jax.jit(one_pass)(prefix, suffix)
+    for name, a, b in zip(("prefix", "suffix", "state"), got, want):
+        assert_close(a, b, rtol=2e-6, name=name)
+    weights = [jnp.cos(jnp.arange(a.size, dtype=jnp.float32)).reshape(a.shape) for a in want]
+    scalar = lambda f: lambda *a: sum(jnp.sum(o * w + o ** 2) for o, w in zip(f(*a), weights))  # noqa: E731
+    grads = [jax.jit(jax.grad(scalar(f), argnums=(0, 1)))(prefix, suffix) for f in (one_pass, two_calls)]
+    for (path, a), b in zip(jax.tree.leaves_with_path(grads[0]), jax.tree.leaves(grads[1])):
+        assert np.abs(np.asarray(b)).max() > 0, path
+        assert_close(a, b, rtol=5e-6, name=jax.tree_util.keystr(path))
+    vjps = lambda f: str(jax.make_jaxpr(f)(prefix, suffix)).count("custom_vjp_call")  # noqa: E731
+    assert vjps(one_pass) == 1 and vjps(two_calls) == 2
+    with pytest.raises(ValueError, match="3 continuations of 5 tokens"):
+        prefixed_delta_rule(prefix, [a[:3] for a in suffix])

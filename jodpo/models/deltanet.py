@@ -19,7 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jodpo.models.delta_rule import chunked_delta_rule, recurrent_delta_rule
+from jodpo.models.delta_rule import chunked_delta_rule, prefixed_delta_rule, recurrent_delta_rule
 from jodpo.models.layers import Context
 from jodpo.models.model import Model, Params, einsum
 
@@ -105,17 +105,17 @@ def _gated_norm(model: Model, w_D, o_BLHD, z_BLHD):
     return y.astype(dt)
 
 
-def _run(model: Model, p: Params, x_BLD, mask_BL, state: dict) -> tuple[jax.Array, dict]:
-    """One layer over a group of tokens that follows ``state`` (zeros: nothing before)."""
+def _rule_inputs(model: Model, p: Params, x_BLD, mask_BL, window):
+    """What the delta rule reads of a group of tokens that follows the convolution's ``window``: q (L2-normalised,
+    scaled), k (L2-normalised), v, g, beta; and z (the gated norm's gate) and the convolution's next window."""
     dt = x_BLD.dtype
     x = x_BLD * mask_BL[..., None].astype(dt)  # padding contributes nothing (transformers' apply_mask_to_padding)
     proj = lambda name, spec: einsum(model, spec, x, p[name].astype(dt))  # noqa: E731
     d = model.deltanet
-    qkv, window = _conv(_side_by_side(d, [proj(w_in, "bld,dhk->blhk") for w_in, _ in _CONV]), state["conv"],
+    qkv, window = _conv(_side_by_side(d, [proj(w_in, "bld,dhk->blhk") for w_in, _ in _CONV]), window,
                         _side_by_side(d, [p[w_conv] for _, w_conv in _CONV]), _window_slots(mask_BL, d.conv_kernel))
     q, k, v = jnp.split(qkv, [d.k_head_dim, 2 * d.k_head_dim], -1)
     v = v.reshape(*v.shape[:2], d.num_v_heads, d.v_head_dim)
-    new = {"conv": window}
     z = proj("in_z", "bld,dhk->blhk")
     # Padding is inert: no decay (g = 0) and no write (beta = 0), so the state after [x1 .. x5, pad, x6] is the state
     # after [x1 .. x6] (transformers runs sigmoid(0) and softplus(dt_bias) there: harmless only where the pads lead)
@@ -123,11 +123,22 @@ def _run(model: Model, p: Params, x_BLD, mask_BL, state: dict) -> tuple[jax.Arra
     beta = jax.nn.sigmoid(proj("in_b", "bld,dh->blh")) * real.astype(dt)
     g = -jnp.exp(p["a_log"].astype(dt).astype(jnp.float32)) * jax.nn.softplus(
         proj("in_a", "bld,dh->blh").astype(jnp.float32) + p["dt_bias"].astype(dt).astype(jnp.float32)) * real
-    q = _l2norm(q) * d.k_head_dim ** -0.5
-    rule = recurrent_delta_rule if x.shape[1] == 1 else chunked_delta_rule  # one decode step: no chunk to solve
-    o, new["rec"] = rule(q, _l2norm(k), v, g, beta, state["rec"], precision=model.precision)
-    o = _gated_norm(model, p["gnorm"], o.astype(dt), z)
-    return einsum(model, "blhk,hkd->bld", o, p["out"].astype(dt)), new
+    return (_l2norm(q) * d.k_head_dim ** -0.5, _l2norm(k), v, g, beta), z, window
+
+
+def _rule_output(model: Model, p: Params, o_BLHD, z_BLHD):
+    """The layer's output from the rule's: the gated norm, then the output projection."""
+    dt = z_BLHD.dtype
+    o_BLHD = _gated_norm(model, p["gnorm"], o_BLHD.astype(dt), z_BLHD)
+    return einsum(model, "blhk,hkd->bld", o_BLHD, p["out"].astype(dt))
+
+
+def _run(model: Model, p: Params, x_BLD, mask_BL, state: dict) -> tuple[jax.Array, dict]:
+    """One layer over a group of tokens that follows ``state`` (zeros: nothing before)."""
+    rule_in, z, window = _rule_inputs(model, p, x_BLD, mask_BL, state["conv"])
+    rule = recurrent_delta_rule if x_BLD.shape[1] == 1 else chunked_delta_rule  # one decode step: no chunk to solve
+    o, rec = rule(*rule_in, state["rec"], precision=model.precision)
+    return _rule_output(model, p, o, z), {"conv": window, "rec": rec}
 
 
 def full(model: Model, p: Params, x, ctx: Context, site, kv=None):
@@ -135,14 +146,15 @@ def full(model: Model, p: Params, x, ctx: Context, site, kv=None):
 
 
 def prefixed(model: Model, p: Params, xs, ctx: Context, site, kv=None):
-    """The prefix from nothing; each suffix row (block layout) from a copy of its prefix's final state, so the
-    prefix's gradient gathers every suffix's."""
+    """The prefix from nothing; each suffix row (block layout) from its prefix's final convolution window and state,
+    so the prefix's gradient gathers every suffix's. The delta rule runs once over the prefixes and their suffixes
+    (``prefixed_delta_rule``: one copy of it in the program, not one for each group)."""
     xp, xs_ = xs
-    yp, state = _run(model, p, xp, ctx.mask[0], init_state(model, xp.shape[0], 0, xp.dtype))
+    rule_p, zp, window = _rule_inputs(model, p, xp, ctx.mask[0], init_state(model, xp.shape[0], 0, xp.dtype)["conv"])
     n = xs_.shape[0] // xp.shape[0]
-    state = jax.tree.map(lambda a: jnp.concatenate([a] * n, 0), state)
-    ys, _ = _run(model, p, xs_, ctx.mask[1][:, xp.shape[1]:], state)
-    return (yp, ys), kv
+    rule_s, zs, _ = _rule_inputs(model, p, xs_, ctx.mask[1][:, xp.shape[1]:], jnp.concatenate([window] * n, 0))
+    op, os_, _ = prefixed_delta_rule(rule_p, rule_s, precision=model.precision)
+    return (_rule_output(model, p, op, zp), _rule_output(model, p, os_, zs)), kv
 
 
 def cached(model: Model, p: Params, x, state: dict, j, ctx: Context, site) -> tuple[jax.Array, dict]:
