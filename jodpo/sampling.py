@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jodpo.models.decoder import Cache, Model, Params, hidden_states, init_cache, split_cache
-from jodpo.models.params import compute_params, split_layers
+from jodpo.models.params import compute_params, decode_params, split_layers
 from jodpo.models.heads import lm_head
 
 
@@ -177,9 +177,10 @@ def _emit(cfg: SamplingConfig, rng: jax.Array, state: _State, logits_BV: jax.Arr
 
 def sampler_params(model: Model, params: Params) -> Params:
     """``params`` as the decode steps read them: split per layer (a decode step then slices no weights), any LoRA
-    adapters merged, in the compute dtype (float32 master weights of a bf16 run converted once, not on every step).
-    They go with a per-layer cache (``decoder.split_cache``)."""
-    return compute_params(model, split_layers(model, params))
+    adapters merged, in the compute dtype (float32 master weights of a bf16 run converted once, not on every step),
+    each mixer's weights as its decode step reads them (``params.decode_params``). They go with a per-layer cache
+    (``decoder.split_cache``)."""
+    return decode_params(model, compute_params(model, split_layers(model, params)))
 
 
 def decode_step(model: Model, params: Params, cache: Cache, token_B: jax.Array, alive_B: jax.Array,

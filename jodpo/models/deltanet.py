@@ -3,8 +3,8 @@ recurrent state, exactly as transformers' ``Qwen3_5GatedDeltaNet``. Its function
 the decoder (``jodpo.models.attention_mixer`` lists them).
 
 A layer, per token: the hidden states of padding zeroed (and there g = beta = 0, and the convolution's window skips
-it: padding leaves the state as it was); q, k ([Hk, Dk] heads), v, z ([Hv, Dv] heads) and b, a
-([Hv]) projected; q, k, v through a causal depthwise convolution of width ``conv_kernel`` and SiLU; q and k
+it: padding leaves the state as it was); q, k ([Hk, Dk] heads), v, z ([Hv, Dv] heads) and b, a ([Hv]) projected by one
+matmul (their weights side by side per key head, ``_in_weights``); q, k, v through a causal depthwise convolution of width ``conv_kernel`` and SiLU; q and k
 L2-normalised in float32, q scaled by Dk**-0.5; beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias) in
 float32; the gated delta rule (``jodpo.models.delta_rule``) with value head h reading key head h // (Hv / Hk); a
 gated RMSNorm of the output (w * norm(o), times SiLU(z)); the output projection.
@@ -18,13 +18,15 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jodpo.models.delta_rule import chunked_delta_rule, prefixed_delta_rule, recurrent_delta_rule
 from jodpo.models.layers import Context
 from jodpo.models.model import Model, Params, einsum
 
 WEIGHTS = ("in_q", "in_k", "in_v", "in_z", "in_b", "in_a", "out")  # the projections LoRA can adapt
-_CONV = (("in_q", "conv_q"), ("in_k", "conv_k"), ("in_v", "conv_v"))  # q, k, v: one convolution (``_conv``)
+_CONV = ("conv_q", "conv_k", "conv_v")  # q, k, v: one convolution (``_conv``)
+_IN = ("in_q", "in_k", "in_v", "in_z", "in_b", "in_a")  # one projection (``_in_weights``), in this order
 
 
 def specs(model: Model, n: int) -> dict:
@@ -105,25 +107,46 @@ def _gated_norm(model: Model, w_D, o_BLHD, z_BLHD):
     return y.astype(dt)
 
 
+def _in_weights(d, p: Params):
+    """The input projections' weights, q, k, v, z, b and a side by side per key head, ``[D, Hk, 2 Dk + 2 G Dv + 2 G]``
+    (``_side_by_side``'s layout, then z and b and a: one projection a layer, the first ``2 Dk + G Dv`` of each key
+    head what the convolution reads), and the convolution's weights side by side: from ``decode_params``, or made
+    here."""
+    if "in" in p:
+        return p["in"], p["conv"]
+    w_in = jnp.concatenate([p[name].reshape(p[name].shape[0], d.num_k_heads, -1) for name in _IN], -1)
+    return w_in, _side_by_side(d, [p[name] for name in _CONV])
+
+
+def decode_params(model: Model, p: Params) -> Params:
+    """One layer's parameters as its decode steps read them (the sampler's, once a call): the input projections and
+    the convolution's weights put side by side once (``_in_weights``), not at every step."""
+    w_in, w_conv = _in_weights(model.deltanet, p)
+    return {**{k: v for k, v in p.items() if k not in _IN + _CONV}, "in": w_in, "conv": w_conv}
+
+
 def _rule_inputs(model: Model, p: Params, x_BLD, mask_BL, window):
     """What the delta rule reads of a group of tokens that follows the convolution's ``window``: q (L2-normalised,
     scaled), k (L2-normalised), v, g, beta; and z (the gated norm's gate) and the convolution's next window."""
-    dt = x_BLD.dtype
+    dt, d = x_BLD.dtype, model.deltanet
     x = x_BLD * mask_BL[..., None].astype(dt)  # padding contributes nothing (transformers' apply_mask_to_padding)
-    proj = lambda name, spec: einsum(model, spec, x, p[name].astype(dt))  # noqa: E731
-    d = model.deltanet
-    qkv, window = _conv(_side_by_side(d, [proj(w_in, "bld,dhk->blhk") for w_in, _ in _CONV]), window,
-                        _side_by_side(d, [p[w_conv] for _, w_conv in _CONV]), _window_slots(mask_BL, d.conv_kernel))
-    q, k, v = jnp.split(qkv, [d.k_head_dim, 2 * d.k_head_dim], -1)
-    v = v.reshape(*v.shape[:2], d.num_v_heads, d.v_head_dim)
-    z = proj("in_z", "bld,dhk->blhk")
+    w_in, w_conv = _in_weights(d, p)
+    G, conv_width = d.num_v_heads // d.num_k_heads, 2 * d.k_head_dim + d.num_v_heads // d.num_k_heads * d.v_head_dim
+    qkv, z, b, a = jnp.split(einsum(model, "bld,dhk->blhk", x, w_in.astype(dt)),
+                             [conv_width, conv_width + G * d.v_head_dim, conv_width + G * (d.v_head_dim + 1)], -1)
+    qkv, window = _conv(qkv, window, w_conv, _window_slots(mask_BL, d.conv_kernel))
+    qk, v = jnp.split(qkv, [2 * d.k_head_dim], -1)
+    # q and k L2-normalised together (one kernel, not one each), then q scaled by Dk**-0.5
+    qk = _l2norm(qk.reshape(*qk.shape[:-1], 2, d.k_head_dim)) * np.array([[d.k_head_dim ** -0.5], [1.0]], np.float32)
+    v, z = (y.reshape(*y.shape[:2], d.num_v_heads, d.v_head_dim) for y in (v, z))
+    b, a = (y.reshape(*y.shape[:2], d.num_v_heads) for y in (b, a))
     # Padding is inert: no decay (g = 0) and no write (beta = 0), so the state after [x1 .. x5, pad, x6] is the state
     # after [x1 .. x6] (transformers runs sigmoid(0) and softplus(dt_bias) there: harmless only where the pads lead)
     real = mask_BL.astype(jnp.float32)[..., None]
-    beta = jax.nn.sigmoid(proj("in_b", "bld,dh->blh")) * real.astype(dt)
+    beta = jax.nn.sigmoid(b) * real.astype(dt)
     g = -jnp.exp(p["a_log"].astype(dt).astype(jnp.float32)) * jax.nn.softplus(
-        proj("in_a", "bld,dh->blh").astype(jnp.float32) + p["dt_bias"].astype(dt).astype(jnp.float32)) * real
-    return (_l2norm(q) * d.k_head_dim ** -0.5, _l2norm(k), v, g, beta), z, window
+        a.astype(jnp.float32) + p["dt_bias"].astype(dt).astype(jnp.float32)) * real
+    return (qk[..., 0, :], qk[..., 1, :], v, g, beta), z, window
 
 
 def _rule_output(model: Model, p: Params, o_BLHD, z_BLHD):

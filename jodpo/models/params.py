@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from jodpo.models import mlp, moe
-from jodpo.models.decoder import KINDS_OF_KEY, MIXERS, Model, Params, layer_params, merge_adapters
+from jodpo.models.decoder import KEYS, KINDS_OF_KEY, MIXERS, Model, Params, layer_params, merge_adapters
 from jodpo.models.layout import subtree_layers
 
 
@@ -146,3 +146,15 @@ def split_layers(model: Model, params: Params) -> Params:
     the layer weights; do it once per sampling call."""
     layers = params["layers"]
     return {**params, "layers": tuple(layer_params(model, layers, i) for i in range(model.num_layers))}
+
+
+def decode_params(model: Model, params: Params) -> Params:
+    """``split_layers`` params (in the compute dtype: ``compute_params``) with each layer's mixer parameters as its
+    decode steps read them, where its kind prepares them (``decode_params``: a Gated DeltaNet layer's input
+    projections side by side, one weight and one matmul a step instead of six): done once per sampling call, not on
+    every step, and each layer's decode step compiles fewer kernels."""
+    def one(kind, p):
+        prepare = getattr(MIXERS[kind], "decode_params", None)
+        return p if prepare is None else {**p, KEYS[kind]: prepare(model, p[KEYS[kind]])}
+
+    return {**params, "layers": tuple(one(kind, p) for kind, p in zip(model.kinds, params["layers"]))}
