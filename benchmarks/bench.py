@@ -57,7 +57,8 @@ gradient (deltanet.py).
 
 ``depth``: what depth costs at real sizes, from ``benchmarks/configs/`` alone: the gradient of a step's log-probs
 (trace+lower+compile seconds, XLA's temporaries with and without rematerialisation) and ``jodpo.sample``'s compile,
-per layer, for several models side by side (a 2026 family beside its dense peer: depth.py).
+per layer, for several models side by side (a 2026 family beside its dense peer), each in processes of its own, in turn
+(depth.py).
 
 ``moe``: one mixture-of-experts layer forward+backward at OLMoE-1B-7B's and Qwen3-30B-A3B's layer shapes on the CPU:
 jodpo's dropless tiles, ``jax.lax.ragged_dot``, the dense one-hot reference and transformers' own sparse block, and a
@@ -143,6 +144,8 @@ def main(argv: list[str] | None = None) -> dict | None:
         if side == "trl_program":
             return workers.worker_trl_program(spec)
         return {"jodpo": workers.worker_jodpo, "trl": workers.worker_trl}[side](spec, Channel())
+    if argv[:1] == ["_depth"]:  # one model's compiles, in a process of its own (depth.py)
+        return depth.child(argv[1], argv[2])
     if argv[:1] == ["_device_step"]:  # the device check's measurements, in a process of their own (device.py)
         return device_measure.run(json.loads(argv[1]))
     args = parser().parse_args(argv)
