@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+
 def _dot(spec: str, *operands: jax.Array, precision) -> jax.Array:
     return jnp.einsum(spec, *operands, precision=jax.lax.Precision(precision))
 
