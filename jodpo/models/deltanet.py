@@ -4,10 +4,10 @@ the decoder (``jodpo.models.attention_mixer`` lists them).
 
 A layer, per token: the hidden states of padding zeroed (and there g = beta = 0, and the convolution's window skips
 it: padding leaves the state as it was); q, k ([Hk, Dk] heads), v, z ([Hv, Dv] heads) and b, a ([Hv]) projected by one
-matmul (their weights side by side per key head, ``_in_weights``); q, k, v through a causal depthwise convolution of width ``conv_kernel`` and SiLU; q and k
-L2-normalised in float32, q scaled by Dk**-0.5; beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias) in
-float32; the gated delta rule (``jodpo.models.delta_rule``) with value head h reading key head h // (Hv / Hk); a
-gated RMSNorm of the output (w * norm(o), times SiLU(z)); the output projection.
+matmul (their weights side by side per key head, ``_in_weights``); q, k, v through a causal depthwise convolution of
+width ``conv_kernel`` and SiLU; q and k L2-normalised in float32, q scaled by Dk**-0.5; beta = sigmoid(b),
+g = -exp(A_log) * softplus(a + dt_bias) in float32; the gated delta rule (``jodpo.models.delta_rule``) with value head
+h reading key head h // (Hv / Hk); a gated RMSNorm of the output (w * norm(o), times SiLU(z)); the output projection.
 
 Its cache state, per layer: the convolution's window (the last ``conv_kernel - 1`` inputs of q, k, v, side by side
 per key head: ``[B, W - 1, Hk, 2 Dk + G Dv]`` with G = Hv / Hk) and the recurrent state ``[B, Hv, Dk, Dv]`` in
@@ -131,7 +131,8 @@ def _rule_inputs(model: Model, p: Params, x_BLD, mask_BL, window):
     dt, d = x_BLD.dtype, model.deltanet
     x = x_BLD * mask_BL[..., None].astype(dt)  # padding contributes nothing (transformers' apply_mask_to_padding)
     w_in, w_conv = _in_weights(d, p)
-    G, conv_width = d.num_v_heads // d.num_k_heads, 2 * d.k_head_dim + d.num_v_heads // d.num_k_heads * d.v_head_dim
+    G = d.num_v_heads // d.num_k_heads
+    conv_width = 2 * d.k_head_dim + G * d.v_head_dim
     qkv, z, b, a = jnp.split(einsum(model, "bld,dhk->blhk", x, w_in.astype(dt)),
                              [conv_width, conv_width + G * d.v_head_dim, conv_width + G * (d.v_head_dim + 1)], -1)
     qkv, window = _conv(qkv, window, w_conv, _window_slots(mask_BL, d.conv_kernel))
@@ -173,6 +174,7 @@ def prefixed(model: Model, p: Params, xs, ctx: Context, site, kv=None):
     so the prefix's gradient gathers every suffix's. The delta rule runs once over the prefixes and their suffixes
     (``prefixed_delta_rule``: one copy of it in the program, not one for each group)."""
     xp, xs_ = xs
+    p = decode_params(model, p)  # the weights side by side once, for both groups
     rule_p, zp, window = _rule_inputs(model, p, xp, ctx.mask[0], init_state(model, xp.shape[0], 0, xp.dtype)["conv"])
     n = xs_.shape[0] // xp.shape[0]
     rule_s, zs, _ = _rule_inputs(model, p, xs_, ctx.mask[1][:, xp.shape[1]:], jnp.concatenate([window] * n, 0))
