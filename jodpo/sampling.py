@@ -180,7 +180,9 @@ def sampler_params(model: Model, params: Params) -> Params:
     adapters merged, in the compute dtype (float32 master weights of a bf16 run converted once, not on every step),
     each mixer's weights as its decode step reads them (``params.decode_params``). They go with a per-layer cache
     (``decoder.split_cache``)."""
-    return decode_params(model, compute_params(model, split_layers(model, params)))
+    if "lora" in params["layers"]:  # adapters merged a layer at a time (compute_params), then prepared
+        return decode_params(model, compute_params(model, split_layers(model, params)))
+    return compute_params(model, split_layers(model, decode_params(model, params)))
 
 
 def decode_step(model: Model, params: Params, cache: Cache, token_B: jax.Array, alive_B: jax.Array,

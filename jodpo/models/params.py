@@ -149,12 +149,24 @@ def split_layers(model: Model, params: Params) -> Params:
 
 
 def decode_params(model: Model, params: Params) -> Params:
-    """``split_layers`` params (in the compute dtype: ``compute_params``) with each layer's mixer parameters as its
-    decode steps read them, where its kind prepares them (``decode_params``: a Gated DeltaNet layer's input
-    projections side by side, one weight and one matmul a step instead of six): done once per sampling call, not on
-    every step, and each layer's decode step compiles fewer kernels."""
-    def one(kind, p):
-        prepare = getattr(MIXERS[kind], "decode_params", None)
-        return p if prepare is None else {**p, KEYS[kind]: prepare(model, p[KEYS[kind]])}
+    """``params`` with each layer's mixer parameters as its decode steps read them, where its kind prepares them
+    (``decode_params``: a Gated DeltaNet layer's input projections side by side, one weight and one matmul a step
+    instead of six): done once per sampling call, not on every step, and each layer's decode step compiles fewer
+    kernels. Stacked layers without LoRA adapters (before ``split_layers``) are prepared whole, in the compute dtype:
+    one kernel for all the layers of a kind, where split ones (``split_layers`` and ``compute_params``: adapters merged
+    a layer at a time) take one for each weight of each layer."""
+    layers = params["layers"]
+    if isinstance(layers, tuple):
+        def one(kind, p):
+            prepare = getattr(MIXERS[kind], "decode_params", None)
+            return p if prepare is None else {**p, KEYS[kind]: prepare(model, p[KEYS[kind]])}
 
-    return {**params, "layers": tuple(one(kind, p) for kind, p in zip(model.kinds, params["layers"]))}
+        return {**params, "layers": tuple(one(kind, p) for kind, p in zip(model.kinds, layers))}
+    layers, dt = dict(layers), jnp.dtype(model.dtype)
+    for kind in dict.fromkeys(model.kinds):
+        prepare = getattr(MIXERS[kind], "decode_params", None)
+        if prepare is not None and KEYS[kind] in layers:
+            cast = lambda p, prepare=prepare: {k: v.astype(dt) if k not in p else v  # noqa: E731
+                                               for k, v in prepare(model, p).items()}
+            layers[KEYS[kind]] = jax.vmap(cast)(layers[KEYS[kind]])
+    return {**params, "layers": layers}
