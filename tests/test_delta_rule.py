@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jodpo.models.delta_rule import (chunked_delta_rule, chunked_delta_rule_autodiff, prefixed_delta_rule,
-                                     recurrent_delta_rule)
+from jodpo.models.delta_rule import (chunked_delta_rule, chunked_delta_rule_autodiff, join_rows, joined_delta_rule,
+                                     prefixed_delta_rule, recurrent_delta_rule, split_rows)
 
 B, HK, DK, DV = 2, 2, 8, 6
 recurrent = jax.jit(recurrent_delta_rule)
@@ -243,10 +243,11 @@ def test_rows_in_turn_equal_rows_at_once():
 
 
 def test_prefixes_and_their_continuations_in_one_pass_equal_two_calls():
-    """``prefixed_delta_rule``: 2 prefixes of 13 tokens and 2 continuations of each (5 tokens, block layout), in chunks
-    of 4, groups of 2 (the continuations start mid-group, and the second continuation after a chunk's padding): the
-    outputs, the prefixes' last state and every input's gradient equal the prefixes' ``chunked_delta_rule`` from zero,
-    then the continuations' from those states; the program holds one copy of the rule (one custom VJP), not two."""
+    """``prefixed_delta_rule`` (``joined_delta_rule`` of ``join_rows``): 2 prefixes of 13 tokens and 2 continuations
+    of each (5 tokens, block layout), in chunks of 4, groups of 2 (the continuations start mid-group, and the second
+    continuation after a chunk's padding): the outputs, the prefixes' last state and every input's gradient equal the
+    prefixes' ``chunked_delta_rule`` from zero, then the continuations' from those states; the program holds one copy
+    of the rule (one custom VJP), not two. ``split_rows`` undoes ``join_rows``."""
     T, C, G, _ = CASES[0]
     prefix, suffix = inputs(T, G, seed=4)[:5], inputs(5, G, seed=5, Bs=2 * B)[:5]
 
@@ -270,3 +271,8 @@ def test_prefixes_and_their_continuations_in_one_pass_equal_two_calls():
     assert vjps(one_pass) == 1 and vjps(two_calls) == 2
     with pytest.raises(ValueError, match="3 continuations of 5 tokens"):
         prefixed_delta_rule(prefix, [a[:3] for a in suffix])
+    joined = join_rows(prefix[0], suffix[0])  # the layer's layout: each row its prefix, then its continuations
+    assert joined.shape[1] == T + 2 * 5 and all(np.array_equal(a, b) for a, b in
+                                                 zip(split_rows(joined, T, 2), (prefix[0], suffix[0])))
+    with pytest.raises(ValueError, match="P=13 and n=3 continuations"):
+        joined_delta_rule(*(join_rows(a, b) for a, b in zip(prefix, suffix)), T, 3)

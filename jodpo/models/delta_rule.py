@@ -192,48 +192,83 @@ def _pad_time(x: jax.Array, T: int) -> jax.Array:
     return jnp.pad(x, [(0, 0), (0, T - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
 
 
-def prefixed_delta_rule(prefix, suffix, chunk: int = 64, precision: str = "highest",
-                        group: int = 4) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The gated delta rule over B prefixes and the n continuations of each, in one chunked pass: ``suffix`` row r
-    (block layout: n x B rows) continues prefix ``r % B`` from the prefix's last state, as ``chunked_delta_rule`` of
-    it from that state would; each prefix runs once (the shared-prompt layout's prompts and their completions).
+def join_rows(prefix: jax.Array, suffix: jax.Array) -> jax.Array:
+    """The shared-prompt layout's two groups, a prefix ``[B, P, ...]`` and its n continuations ``[n B, C, ...]``
+    (block layout: row r continues prefix ``r % B``), as one ``[B, P + n C, ...]``: each row its prefix, then its
+    continuations in order. Everything before is on the rows' axis, as the groups' batch is."""
+    B, n = prefix.shape[0], suffix.shape[0] // prefix.shape[0]
+    rest = jnp.swapaxes(suffix.reshape(n, B, *suffix.shape[1:]), 0, 1)
+    return jnp.concatenate([prefix, rest.reshape(B, n * suffix.shape[1], *suffix.shape[2:])], 1)
 
-    Each row's prefix and then its n continuations lie on one chunk axis, each padded to whole chunks (positions that
-    neither write nor decay), and the chunk scan starts each continuation from the prefix's last state, kept in its
-    carry beside the state (its backward adds each continuation's cotangent of it there). So the state-free work of
-    every chunk, prefixes' and continuations', is one batched computation, and a program holds one copy of the rule,
-    forward and backward, where a call for the prefixes and another for the continuations would hold two (the
-    training step's gradient at Qwen3.5-0.8B: 1,672 -> 1,492 XLA:CPU kernels, compiled in 0.90x the time:
-    docs/performance.md).
+
+def split_rows(joined: jax.Array, P: int, n: int) -> tuple[jax.Array, jax.Array]:
+    """``join_rows``' inverse: the prefix ``[B, P, ...]`` and the continuations ``[n B, C, ...]``."""
+    B, C = joined.shape[0], (joined.shape[1] - P) // n
+    rest = jnp.swapaxes(joined[:, P:].reshape(B, n, C, *joined.shape[2:]), 0, 1)
+    return joined[:, :P], rest.reshape(n * B, C, *joined.shape[2:])
+
+
+def joined_delta_rule(q, k, v, g, beta, P: int, n: int, chunk: int = 64, precision: str = "highest",
+                      group: int = 4) -> tuple[jax.Array, jax.Array]:
+    """The gated delta rule over rows of a prefix of P tokens and then n continuations of it (``join_rows``' layout,
+    ``[B, P + n C, ...]``), each continuation from the prefix's last state, in one chunked pass.
+
+    The prefix and each continuation are padded to whole chunks on one chunk axis (positions that neither write nor
+    decay), and the chunk scan starts each continuation from the prefix's last state, kept in its carry beside the
+    state (its backward adds each continuation's cotangent of it there). So the state-free work of every chunk,
+    prefixes' and continuations', is one batched computation, and a program holds one copy of the rule, forward and
+    backward, where a call for the prefixes and another for the continuations would hold two (the training step's
+    gradient at Qwen3.5-0.8B: 1,672 -> 1,492 XLA:CPU kernels, compiled in 0.90x the time: docs/performance.md).
 
     Args:
-      prefix: ``(q, k, v, g, beta)`` as ``chunked_delta_rule``'s, ``[B, P, ...]``, from a zero state.
-      suffix: the same, ``[n B, C, ...]``.
+      q, k, v, g, beta: as ``chunked_delta_rule``'s, ``[B, P + n C, ...]``, each row from a zero state.
+      P, n: the prefix's length and the number of continuations (each of C tokens, none of them empty).
       chunk, precision, group: as ``chunked_delta_rule``'s; a chunk longer than both P and C is the longer one's.
 
     Returns:
-      ``(prefix_out [B, P, Hv, Dv], suffix_out [n B, C, Hv, Dv], prefix_state [B, Hv, Dk, Dv])``, all float32.
+      ``(out [B, P + n C, Hv, Dv], prefix_state [B, Hv, Dk, Dv])``, both float32.
     """
-    (B, P), (N, C) = prefix[1].shape[:2], suffix[1].shape[:2]
-    if N % B or not (P and C) or group < 1 or chunk < 1:
-        raise ValueError(f"prefixed_delta_rule: {N} continuations of {C} tokens must be a whole number of times the "
-                         f"{B} prefixes of {P} tokens (block layout), none of them empty; chunk={chunk} and "
-                         f"group={group} at least 1")
-    n, chunk = N // B, min(chunk, max(P, C))
+    B, T = k.shape[:2]
+    C = (T - P) // n if n >= 1 else 0
+    if n < 1 or not (P and C) or P + n * C != T or group < 1 or chunk < 1:
+        raise ValueError(f"joined_delta_rule: {T} tokens a row must be a prefix of P={P} and n={n} continuations of "
+                         f"one length, none of them empty; chunk={chunk} and group={group} at least 1")
+    chunk = min(chunk, max(P, C))
     Np, Ns = -(-P // chunk), -(-C // chunk)
 
-    def one_axis(a, b):  # [B, P, ...] and [n B, C, ...] -> [B, (Np + n Ns) chunk, ...]: each row's prefix, then its own
-        b = _pad_time(b, Ns * chunk)
-        b = jnp.swapaxes(b.reshape(n, B, *b.shape[1:]), 0, 1).reshape(B, n * Ns * chunk, *b.shape[2:])
-        return jnp.concatenate([_pad_time(a, Np * chunk), b], 1)
+    def padded(a):  # [B, P + n C, ...] -> [B, (Np + n Ns) chunk, ...]: the prefix and each continuation whole chunks
+        rest = _pad_time(a[:, P:].reshape(B * n, C, *a.shape[2:]), Ns * chunk)
+        return jnp.concatenate([_pad_time(a[:, :P], Np * chunk), rest.reshape(B, n * Ns * chunk, *a.shape[2:])], 1)
 
-    q, k, v, g, beta = (one_axis(a, b) for a, b in zip(prefix, suffix))
+    q, k, v, g, beta = map(padded, (q, k, v, g, beta))
     (Hk, Dk), (Hv, Dv) = k.shape[-2:], v.shape[-2:]
     group = _group_size(Np + n * Ns, group)
     xs = _chunked_inputs(q, k, v, g, beta, chunk, group)
     out, (_, prefix_S) = _chunked_recomputing(*xs, _initial_state(None, B, Hk, Hv // Hk, Dk, Dv), precision, group,
                                               (Np, Ns, n))
     out = jnp.swapaxes(out, 0, 1).reshape(B, -1, Hv, Dv)
-    suffix_out = out[:, Np * chunk:(Np + n * Ns) * chunk].reshape(B, n, Ns * chunk, Hv, Dv)
-    suffix_out = jnp.swapaxes(suffix_out, 0, 1).reshape(N, Ns * chunk, Hv, Dv)[:, :C]
-    return out[:, :P], suffix_out, prefix_S.reshape(B, Hv, Dk, Dv)
+    rest = out[:, Np * chunk:].reshape(B * n, Ns * chunk, Hv, Dv)[:, :C].reshape(B, n * C, Hv, Dv)
+    return jnp.concatenate([out[:, :P], rest], 1), prefix_S.reshape(B, Hv, Dk, Dv)
+
+
+def prefixed_delta_rule(prefix, suffix, chunk: int = 64, precision: str = "highest",
+                        group: int = 4) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The gated delta rule over B prefixes and the n continuations of each, in one chunked pass
+    (``joined_delta_rule``): ``suffix`` row r (block layout: n x B rows) continues prefix ``r % B`` from the prefix's
+    last state, as ``chunked_delta_rule`` of it from that state would; each prefix runs once (the shared-prompt
+    layout's prompts and their completions).
+
+    Args:
+      prefix: ``(q, k, v, g, beta)`` as ``chunked_delta_rule``'s, ``[B, P, ...]``, from a zero state.
+      suffix: the same, ``[n B, C, ...]``.
+      chunk, precision, group: as ``joined_delta_rule``'s.
+
+    Returns:
+      ``(prefix_out [B, P, Hv, Dv], suffix_out [n B, C, Hv, Dv], prefix_state [B, Hv, Dk, Dv])``, all float32.
+    """
+    (B, P), (N, C) = prefix[1].shape[:2], suffix[1].shape[:2]
+    if N % B or not (P and C):
+        raise ValueError(f"prefixed_delta_rule: {N} continuations of {C} tokens must be a whole number of times the "
+                         f"{B} prefixes of {P} tokens (block layout), none of them empty")
+    out, state = joined_delta_rule(*map(join_rows, prefix, suffix), P, N // B, chunk, precision, group)
+    return (*split_rows(out, P, N // B), state)

@@ -4,7 +4,7 @@ the decoder (``jodpo.models.attention_mixer`` lists them).
 
 A layer, per token: the hidden states of padding zeroed (and there g = beta = 0, and the convolution's window skips
 it: padding leaves the state as it was); q, k ([Hk, Dk] heads), v, z ([Hv, Dv] heads) and b, a ([Hv]) projected by one
-matmul (their weights side by side per key head, ``_in_weights``); q, k, v through a causal depthwise convolution of
+matmul (their weights side by side per key head, ``decode_params``); q, k, v through a causal depthwise convolution of
 width ``conv_kernel`` and SiLU; q and k L2-normalised in float32, q scaled by Dk**-0.5; beta = sigmoid(b),
 g = -exp(A_log) * softplus(a + dt_bias) in float32; the gated delta rule (``jodpo.models.delta_rule``) with value head
 h reading key head h // (Hv / Hk); a gated RMSNorm of the output (w * norm(o), times SiLU(z)); the output projection.
@@ -20,13 +20,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jodpo.models.delta_rule import chunked_delta_rule, prefixed_delta_rule, recurrent_delta_rule
+from jodpo.models.delta_rule import chunked_delta_rule, join_rows, joined_delta_rule, recurrent_delta_rule, split_rows
 from jodpo.models.layers import Context
 from jodpo.models.model import Model, Params, einsum
 
 WEIGHTS = ("in_q", "in_k", "in_v", "in_z", "in_b", "in_a", "out")  # the projections LoRA can adapt
 _CONV = ("conv_q", "conv_k", "conv_v")  # q, k, v: one convolution (``_conv``)
-_IN = ("in_q", "in_k", "in_v", "in_z", "in_b", "in_a")  # one projection (``_in_weights``), in this order
+_IN = ("in_q", "in_k", "in_v", "in_z", "in_b", "in_a")  # one projection (``decode_params``), in this order
 
 
 def specs(model: Model, n: int) -> dict:
@@ -107,35 +107,36 @@ def _gated_norm(model: Model, w_D, o_BLHD, z_BLHD):
     return y.astype(dt)
 
 
-def _in_weights(d, p: Params):
-    """The input projections' weights, q, k, v, z, b and a side by side per key head, ``[D, Hk, 2 Dk + 2 G Dv + 2 G]``
-    (``_side_by_side``'s layout, then z and b and a: one projection a layer, the first ``2 Dk + G Dv`` of each key
-    head what the convolution reads), and the convolution's weights side by side: from ``decode_params``, or made
-    here."""
-    if "in" in p:
-        return p["in"], p["conv"]
-    w_in = jnp.concatenate([p[name].reshape(p[name].shape[0], d.num_k_heads, -1) for name in _IN], -1)
-    return w_in, _side_by_side(d, [p[name] for name in _CONV])
-
-
 def decode_params(model: Model, p: Params) -> Params:
-    """One layer's parameters as its decode steps read them (the sampler's, once a call): the input projections and
-    the convolution's weights put side by side once (``_in_weights``), not at every step."""
-    w_in, w_conv = _in_weights(model.deltanet, p)
-    return {**{k: v for k, v in p.items() if k not in _IN + _CONV}, "in": w_in, "conv": w_conv}
+    """One layer's parameters (or a stack of them, under ``jax.vmap``) as the layer reads them: the input projections'
+    weights, q, k, v, z, b and a, side by side per key head as ``"in"``, ``[D, Hk, 2 Dk + 2 G Dv + 2 G]``
+    (``_side_by_side``'s layout, then z and b and a: one projection a layer, the first ``2 Dk + G Dv`` of each key
+    head what the convolution reads), and the convolution's weights side by side as ``"conv"``. The sampler does it
+    once a call (``params.decode_params``), not at every step; parameters already in this form are returned as they
+    are."""
+    if "in" in p:
+        return p
+    d = model.deltanet
+    w_in = jnp.concatenate([p[name].reshape(p[name].shape[0], d.num_k_heads, -1) for name in _IN], -1)
+    return {**{k: v for k, v in p.items() if k not in _IN + _CONV}, "in": w_in,
+            "conv": _side_by_side(d, [p[name] for name in _CONV])}
 
 
-def _rule_inputs(model: Model, p: Params, x_BLD, mask_BL, window):
-    """What the delta rule reads of a group of tokens that follows the convolution's ``window``: q (L2-normalised,
-    scaled), k (L2-normalised), v, g, beta; and z (the gated norm's gate) and the convolution's next window."""
+def _projected(model: Model, p: Params, x_BLD, mask_BL):
+    """The input projection of a group of tokens (``p`` from ``decode_params``): q, k and v side by side (what the
+    convolution reads), z (the gated norm's gate), b and a."""
     dt, d = x_BLD.dtype, model.deltanet
     x = x_BLD * mask_BL[..., None].astype(dt)  # padding contributes nothing (transformers' apply_mask_to_padding)
-    w_in, w_conv = _in_weights(d, p)
     G = d.num_v_heads // d.num_k_heads
     conv_width = 2 * d.k_head_dim + G * d.v_head_dim
-    qkv, z, b, a = jnp.split(einsum(model, "bld,dhk->blhk", x, w_in.astype(dt)),
-                             [conv_width, conv_width + G * d.v_head_dim, conv_width + G * (d.v_head_dim + 1)], -1)
-    qkv, window = _conv(qkv, window, w_conv, _window_slots(mask_BL, d.conv_kernel))
+    return jnp.split(einsum(model, "bld,dhk->blhk", x, p["in"].astype(dt)),
+                     [conv_width, conv_width + G * d.v_head_dim, conv_width + G * (d.v_head_dim + 1)], -1)
+
+
+def _rule_inputs(model: Model, p: Params, qkv, z, b, a, mask_BL):
+    """What the delta rule reads of the convolution's outputs ``qkv`` and the projection's z, b, a: q (L2-normalised,
+    scaled), k (L2-normalised), v, g, beta; and z as the gated norm reads it."""
+    dt, d = qkv.dtype, model.deltanet
     qk, v = jnp.split(qkv, [2 * d.k_head_dim], -1)
     # q and k L2-normalised together (one kernel, not one each), then q scaled by Dk**-0.5
     qk = _l2norm(qk.reshape(*qk.shape[:-1], 2, d.k_head_dim)) * np.array([[d.k_head_dim ** -0.5], [1.0]], np.float32)
@@ -147,7 +148,7 @@ def _rule_inputs(model: Model, p: Params, x_BLD, mask_BL, window):
     beta = jax.nn.sigmoid(b) * real.astype(dt)
     g = -jnp.exp(p["a_log"].astype(dt).astype(jnp.float32)) * jax.nn.softplus(
         a.astype(jnp.float32) + p["dt_bias"].astype(dt).astype(jnp.float32)) * real
-    return (qk[..., 0, :], qk[..., 1, :], v, g, beta), z, window
+    return (qk[..., 0, :], qk[..., 1, :], v, g, beta), z
 
 
 def _rule_output(model: Model, p: Params, o_BLHD, z_BLHD):
@@ -159,7 +160,10 @@ def _rule_output(model: Model, p: Params, o_BLHD, z_BLHD):
 
 def _run(model: Model, p: Params, x_BLD, mask_BL, state: dict) -> tuple[jax.Array, dict]:
     """One layer over a group of tokens that follows ``state`` (zeros: nothing before)."""
-    rule_in, z, window = _rule_inputs(model, p, x_BLD, mask_BL, state["conv"])
+    p = decode_params(model, p)
+    qkv, z, b, a = _projected(model, p, x_BLD, mask_BL)
+    qkv, window = _conv(qkv, state["conv"], p["conv"], _window_slots(mask_BL, model.deltanet.conv_kernel))
+    rule_in, z = _rule_inputs(model, p, qkv, z, b, a, mask_BL)
     rule = recurrent_delta_rule if x_BLD.shape[1] == 1 else chunked_delta_rule  # one decode step: no chunk to solve
     o, rec = rule(*rule_in, state["rec"], precision=model.precision)
     return _rule_output(model, p, o, z), {"conv": window, "rec": rec}
@@ -171,15 +175,25 @@ def full(model: Model, p: Params, x, ctx: Context, site, kv=None):
 
 def prefixed(model: Model, p: Params, xs, ctx: Context, site, kv=None):
     """The prefix from nothing; each suffix row (block layout) from its prefix's final convolution window and state,
-    so the prefix's gradient gathers every suffix's. The delta rule runs once over the prefixes and their suffixes
-    (``prefixed_delta_rule``: one copy of it in the program, not one for each group)."""
-    xp, xs_ = xs
-    p = decode_params(model, p)  # the weights side by side once, for both groups
-    rule_p, zp, window = _rule_inputs(model, p, xp, ctx.mask[0], init_state(model, xp.shape[0], 0, xp.dtype)["conv"])
-    n = xs_.shape[0] // xp.shape[0]
-    rule_s, zs, _ = _rule_inputs(model, p, xs_, ctx.mask[1][:, xp.shape[1]:], jnp.concatenate([window] * n, 0))
-    op, os_, _ = prefixed_delta_rule(rule_p, rule_s, precision=model.precision)
-    return (_rule_output(model, p, op, zp), _rule_output(model, p, os_, zs)), kv
+    so the prefix's gradient gathers every suffix's. The layer runs on each prefix's row followed by its suffixes
+    (``join_rows``): what works token by token (the projections, the rule's inputs, the gated norm) once over both
+    groups' tokens, the convolution over the prefix and then each suffix from the prefix's window, the delta rule once
+    over all of them (``joined_delta_rule``). One copy of each in the program, not one for each group."""
+    (xp, xs_), p, K = xs, decode_params(model, p), model.deltanet.conv_kernel
+    (B, P), n = xp.shape[:2], xs_.shape[0] // xp.shape[0]
+    mask = join_rows(ctx.mask[0], ctx.mask[1][:, P:])
+    qkv, z, b, a = _projected(model, p, join_rows(xp, xs_), mask)
+
+    def suffixes(a):  # [B, P + n C, ...] -> the suffixes after each row's prefix, [B n, C, ...] (row b n + s)
+        return a[:, P:].reshape(B * n, -1, *a.shape[2:])
+
+    qkv_p, window = _conv(qkv[:, :P], init_state(model, B, 0, xp.dtype)["conv"], p["conv"],
+                          _window_slots(mask[:, :P], K))
+    qkv_s, _ = _conv(suffixes(qkv), jnp.repeat(window, n, 0), p["conv"], _window_slots(suffixes(mask), K))
+    qkv = jnp.concatenate([qkv_p, qkv_s.reshape(B, -1, *qkv_s.shape[2:])], 1)
+    rule_in, z = _rule_inputs(model, p, qkv, z, b, a, mask)
+    o, _ = joined_delta_rule(*rule_in, P, n, precision=model.precision)
+    return split_rows(_rule_output(model, p, o, z), P, n), kv
 
 
 def cached(model: Model, p: Params, x, state: dict, j, ctx: Context, site) -> tuple[jax.Array, dict]:
