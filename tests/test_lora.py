@@ -1,6 +1,7 @@
 """LoRA adapters: b = 0 is exactly the base model, the adapted forward equals peft's on transformers in every family,
-the merged form equals the unmerged one, and a LoRA run trains only its adapters, resumes exactly and exports (merged
+the merged form equals the unmerged one (the sampler's weights too), and a LoRA run trains only its adapters, resumes exactly and exports (merged
 and in PEFT's format). Sharded LoRA runs are compared with one device in tests/test_sharding.py."""
+import functools
 import json
 import shutil
 
@@ -13,6 +14,7 @@ from jodpo.program import config as C
 from jodpo.program import loop
 from jodpo.program.checkpoint import restore_params
 from jodpo.models import lora
+from jodpo.sampling import sampler_params
 from tests import helpers, hf_fixtures, references
 
 export_hf = helpers.script("export_hf")
@@ -70,6 +72,13 @@ def test_adapters_are_the_base_at_start_and_equal_peft(checkpoints, tmp_path, fa
     assert np.abs(adapted - plain)[keep].max() > 0.1
     merged = np.asarray(jodpo.logits(base_model, lora.merged(model, base, adapters), ids, mask))
     np.testing.assert_allclose(merged, adapted, rtol=1e-5, atol=1e-5)
+    if "deltanet" in base["layers"]:  # the sampler's weights: adapters merged a layer at a time, then side by side,
+        # as the merged stack's, put side by side for all the layers at once
+        a, b = (jax.jit(functools.partial(sampler_params, m))(p) for m, p in
+                ((model, lora.attach(base, adapters)), (base_model, lora.merged(model, base, adapters))))
+        assert jax.tree.structure(a) == jax.tree.structure(b)
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+            np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-6)
     lora.save_peft(model, adapters, tmp_path / "adapter", names, 0.05, str(path))
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert config["r"] == 4 and config["lora_alpha"] == 8.0
