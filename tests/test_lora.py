@@ -1,6 +1,7 @@
 """LoRA adapters: b = 0 is exactly the base model, the adapted forward equals peft's on transformers in every family,
-the merged form equals the unmerged one (the sampler's weights too), and a LoRA run trains only its adapters, resumes exactly and exports (merged
-and in PEFT's format). Sharded LoRA runs are compared with one device in tests/test_sharding.py."""
+the merged form equals the unmerged one (the sampler's weights too), and a LoRA run trains only its adapters, resumes
+exactly and exports (merged and in PEFT's format). Sharded LoRA runs are compared with one device in
+tests/test_sharding.py."""
 import functools
 import json
 import shutil
