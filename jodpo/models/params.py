@@ -165,7 +165,7 @@ def decode_params(model: Model, params: Params) -> Params:
     layers, dt = dict(layers), jnp.dtype(model.dtype)
     for kind in dict.fromkeys(model.kinds):
         prepare = getattr(MIXERS[kind], "decode_params", None)
-        if prepare is not None and KEYS[kind] in layers:
+        if prepare is not None:
             cast = lambda p, prepare=prepare: {k: v.astype(dt) if k not in p else v  # noqa: E731
                                                for k, v in prepare(model, p).items()}
             layers[KEYS[kind]] = jax.vmap(cast)(layers[KEYS[kind]])
