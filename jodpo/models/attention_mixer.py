@@ -7,6 +7,7 @@ offers the decoder the same functions:
   prefixed(model, p, xs, ctx, site, kv)   the shared-prompt layout: a prefix group and the suffixes that continue it
   cached(model, p, x, state, j, ctx, site)   new tokens after a cache state (the prefill, the decode steps)
   init_state(model, batch, length, dtype)    one layer's empty cache state (None: it keeps none)
+  moved_state(model, state, offset)  optional (a kind whose state has slots): its slots moved along their ring
   open_state(model, state, length), close_state(model, state, ctx)   optional: the state made ready for ``length``
                                     new tokens before a cached call over several, and put in order after every layer
                                     ran (the sliding kind keeps them beside its ring until its KV-sharing readers
@@ -143,6 +144,12 @@ def init_state(model: Model, batch: int, length: int, dtype, kind: str = KIND) -
     return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
 
 
+def moved_state(model: Model, state: dict, offset) -> dict:
+    """The keys and values moved ``offset`` slots along their ring (``decoder.moved_cache``); the sliding and global
+    kinds' too (the ring's size is the state's)."""
+    return {n: jnp.roll(a, offset % a.shape[-2], axis=-2) for n, a in state.items()}
+
+
 def cached(model: Model, p: Params, x, state: dict, j, ctx: Context, site: Site, reads: bool = False,
            kind: str = KIND) -> tuple[jax.Array, dict]:
     """The new tokens' keys and values are written at slot ``ctx.start`` (only those slots: the cache is updated in
@@ -154,7 +161,8 @@ def cached(model: Model, p: Params, x, state: dict, j, ctx: Context, site: Site,
     q, gate = _queries(model, attn, p, x, rope)
     if not reads:
         k, v = keys_values(model, attn, p, x, *rope)
-        at = (0, 0, ctx.start, 0) if j is None else (j, 0, 0, ctx.start, 0)
+        slot = ctx.start % state["k"].shape[-2]  # the slots are a ring (decoder's Cache.index)
+        at = (0, 0, slot, 0) if j is None else (j, 0, 0, slot, 0)
 
         def write(slab, new):  # [B, L, K, Dh] -> the slab's head-major layout, at the new tokens' slots
             new = new.transpose(0, 2, 1, 3).astype(slab.dtype)

@@ -34,7 +34,10 @@ The cache is a dict pytree passed in and returned (never a mutable collection):
          s % window; DeltaNet: its convolution window and recurrent state); a KV-sharing layer has none (None): it
          reads its source layer's where it is (``_source``)
   mask   bool[B, S]   which slots hold a real (non-pad) token
-  index  i32[]        the next slot to write
+  index  i32[]        the next slot to write, counted from the first: the slots are a ring, token s written at slot
+                      s % S (the sliding kind's at s % its window), so a decode loop may run on past S steps where
+                      each row's own tokens span at most S slots (the sampler's refill, ``moved_cache``); several
+                      tokens at once (a prefill) must not cross the ring's end
 Positions always come from the masks (count of real tokens before), so left padding shifts nothing.
 """
 from __future__ import annotations
@@ -286,6 +289,16 @@ def split_cache(model: Model, cache: Cache) -> Cache:
     return {**cache, "state": tuple(mine(i, k) for i, k in enumerate(model.kinds))}
 
 
+def moved_cache(model: Model, cache: Cache, start) -> Cache:
+    """A cache filled from slot 0 (a prefill into ``init_cache``: its index the slot after its last token) moved to
+    where a ring whose next slot is ``start`` (i32[], counted as ``Cache.index``) has it: every token's slot s goes to
+    s + start - index, in each ring modulo its size (the mask's and every attention layer's; a DeltaNet layer's state
+    has no slots). The sampler's refill puts a new prompt's prefill into a row of a running decode loop with it."""
+    offset = start - cache["index"]
+    state = _each_state(model, cache["state"], "moved_state", offset)
+    return {"state": state, "mask": jnp.roll(cache["mask"], offset % cache["mask"].shape[1], axis=1), "index": start}
+
+
 def hidden_states(model: Model, params: Params, tokens_BL: jax.Array, mask_BL: jax.Array,
                   cache: Cache | None = None, *, empty_cache: bool = False, with_router: bool = False,
                   routes: jax.Array | None = None):
@@ -326,10 +339,12 @@ def hidden_states(model: Model, params: Params, tokens_BL: jax.Array, mask_BL: j
         raise ValueError("routes replay experts in the cache-free forwards (training); a cached forward routes itself")
 
     start = cache["index"]
-    kv_mask_BS = jax.lax.dynamic_update_slice(cache["mask"], mask_BL, (0, start))
     S = cache["mask"].shape[1]
+    kv_mask_BS = jax.lax.dynamic_update_slice(cache["mask"], mask_BL, (0, start % S))
     pos = _positions(mask_BL, jnp.sum(cache["mask"], -1, dtype=jnp.int32))
     dist_LS = (start + jnp.arange(L, dtype=jnp.int32))[:, None] - jnp.arange(S, dtype=jnp.int32)[None, :]
+    if L == 1:  # a decode step in the ring of slots: every other slot was written before this one
+        dist_LS = dist_LS % S
     ctx = Context(mask=(mask_BL, kv_mask_BS), dist=(dist_LL, dist_LS), rope=(rope_tables(model.rope, pos),),
                   start=start, empty=empty_cache, positions=(pos,))
 

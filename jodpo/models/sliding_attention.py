@@ -50,6 +50,9 @@ def init_state(model: Model, batch: int, length: int, dtype) -> dict:
     return attention_mixer.init_state(model, batch, min(window, length), dtype, kind=KIND)
 
 
+moved_state = attention_mixer.moved_state
+
+
 def _read(model: Model) -> bool:
     """Whether layers of another kind read this kind's keys and values (KV sharing)."""
     return any(READS.get(k) == KIND for k in model.kinds)
@@ -101,10 +104,10 @@ def _held(last, size: int):
 
 
 def _real(ctx: Context, slots):
-    """bool ``[B, n]``: which of these sequence slots hold a real token (the cache's mask; a slot past the mask's end,
-    in the sampler's last chunk's overhang, reads its last)."""
+    """bool ``[B, n]``: which of these sequence slots hold a real token (the cache's mask, itself a ring: slot s at
+    s % its length)."""
     mask = ctx.mask[1]
-    return (slots >= 0)[None] & jnp.take(mask, jnp.clip(slots, 0, mask.shape[1] - 1), axis=1)
+    return (slots >= 0)[None] & jnp.take(mask, slots % mask.shape[1], axis=1)
 
 
 def cached(model: Model, p: Params, x, state: dict, j, ctx: Context, site: Site,
