@@ -5,55 +5,27 @@ mixture's completions beside the policy's).
 The decode loop is a ``while_loop`` over chunks of ``SamplingConfig.chunk`` steps, each a ``lax.scan`` of
 branch-free steps (run the model on the last token, choose the next); between chunks it stops as soon as every row
 has produced an EOS (TL;DR completions often end early) or the budget is spent. Everything after a row's first EOS
-is padding.
+is padding. With ``SamplingConfig.slots`` below the call's prompts, the prompts are a queue: between chunks, the
+rows whose completions have ended take the next prompts (refill), so a row does not idle until the longest of a
+fixed batch ends. Each completion draws from keys of its own (prompt, sample) pair, so it is the same token for token
+whatever the slots, the row it ran in and when.
 
-Filtering follows transformers exactly, in its order: repetition penalty, then temperature, top-k, top-p
-(nucleus, keeping the token that crosses p), min-p (relative to the top token's probability).
+The settings and one step's filters and draw are ``jodpo.filtering``'s (``SamplingConfig``, ``choose``).
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jodpo.models.decoder import Cache, Model, Params, hidden_states, init_cache, split_cache
+from jodpo.filtering import SamplingConfig, choose, process_logits  # noqa: F401 (re-exported)
+from jodpo.models.decoder import Cache, Model, Params, hidden_states, init_cache, moved_cache, split_cache
 from jodpo.models.params import compute_params, decode_params, split_layers
 from jodpo.models.heads import lm_head
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingConfig:
-    """Static sampling settings (hashable: pass as a static argument of ``jax.jit``).
-
-    ``temperature=0`` is greedy decoding. ``top_k=0``, ``top_p=1`` and ``min_p=0`` switch those filters off.
-    """
-
-    max_new_tokens: int = 64
-    temperature: float = 0.9
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    eos_token_ids: tuple[int, ...] = ()
-    pad_token_id: int = 0
-    chunk: int = 8  # decode steps between checks for "every row has ended"
-    unroll: int = 1  # decode steps per iteration of the compiled loop (lax.scan's unroll); results do not depend on it
-
-    def __post_init__(self):
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not 0 <= self.min_p < 1:
-            raise ValueError(f"min_p must be in [0, 1), got {self.min_p}")
-        if self.top_k < 0 or self.chunk < 1 or self.unroll < 1 or self.repetition_penalty <= 0:
-            raise ValueError("top_k must be >= 0, chunk and unroll >= 1, and repetition_penalty > 0")
-        object.__setattr__(self, "eos_token_ids", tuple(int(e) for e in self.eos_token_ids))
 
 
 @flax.struct.dataclass
@@ -66,75 +38,17 @@ class Samples:
     # loss's log-prob of it depends on; -1 elsewhere (the last real token, padding, rows the policy did not sample).
     # Routing replay
     experts: jax.Array | None = None
+    # i32[B]: the decode steps of the loop that sampled the row, each over all its rows in flight (the same for every
+    # row of a call; per row so that the rows can be reordered, split and sharded as the others): ``slot_utilization``
+    decode_steps: jax.Array | None = None
 
 
-# --------------------------------------------------------------------------------------------------
-# Filtering (pure, on one step's logits)
-# --------------------------------------------------------------------------------------------------
-
-
-def process_logits(logits_BV: jax.Array, seen_BV: jax.Array | None, cfg: SamplingConfig) -> jax.Array:
-    """The filtered, tempered logits that a token is sampled from (-inf where filtered out)."""
-    x = logits_BV.astype(jnp.float32)
-    if cfg.repetition_penalty != 1.0:
-        penalised = jnp.where(x < 0, x * cfg.repetition_penalty, x / cfg.repetition_penalty)
-        x = jnp.where(seen_BV, penalised, x)
-    if cfg.temperature == 0:
-        return x
-    if cfg.temperature != 1.0:
-        x = x / cfg.temperature
-    neg_inf = jnp.float32(-jnp.inf)
-    if cfg.top_k > 0 and cfg.top_k < x.shape[-1]:
-        kth = jax.lax.top_k(x, cfg.top_k)[0][:, -1:]
-        x = jnp.where(x < kth, neg_inf, x)
-    if cfg.top_p < 1.0:
-        # Ascending sort; drop tokens whose cumulative probability stays <= 1 - p (always keep the top one).
-        s = jnp.sort(x, axis=-1)
-        cum = jnp.cumsum(jax.nn.softmax(s, axis=-1), axis=-1)
-        keep = (cum > 1.0 - cfg.top_p).at[:, -1].set(True)
-        threshold = jnp.min(jnp.where(keep, s, jnp.inf), axis=-1, keepdims=True)
-        x = jnp.where(x < threshold, neg_inf, x)
-    if cfg.min_p > 0:
-        p = jax.nn.softmax(x, axis=-1)
-        x = jnp.where(p < cfg.min_p * jnp.max(p, -1, keepdims=True), neg_inf, x)
-    return x
-
-
-def choose(logits_BV: jax.Array, seen_BV, rng: jax.Array, cfg: SamplingConfig) -> tuple[jax.Array, jax.Array]:
-    """One decoding step: the next token of every row and its raw log-probability."""
-    x = process_logits(logits_BV, seen_BV, cfg)
-    if cfg.temperature == 0:
-        token = jnp.argmax(x, axis=-1).astype(jnp.int32)
-    else:
-        token = _inverse_cdf(x, rng)
-    logits = logits_BV.astype(jnp.float32)
-    picked = jnp.take_along_axis(logits, token[:, None], -1)[:, 0]
-    logp = picked - jax.nn.logsumexp(logits, axis=-1)
-    return token, logp
-
-
-def _inverse_cdf(x_BV: jax.Array, rng: jax.Array, block: int = 128) -> jax.Array:
-    """An exact categorical draw with one uniform per row, by searching the cumulative probabilities,
-    instead of a Gumbel variate for every vocabulary entry (which dominates a decode step on a CPU with a
-    50k vocabulary). Two levels: the cumulative sum of per-block totals finds the block where the uniform
-    falls, then the cumulative sum inside that block alone finds the token (a flat cumulative sum over the
-    vocabulary took 3 ms of a 25 ms decode step at batch 16; this takes 0.5 ms)."""
-    B, V = x_BV.shape
-    n = -(-V // block)
-    p = jnp.exp(x_BV - jnp.max(x_BV, -1, keepdims=True))
-    p = jnp.pad(p, ((0, 0), (0, n * block - V))).reshape(B, n, block)
-    block_p = jnp.sum(p, -1)
-    block_cdf = jnp.cumsum(block_p, -1)
-    u = jax.random.uniform(rng, (B, 1), jnp.float32) * block_cdf[:, -1:]
-    # Rounding can put u at a total (of the row or of the chosen block): then take the last block, and the last
-    # token in its block, of nonzero probability, never a filtered token or the padding.
-    last_block = jnp.max(jnp.where(block_p > 0, jnp.arange(n), 0), -1)
-    b = jnp.minimum(jnp.sum(block_cdf <= u, -1), last_block)[:, None]  # the first block whose cdf exceeds u
-    inner = jnp.take_along_axis(p, b[:, :, None], 1)[:, 0]  # [B, block]; its total is > 0
-    u_in = jnp.maximum(u - (jnp.take_along_axis(block_cdf, b, -1) - jnp.take_along_axis(block_p, b, -1)), 0.0)
-    i = jnp.sum(jnp.cumsum(inner, -1) <= u_in, -1)
-    last = jnp.max(jnp.where(inner > 0, jnp.arange(block), 0), -1)
-    return (b[:, 0] * block + jnp.minimum(i, last)).astype(jnp.int32)
+def slot_utilization(samples: Samples, rows_in_flight: int) -> jax.Array:
+    """f32[]: the real tokens the decode steps of one sampler call produced (``samples``, of any leading shape) over
+    the row-steps they ran (``rows_in_flight`` rows each: ``num_samples`` times ``SamplingConfig.slots``, or times the
+    prompts): 1 when no row ever idles. Token 0 of each completion comes from its prefill, not a decode step."""
+    made = jnp.sum(samples.mask) - jnp.sum(samples.mask[..., 0])
+    return made / jnp.maximum(jnp.max(samples.decode_steps) * rows_in_flight, 1)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -142,37 +56,62 @@ def _inverse_cdf(x_BV: jax.Array, rng: jax.Array, block: int = 128) -> jax.Array
 # --------------------------------------------------------------------------------------------------
 
 
+def completion_keys(rng: jax.Array, prompts_S: jax.Array, samples: int) -> jax.Array:
+    """Each row's key, in block layout over ``samples`` blocks of the prompts ``prompts_S`` (indices into the call's
+    prompts): completion j of prompt i draws from ``fold_in(fold_in(rng, i), j)``, whatever row it runs in and
+    whenever (``SamplingConfig.slots``), and its token t from ``fold_in`` of that with t (``token_keys``)."""
+    of_prompt = jax.vmap(jax.random.fold_in, (None, 0))(rng, prompts_S)
+    return jnp.concatenate([jax.vmap(jax.random.fold_in, (0, None))(of_prompt, j) for j in range(samples)])
+
+
+def token_keys(keys_N: jax.Array, t_N: jax.Array) -> jax.Array:
+    """The keys of token ``t_N[r]`` of each row's completion (``completion_keys``)."""
+    return jax.vmap(jax.random.fold_in)(keys_N, t_N)
+
+
 @flax.struct.dataclass
 class _State:
-    step: jax.Array  # i32[]: tokens chosen so far (the next one chosen is token ``step``)
+    """The decode loop's rows: ``SamplingConfig.slots`` prompts in flight (all the call's by default), each with its
+    n completions, in block layout (row j * S + s: completion j of the prompt in slot s)."""
+
+    step: jax.Array  # i32[]: decode steps run
+    pos: jax.Array  # i32[N]: tokens each row has chosen of its completion (the next one chosen is token ``pos``)
+    keys: jax.Array  # each row's completion's key (``completion_keys``)
     token: jax.Array  # i32[N]: the last token chosen, which the next decode step runs the models on
     alive: jax.Array  # bool[N]: whether that token is a real one (its row had not ended before it)
     caches: tuple[Cache, ...]  # one per model that decodes (``_Decoder``), over its rows
     seen: jax.Array | None  # bool[N, V] tokens seen (repetition penalty only)
-    done: jax.Array  # bool[N]: row has produced an EOS
-    tokens: jax.Array
-    mask: jax.Array
-    logprobs: jax.Array
-    experts: jax.Array | None  # i32[N, T, M, k] (a MoE policy): ``Samples.experts``, filled as the steps run
+    done: jax.Array  # bool[N]: row has produced an EOS or its ``max_new_tokens``
+    rows: Samples  # the rows' completions so far, [N, T]
+    item: jax.Array | None = None  # i32[S] (refill): the prompt in each slot, -1 for none
+    next: jax.Array | None = None  # i32[] (refill): the next prompt of the queue
+    out: Samples | None = None  # (refill) the finished completions, [nB, T], block layout over the call's prompts
 
 
-def _emit(cfg: SamplingConfig, rng: jax.Array, state: _State, logits_BV: jax.Array) -> _State:
-    """Choose token ``state.step`` of every row from its logits and record it. A step past ``max_new_tokens`` (the
-    last chunk's overhang) records nothing: its token is never part of the result."""
-    t = state.step
-    token, logp = choose(logits_BV, state.seen, jax.random.fold_in(rng, t), cfg)
-    alive = ~state.done
+def _choose_next(cfg: SamplingConfig, logits_NV: jax.Array, seen, done, keys, pos):
+    """Token ``pos`` of each row from its logits: the token (pad where the row had ended), its raw log-prob (0 there),
+    whether it is real, and the rows' ``done`` and ``seen`` after it."""
+    token, logp = choose(logits_NV, seen, token_keys(keys, pos), cfg)
+    alive = ~done
     token = jnp.where(alive, token, cfg.pad_token_id)
-    done = state.done | (jnp.isin(token, jnp.asarray(cfg.eos_token_ids or (-1,), jnp.int32)) & alive)
-    seen = state.seen
+    ended = jnp.isin(token, jnp.asarray(cfg.eos_token_ids or (-1,), jnp.int32)) | (pos + 1 >= cfg.max_new_tokens)
     if seen is not None:
         seen = seen | (jax.nn.one_hot(token, seen.shape[-1], dtype=bool) & alive[:, None])
-    keep = t < cfg.max_new_tokens
-    upd = lambda buf, v: jnp.where(  # noqa: E731
-        keep, jax.lax.dynamic_update_slice(buf, v[:, None].astype(buf.dtype), (0, t)), buf)
-    return state.replace(step=t + 1, token=token, alive=alive, seen=seen, done=done,
-                         tokens=upd(state.tokens, token), mask=upd(state.mask, alive),
-                         logprobs=upd(state.logprobs, jnp.where(alive, logp, 0.0)))
+    return token, jnp.where(alive, logp, 0.0), alive, done | (ended & alive), seen
+
+
+def _record(rows: Samples, at_N: jax.Array, pos_N: jax.Array, token, logp, alive) -> Samples:
+    """``rows`` with each real token at its row ``at_N`` and column ``pos_N`` (the others: nothing written)."""
+    col = jnp.where(alive, pos_N, rows.tokens.shape[1])  # out of range: dropped
+    put = lambda buf, v: buf.at[at_N, col].set(v.astype(buf.dtype), mode="drop")  # noqa: E731
+    return rows.replace(tokens=put(rows.tokens, token), mask=put(rows.mask, alive), logprobs=put(rows.logprobs, logp))
+
+
+def _emit(cfg: SamplingConfig, state: _State, logits_NV: jax.Array) -> _State:
+    """Choose and record every row's next token from its logits."""
+    token, logp, alive, done, seen = _choose_next(cfg, logits_NV, state.seen, state.done, state.keys, state.pos)
+    rows = _record(state.rows, jnp.arange(token.shape[0]), state.pos, token, logp, alive)
+    return state.replace(pos=state.pos + 1, token=token, alive=alive, seen=seen, done=done, rows=rows)
 
 
 def sampler_params(model: Model, params: Params) -> Params:
@@ -200,110 +139,181 @@ def decode_step(model: Model, params: Params, cache: Cache, token_B: jax.Array, 
 
 @dataclasses.dataclass(frozen=True)
 class _Decoder:
-    """One model of a decode loop: its parameters and the rows it runs on, whole blocks of the B prompts' rows
-    (``first`` to ``end``, in units of B: block s is completion s of every prompt)."""
+    """One model of a decode loop: its parameters (``params`` as the prefill reads them, ``decode`` as the decode
+    steps do) and the rows it runs on, whole blocks of the rows (``first`` to ``end``, in units of the prompts in
+    flight: block j is completion j of every one)."""
 
     params: Params
+    decode: Params
     first: int
     end: int
 
 
-def _decode_step(model: Model, decoders: tuple[_Decoder, ...], combine, cfg: SamplingConfig, rng: jax.Array,
-                 state: _State) -> _State:
+def _decode_step(model: Model, decoders: tuple[_Decoder, ...], combine, cfg: SamplingConfig, state: _State) -> _State:
     """One decode step, straight-line (no branch: on a GPU every ``lax.cond`` waits for its predicate to reach the
     host, and the kernels behind it then start only after it): run each model on the last token of its rows (a row
     that has ended runs on padding, unseen by any real token), combine their logits into each row's, choose the
     next. A MoE policy (the first model) records the experts it chose for that token (``Samples.experts``)."""
-    B = state.token.shape[0] // max(d.end for d in decoders)
-    logits, caches, experts = [], [], state.experts
+    S = state.token.shape[0] // max(d.end for d in decoders)
+    logits, caches, rows = [], [], state.rows
     for i, (d, cache) in enumerate(zip(decoders, state.caches)):
-        rows = slice(d.first * B, d.end * B)
-        out = decode_step(model, d.params, cache, state.token[rows], state.alive[rows], i == 0 and experts is not None)
-        if i == 0 and experts is not None:  # token step - 1's; a step past the budget writes the last slot, which
-            # ``_sample`` clears (no token follows it)
-            t = jnp.minimum(state.step - 1, experts.shape[1] - 1)
-            experts = jax.lax.dynamic_update_slice(experts, out[2][:, None], (d.first * B, t, 0, 0))
+        block = slice(d.first * S, d.end * S)
+        with_experts = i == 0 and rows.experts is not None
+        out = decode_step(model, d.decode, cache, state.token[block], state.alive[block], with_experts)
+        if with_experts:  # for each row's token pos - 1 (the one just run)
+            at = jnp.arange(d.first * S, d.end * S)
+            col = jnp.where(state.alive[block], state.pos[block] - 1, rows.experts.shape[1])
+            rows = rows.replace(experts=rows.experts.at[at, col].set(out[2], mode="drop"))
         logits.append(out[0])
         caches.append(out[1])
-    return _emit(cfg, rng, state.replace(caches=tuple(caches), experts=experts), combine(*logits))
+    return _emit(cfg, state.replace(step=state.step + 1, caches=tuple(caches), rows=rows), combine(*logits))
 
 
-def _prefill(model: Model, params: Params, prompt_ids: jax.Array, prompt_mask: jax.Array, length: int, copies: int):
-    """One model's prefill over the B prompts, through the decoder's scans over its layers (one compiled body per
-    repeating period of layers, whatever the depth), its cache then split per layer for the unrolled decode steps
-    (which slice no weights and no cache state, step after step): the decode steps' parameters, the cache of
-    ``length`` slots copied for ``copies`` blocks of rows, and the logits of token 0 likewise."""
+def _prefill(model: Model, d: _Decoder, prompt_ids: jax.Array, prompt_mask: jax.Array, length: int):
+    """One model's prefill over prompts, through the decoder's scans over its layers (one compiled body per repeating
+    period of layers, whatever the depth), its cache then split per layer for the unrolled decode steps (which slice
+    no weights and no cache state, step after step): the cache of ``length`` slots copied for the model's blocks of
+    rows, and the logits of token 0 likewise (one prefill a prompt, not one a completion)."""
     B, P = prompt_ids.shape
-    h, cache = hidden_states(model, params, prompt_ids, prompt_mask, init_cache(model, B, length), empty_cache=True)
-    logits = lm_head(model, params, h[:, -1])
+    h, cache = hidden_states(model, d.params, prompt_ids, prompt_mask, init_cache(model, B, length), empty_cache=True)
+    logits = lm_head(model, d.params, h[:, -1])
     cache = split_cache(model, cache)
-    if copies > 1:  # the prompt's cache (and first logits) for every block: one prefill, not ``copies``
-        tile = lambda x: jnp.concatenate([x] * copies, 0)  # noqa: E731
+    if d.end - d.first > 1:
+        tile = lambda x: jnp.concatenate([x] * (d.end - d.first), 0)  # noqa: E731
         cache = {"state": jax.tree.map(tile, cache["state"]), "mask": tile(cache["mask"]), "index": cache["index"]}
         logits = tile(logits)
-    return sampler_params(model, params), cache, logits  # the weights as the decode steps read them, once a call
+    return cache, logits
+
+
+def _empty_rows(model: Model, N: int, T: int) -> Samples:
+    experts = None if model.moe is None else jnp.full((N, T, len(model.layers_with("moe")), model.moe.top_k), -1,
+                                                      jnp.int32)
+    zeros = lambda dt: jnp.zeros((N, T), dt)  # noqa: E731
+    return Samples(tokens=zeros(jnp.int32), mask=zeros(jnp.int32), logprobs=zeros(jnp.float32), experts=experts)
+
+
+def _seen(model: Model, prompt_ids, prompt_mask, n: int):
+    hit = jax.nn.one_hot(prompt_ids, model.vocab_size, dtype=bool) & prompt_mask.astype(bool)[..., None]
+    return jnp.concatenate([jnp.any(hit, axis=1)] * n, 0)
+
+
+def _refill(model: Model, decoders, combine, cfg: SamplingConfig, rng, first_prompt, prompt_ids, prompt_mask, n: int,
+            state: _State) -> _State:
+    """Between decode chunks: the slots whose completions have all ended hand them out (``state.out``, at their
+    prompt's rows), then every free slot takes the next prompt of the queue: its prefill through each model, moved
+    into the slot's rows at the loop's current slot of the caches' rings (``decoder.moved_cache``), its rows' state
+    reset, token 0 chosen."""
+    B, P = prompt_ids.shape
+    S, T = state.item.shape[0], cfg.max_new_tokens
+    ended = jnp.all(state.done.reshape(n, S), 0) & (state.item >= 0)
+    at = jnp.concatenate([jnp.where(ended, j * B + state.item, n * B) for j in range(n)])  # out of range: dropped
+    put = lambda out, rows: out.at[at].set(rows, mode="drop")  # noqa: E731
+    out = jax.tree.map(put, state.out, state.rows)
+    item = jnp.where(ended, -1, state.item)
+    free = item < 0
+    take = free & (state.next + jnp.cumsum(free) - 1 < B)
+    count = jnp.sum(take, dtype=jnp.int32)
+    order = jnp.argsort(~take, stable=True)  # the slots that take a prompt, first, in order
+    fresh = _empty_rows(model, n, T)
+
+    def fill(i, st):
+        slot, prompt = order[i], st.next + i
+        ids = jax.lax.dynamic_slice_in_dim(prompt_ids, prompt, 1)
+        mask = jax.lax.dynamic_slice_in_dim(prompt_mask, prompt, 1)
+        rows = jnp.arange(n) * S + slot
+        caches, logits = [], []
+        for d, big in zip(decoders, st.caches):
+            cache, first = _prefill(model, d, ids, mask, P + T)
+            cache = moved_cache(model, cache, big["index"])
+            mine = jnp.arange(d.end - d.first) * S + slot  # the slot's rows in this model's cache (its blocks')
+            caches.append(jax.tree.map(lambda b, c, mine=mine: b.at[mine].set(c.astype(b.dtype)),
+                                       {"state": big["state"], "mask": big["mask"]},
+                                       {"state": cache["state"], "mask": cache["mask"]}) | {"index": big["index"]})
+            logits.append(first)
+        keys = completion_keys(rng, first_prompt + prompt[None], n)
+        seen = None if st.seen is None else _seen(model, ids, mask, n)
+        zero = jnp.zeros((n,), jnp.int32)
+        token, logp, alive, done, seen = _choose_next(cfg, combine(*logits), seen, jnp.zeros((n,), bool), keys, zero)
+        all_rows = jax.tree.map(lambda b, f: b.at[rows].set(f), st.rows, fresh)
+        st = st.replace(caches=tuple(caches), rows=_record(all_rows, rows, zero, token, logp, alive),
+                        keys=st.keys.at[rows].set(keys), pos=st.pos.at[rows].set(1), token=st.token.at[rows].set(token),
+                        alive=st.alive.at[rows].set(alive), done=st.done.at[rows].set(done),
+                        seen=None if seen is None else st.seen.at[rows].set(seen))
+        return st
+
+    state = state.replace(out=out, item=jnp.where(take, state.next + jnp.cumsum(take) - 1, item))
+    state = jax.lax.fori_loop(0, count, fill, state)
+    return state.replace(next=state.next + count)
 
 
 def _sample(model: Model, sources: tuple[tuple[Params, int, int], ...], combine, prompt_ids: jax.Array,
-            prompt_mask: jax.Array, rng: jax.Array, config: SamplingConfig) -> Samples:
+            prompt_mask: jax.Array, rng: jax.Array, config: SamplingConfig, first_prompt=0) -> Samples:
     """The decode loop behind ``sample`` and ``sample_pair``: ``sources`` are ``(params, first, end)``, a model and
-    the blocks of rows it runs on (``_Decoder``); ``combine(*logits)`` makes the rows' logits f32[nB, V] out of the
-    models' (in the order of ``sources``), n = the largest ``end``."""
+    the blocks of rows it runs on (``_Decoder``); ``combine(*logits)`` makes the rows' logits f32[nS, V] out of the
+    models' (in the order of ``sources``), n = the largest ``end``, S the prompts in flight; the prompts draw as
+    those from ``first_prompt`` on of a longer queue (``completion_keys``)."""
     B, P = prompt_ids.shape
     T, n = config.max_new_tokens, max(end for _, _, end in sources)
-    decoders, caches, first_logits = [], [], []
-    for params, first, end in sources:
-        params, cache, logits = _prefill(model, params, prompt_ids, prompt_mask, P + T, end - first)
-        decoders.append(_Decoder(params, first, end))
-        caches.append(cache)
-        first_logits.append(logits)
-    decoders = tuple(decoders)
-    seen = None
-    if config.repetition_penalty != 1.0:
-        hit = jax.nn.one_hot(prompt_ids, model.vocab_size, dtype=bool) & prompt_mask.astype(bool)[..., None]
-        seen = jnp.concatenate([jnp.any(hit, axis=1)] * n, 0)
-    zeros = lambda dt: jnp.zeros((n * B, T), dt)  # noqa: E731
-    experts = None if model.moe is None else jnp.full((n * B, T, len(model.layers_with("moe")), model.moe.top_k), -1,
-                                                      jnp.int32)
-    state = _State(step=jnp.zeros((), jnp.int32), token=jnp.zeros((n * B,), jnp.int32),
-                   alive=jnp.zeros((n * B,), bool), caches=tuple(caches), seen=seen, done=jnp.zeros((n * B,), bool),
-                   tokens=zeros(jnp.int32), mask=zeros(jnp.int32), logprobs=zeros(jnp.float32), experts=experts)
-    state = _emit(config, rng, state, combine(*first_logits))  # token 0, from the prefills' logits
+    S = min(config.slots or B, B)
+    decoders = tuple(_Decoder(params, sampler_params(model, params), first, end) for params, first, end in sources)
+    first_ids, first_mask = prompt_ids[:S], prompt_mask[:S]
+    caches, first_logits = zip(*(_prefill(model, d, first_ids, first_mask, P + T) for d in decoders))
+    seen = None if config.repetition_penalty == 1.0 else _seen(model, first_ids, first_mask, n)
+    state = _State(step=jnp.zeros((), jnp.int32), pos=jnp.zeros((n * S,), jnp.int32),
+                   keys=completion_keys(rng, first_prompt + jnp.arange(S), n), token=jnp.zeros((n * S,), jnp.int32),
+                   alive=jnp.zeros((n * S,), bool), caches=tuple(caches), seen=seen, done=jnp.zeros((n * S,), bool),
+                   rows=_empty_rows(model, n * S, T))
+    state = _emit(config, state, combine(*first_logits))  # token 0, from the prefills' logits
 
     def chunk(state):
-        return jax.lax.scan(lambda s, _: (_decode_step(model, decoders, combine, config, rng, s), None), state, None,
+        return jax.lax.scan(lambda s, _: (_decode_step(model, decoders, combine, config, s), None), state, None,
                             length=config.chunk, unroll=config.unroll)[0]
 
     # Tokens 1 .. T-1, ``chunk`` decode steps at a time, until every row has ended. Only this loop's predicate is
-    # read between chunks; a scan's trip count is known, so its steps run without a check. The last chunk may run
-    # past T - 1: those steps record nothing (their cache writes land in the last slot, which nothing reads after).
-    state = jax.lax.while_loop(lambda s: (s.step < T) & ~jnp.all(s.done), chunk, state)
+    # read between chunks; a scan's trip count is known, so its steps run without a check. A row that ends inside a
+    # chunk runs on padding to its end: it records nothing more.
+    if S == B:
+        state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), chunk, state)
+        rows = state.rows
+    else:  # S prompts in flight; between chunks, the slots whose completions have ended take the next prompts
+        refill = functools.partial(_refill, model, decoders, combine, config, rng, first_prompt, prompt_ids,
+                                   prompt_mask, n)
+        state = state.replace(item=jnp.arange(S, dtype=jnp.int32), next=jnp.int32(S),
+                              out=_empty_rows(model, n * B, T))
+        state = jax.lax.while_loop(lambda s: ~jnp.all(s.done) | (s.next < B), lambda s: refill(chunk(s)),
+                                   refill(state))
+        rows = state.out
     pad = jnp.int32(config.pad_token_id)
+    experts = rows.experts
     if experts is not None:  # a token's experts where the next token is real: those the loss's log-probs read
-        follows = jnp.pad(state.mask[:, 1:], ((0, 0), (0, 1))) > 0
-        experts = jnp.where(follows[:, :, None, None], state.experts, -1)
-    return Samples(tokens=jnp.where(state.mask > 0, state.tokens, pad), mask=state.mask, logprobs=state.logprobs,
-                   experts=experts)
+        follows = jnp.pad(rows.mask[:, 1:], ((0, 0), (0, 1))) > 0
+        experts = jnp.where(follows[:, :, None, None], experts, -1)
+    return Samples(tokens=jnp.where(rows.mask > 0, rows.tokens, pad), mask=rows.mask, logprobs=rows.logprobs,
+                   experts=experts, decode_steps=jnp.full(rows.mask.shape[:1], state.step))
 
 
 def sample(model: Model, params: Params, prompt_ids: jax.Array, prompt_mask: jax.Array, rng: jax.Array,
-           config: SamplingConfig, num_samples: int = 1) -> Samples:
+           config: SamplingConfig, num_samples: int = 1, first_prompt=0) -> Samples:
     """Sample ``config.max_new_tokens`` tokens after left-padded prompts.
 
     Args:
       model, params: a causal LM from ``jodpo.load_model``.
       prompt_ids, prompt_mask: i32[B, P], left-padded (every row ends with a real token).
-      rng: a PRNG key; step ``t`` uses ``fold_in(rng, t)``, so a result is reproducible.
+      rng: a PRNG key; completion j of prompt i draws its token t from ``fold_in(fold_in(fold_in(rng, i), j), t)``
+        (``completion_keys``, ``token_keys``), so a result is reproducible and does not depend on ``config.slots``.
       config: a ``SamplingConfig`` (static).
       num_samples: completions per prompt (static). The prompts are run through the model once and their
         cache copied; rows come in block layout: every prompt for sample 0, then every prompt for sample 1, ...
         (the same as sampling ``concatenate([prompt_ids] * num_samples)``, with one prefill instead of n).
+      first_prompt: the index of the first prompt in a longer queue these prompts are part of (an int or a traced
+        scalar): they then draw as they would there, so a queue sampled in several calls gives what one call gives.
     Returns:
       ``Samples`` with ``tokens``, ``mask`` and ``logprobs`` of shape [num_samples * B, max_new_tokens]; a MoE
-      model's also with ``experts`` [num_samples * B, max_new_tokens, layers, k].
+      model's also with ``experts`` [num_samples * B, max_new_tokens, layers, k]; ``decode_steps``.
     Jittable (``model`` and ``config`` static); works on sharded params and batches.
     """
-    return _sample(model, ((params, 0, num_samples),), lambda logits: logits, prompt_ids, prompt_mask, rng, config)
+    return _sample(model, ((params, 0, num_samples),), lambda logits: logits, prompt_ids, prompt_mask, rng, config,
+                   first_prompt)
 
 
 def geometric_mixture(policy_logits: jax.Array, ref_logits: jax.Array, mixture_coef) -> jax.Array:
@@ -329,14 +339,14 @@ def sample_pair(model: Model, params: Params, ref_params: Params, prompt_ids: ja
     XPO's reference rows.
     ``ref_params`` may be the policy's base with ``params`` its LoRA adapters attached: the reference is the policy
     with its adapters off. Jittable as ``sample``."""
-    B = prompt_ids.shape[0]
     if mixture_coef is None:
         sources, combine = ((params, 0, 1), (ref_params, 1, 2)), lambda pol, ref: jnp.concatenate([pol, ref])
     else:
         sources = ((params, 0, 2), (ref_params, 1, 2))
 
-        def combine(pol, ref):
-            return jnp.concatenate([pol[:B], geometric_mixture(pol[B:], ref, mixture_coef)])
+        def combine(pol, ref):  # pol: both blocks' rows, ref: block 1's (the rows in flight, or one slot's)
+            b = ref.shape[0]
+            return jnp.concatenate([pol[:b], geometric_mixture(pol[b:], ref, mixture_coef)])
     return _sample(model, sources, combine, prompt_ids, prompt_mask, rng, config)
 
 

@@ -3,6 +3,8 @@ forced experts weighed by the router's renormalised probabilities, with the rout
 of every completion token's experts; replayed log-probs against a forward forced to those routes through the one-hot
 experts; the flip rate 0 in one dtype and > 0 for bf16 sampling of a model whose router nearly ties. The CLI run with
 replay on is tests/test_export_script.py's Qwen3-MoE run."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -76,7 +78,11 @@ def test_the_sampler_records_each_completion_tokens_experts_and_one_dtype_flips_
     the replayed log-probs are the plain ones, and the prompt's tokens route in the prefill as in training."""
     model, params = near_ties
     (ids, mask), n = PROMPTS, 2
-    out = jax.jit(sampling.sample, static_argnums=(0, 5, 6))(model, params, ids, mask, jax.random.key(3), CONFIG, n)
+    sample = jax.jit(sampling.sample, static_argnums=(0, 5, 6))
+    out = sample(model, params, ids, mask, jax.random.key(3), CONFIG, n)
+    refilled = sample(model, params, ids, mask, jax.random.key(3), dataclasses.replace(CONFIG, slots=1), n)
+    for name in ("tokens", "mask", "experts"):  # one prompt in flight at a time: the same tokens and experts
+        np.testing.assert_array_equal(np.asarray(getattr(refilled, name)), np.asarray(getattr(out, name)))
     T = CONFIG.max_new_tokens
     assert out.experts.shape == (n * 2, T, LAYERS, K) and out.experts.dtype == jnp.int32
     follows = np.pad(np.asarray(out.mask)[:, 1:], ((0, 0), (0, 1))) > 0  # a real token after it: recorded

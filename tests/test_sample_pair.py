@@ -2,6 +2,8 @@
 geometric mixture) against a Python loop over full forwards of both models, the mixed logits chosen step by step; on
 the plain decoder, the hybrid Qwen3.5 cache and LoRA (the reference is the policy with its adapters off). Greedy
 mixture decoding against TRL 1.12's GeometricMixtureWrapper is in test_trl112.py (recorded in tests/golden)."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -29,7 +31,7 @@ def pair_reference(model, params, ref_params, ids, mask, rng, cfg, coef):
     far (right-padded to one length: one compile), block 0 from the policy's last logits, block 1 from the
     reference's (coef None) or log_softmax(coef * ref + (1 - coef) * policy), chosen as the sampler chooses."""
     B, P = ids.shape
-    T = cfg.max_new_tokens
+    T, keys = cfg.max_new_tokens, sampling.completion_keys(rng, jnp.arange(B), 2)
     full_ids = np.concatenate([np.tile(ids, (2, 1)), np.full((2 * B, T), cfg.pad_token_id, np.int32)], 1)
     full_mask = np.concatenate([np.tile(mask, (2, 1)), np.zeros((2 * B, T), np.int32)], 1)
     seen = np.zeros((2 * B, model.vocab_size), bool)
@@ -43,7 +45,7 @@ def pair_reference(model, params, ref_params, ids, mask, rng, cfg, coef):
         second = ref[B:] if coef is None else np.asarray(jax.nn.log_softmax(coef * ref[B:] + (1 - coef) * pol[B:]))
         token, logp = sampling.choose(jnp.asarray(np.concatenate([pol[:B], second])),
                                       jnp.asarray(seen) if cfg.repetition_penalty != 1.0 else None,
-                                      jax.random.fold_in(rng, t), cfg)
+                                      sampling.token_keys(keys, jnp.full((2 * B,), t)), cfg)
         token, logp, alive = np.asarray(token), np.asarray(logp), ~done
         tokens[:, t] = np.where(alive, token, cfg.pad_token_id)
         out_mask[:, t], logprobs[:, t] = alive, np.where(alive, logp, 0.0)
@@ -75,11 +77,12 @@ def test_pair_sampler_equals_a_python_loop_over_full_forwards(checkpoints, case)
     cfg = jodpo.SamplingConfig(max_new_tokens=7, eos_token_ids=(5, 9, 17), pad_token_id=model.pad_token_id, chunk=3,
                                **settings)
     rng = jax.random.key(11)
-    got = _sample_pair(model, params, ref_params, ids, mask, rng, cfg, coef)
     tokens, out_mask, logprobs = pair_reference(model, params, ref_params, ids, mask, rng, cfg, coef)
-    np.testing.assert_array_equal(np.asarray(got.tokens), tokens)
-    np.testing.assert_array_equal(np.asarray(got.mask), out_mask)
-    np.testing.assert_allclose(np.asarray(got.logprobs), logprobs, rtol=1e-4, atol=1e-5)
+    for slots in (0, 2):  # all three prompts in flight; two, the third taking the first slot that ends (refill)
+        got = _sample_pair(model, params, ref_params, ids, mask, rng, dataclasses.replace(cfg, slots=slots), coef)
+        np.testing.assert_array_equal(np.asarray(got.tokens), tokens)
+        np.testing.assert_array_equal(np.asarray(got.mask), out_mask)
+        np.testing.assert_allclose(np.asarray(got.logprobs), logprobs, rtol=1e-4, atol=1e-5)
     # the two blocks differ (the second model, or the mixture, really decides block 1)
     assert not np.array_equal(tokens[:3], tokens[3:])
 

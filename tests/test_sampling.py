@@ -1,4 +1,5 @@
 """The sampler against transformers' generate, a Python loop, and the exact filtered distribution."""
+import dataclasses
 from unittest import mock
 
 import chex
@@ -10,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import jodpo
-from jodpo import sampling
+from jodpo import filtering, sampling
 from jodpo.models import decoder, heads
 from jodpo.models import params as mparams
 from tests import hf_fixtures
@@ -19,9 +20,11 @@ from tests import helpers
 _sample = jax.jit(sampling.sample, static_argnums=(0, 5))
 
 
-def sample_reference(model, params, prompt_ids, prompt_mask, rng, config):
-    """The sampler as a plain Python loop, one jitted step at a time."""
+def sample_reference(model, params, prompt_ids, prompt_mask, rng, config, keys=None):
+    """The sampler as a plain Python loop, one jitted step at a time; row b draws token t from
+    ``token_keys(keys, t)`` (by default each row's own prompt's: ``completion_keys``)."""
     B, P = prompt_ids.shape
+    keys = sampling.completion_keys(rng, jnp.arange(B), 1) if keys is None else keys
     T = config.max_new_tokens
     step = jax.jit(decoder.hidden_states, static_argnums=0)
     cache = decoder.init_cache(model, B, P + T)
@@ -34,7 +37,7 @@ def sample_reference(model, params, prompt_ids, prompt_mask, rng, config):
     tokens, mask, logprobs = (np.zeros((B, T), dt) for dt in (np.int32, np.int32, np.float32))
     for t in range(T):
         token, logp = sampling.choose(logits, jnp.asarray(seen) if config.repetition_penalty != 1.0 else None,
-                             jax.random.fold_in(rng, t), config)
+                             sampling.token_keys(keys, jnp.full((B,), t)), config)
         token, logp = np.asarray(token), np.asarray(logp)
         alive = ~done
         tokens[:, t] = np.where(alive, token, config.pad_token_id)
@@ -129,19 +132,47 @@ def test_scan_sampler_equals_python_loop(checkpoints, cfg):
 
 
 def test_num_samples_copies_the_prompt_cache_and_equals_repeated_prompts(checkpoints):
-    """One prefill for two samples per prompt gives what sampling the repeated prompts gives (block layout)."""
+    """One prefill for two samples per prompt gives what sampling the repeated prompts gives (block layout), each
+    row drawing from its (prompt, sample) keys."""
     model, params = jodpo.load_model(str(checkpoints["llama"]["causal_lm"]))
     ids, mask = hf_fixtures.padded_batch(np.random.default_rng(7), [6, 3, 8], model.pad_token_id, "left")
     config = jodpo.SamplingConfig(max_new_tokens=10, temperature=0.9, repetition_penalty=1.2, eos_token_ids=(5,),
                                   pad_token_id=model.pad_token_id, chunk=4)
     rng = jax.random.key(3)
     got = jax.jit(jodpo.sample, static_argnums=(0, 5, 6))(model, params, ids, mask, rng, config, 2)
-    ref = _sample(model, params, np.concatenate([ids, ids]), np.concatenate([mask, mask]), rng, config)
+    ref = sample_reference(model, params, np.concatenate([ids, ids]), np.concatenate([mask, mask]), rng, config,
+                           keys=sampling.completion_keys(rng, jnp.arange(3), 2))
     assert got.tokens.shape == (6, 10)
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(ref.tokens))
     np.testing.assert_array_equal(np.asarray(got.mask), np.asarray(ref.mask))
     np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(ref.logprobs), rtol=1e-5, atol=1e-5)
     assert not np.array_equal(np.asarray(got.tokens[:3]), np.asarray(got.tokens[3:]))  # two different draws
+
+
+@pytest.mark.parametrize("family", ["gemma4", "qwen3_5"])
+def test_refill_between_chunks_gives_the_fixed_batch_completions(checkpoints, family):
+    """With fewer prompts in flight than the call's (``SamplingConfig.slots``), the rows whose completions have ended
+    take the next prompts between chunks, and every completion is the fixed batch's token for token: its prefill moved
+    into a row at the running loop's slot of the cache rings (past their end: the loop runs longer than the cache),
+    the sliding ring, KV sharing's reads (Gemma 4) and the DeltaNet state and convolution window (Qwen3.5) reset, its
+    draws keyed by (prompt, sample)."""
+    model, params = jodpo.load_model(str(checkpoints[family]["causal_lm"]))
+    ids, mask = hf_fixtures.padded_batch(np.random.default_rng(12), [6, 3, 8, 2, 7], model.pad_token_id, "left")
+    B, T, n = ids.shape[0], 12, 2
+    fixed = jodpo.SamplingConfig(max_new_tokens=T, temperature=0.9, repetition_penalty=1.2, chunk=2,
+                                 eos_token_ids=tuple(range(3, 300, 13)), pad_token_id=model.pad_token_id)
+    sample = jax.jit(jodpo.sample, static_argnums=(0, 5, 6))
+    want = sample(model, params, ids, mask, jax.random.key(5), fixed, n)
+    got = sample(model, params, ids, mask, jax.random.key(5), dataclasses.replace(fixed, slots=2), n)
+    lengths = np.asarray(want.mask).sum(1)
+    assert lengths.min() < T // 2 and lengths.max() == T  # short and long completions
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+    np.testing.assert_array_equal(np.asarray(got.mask), np.asarray(want.mask))
+    np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(want.logprobs), rtol=1e-5, atol=1e-5)
+    assert int(got.decode_steps[0]) * 2 > ids.shape[1] + T  # the loop ran past the cache's slots
+    for samples, rows in ((want, n * B), (got, n * 2)):  # real decoded tokens over row-steps
+        made = lengths.sum() - n * B
+        np.testing.assert_allclose(sampling.slot_utilization(samples, rows), made / (int(samples.decode_steps[0]) * rows))
 
 
 def test_logprobs_are_raw_model_logprobs(checkpoints):
@@ -208,7 +239,7 @@ def test_two_level_inverse_cdf_draws_the_distribution_across_blocks(block):
     x[V - 1] = 2.0  # the last token is allowed (it sits next to the padding)
     want = np.exp(x - x.max()) / np.exp(x - x.max()).sum()
     keys = jax.random.split(jax.random.key(7), N // 8)
-    draw = jax.jit(jax.vmap(lambda k: sampling._inverse_cdf(jnp.tile(jnp.asarray(x, jnp.float32), (8, 1)), k, block)))
+    draw = jax.jit(jax.vmap(lambda k: filtering._inverse_cdf(jnp.tile(jnp.asarray(x, jnp.float32), (8, 1)), k, block)))
     tokens = np.asarray(draw(keys)).ravel()
     assert tokens.min() >= 0 and tokens.max() < V
     freq = np.bincount(tokens, minlength=V) / N
@@ -217,7 +248,7 @@ def test_two_level_inverse_cdf_draws_the_distribution_across_blocks(block):
     assert tv < 0.03, tv  # sampling noise at N=40000 here: about 0.02
     # A uniform that rounds to the row's total (u = 1) still lands on the last allowed token, not past it.
     with mock.patch.object(jax.random, "uniform", lambda key, shape, dtype: jnp.ones(shape, dtype)):
-        edge = sampling._inverse_cdf(jnp.asarray(np.where(np.arange(V) < V - 300, x, -np.inf), jnp.float32)[None],
+        edge = filtering._inverse_cdf(jnp.asarray(np.where(np.arange(V) < V - 300, x, -np.inf), jnp.float32)[None],
                                      jax.random.key(0), block)
     assert int(edge[0]) == np.flatnonzero(np.isfinite(x[:V - 300]))[-1]
 
