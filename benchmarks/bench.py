@@ -27,6 +27,9 @@ ratios within a run, not seconds across runs). docs/performance.md has the figur
                                 [--prompt-len 128] [--completion-len 64] [--remat full] [--no-sample] [--repeats 3]
                                 [--layers N] [--tpu v6e:1x1] [--out F.json]
                                 (compile time and XLA temporaries per layer at real configs: depth.py)
+  python benchmarks/bench.py rollout [--prompts 64] [--slots 16] [--samples 2] [--new-tokens 128] [--eos-share 0.025]
+                                  [--chunk 8] [--repeats 3] [--out F.json]
+                                  (a fixed batch against refill between chunks, long-tailed lengths: rollout.py)
   python benchmarks/bench.py moe [--shapes olmoe-1b-7b qwen3-30b-a3b] [--tokens 256] [--decode-tokens 8]
                               [--repeats 3] [--out F.json]  (one MoE layer: tiles, ragged_dot, dense, transformers)
 
@@ -97,6 +100,7 @@ import memory
 import moe
 import program
 import real
+import rollout
 import sample
 import tpu_grid
 import traffic
@@ -114,7 +118,8 @@ BENCHMARKS = {"sample": (sample.bench_sample, sample.print_sample), "train": (tr
               "tpu-grid": (tpu_grid.bench_tpu_grid, tpu_grid.print_tpu_grid),
               "deltanet": (deltanet.bench_deltanet, deltanet.print_deltanet),
               "depth": (depth.bench_depth, depth.print_depth), "moe": (moe.bench_moe, moe.print_moe),
-              "traffic": (traffic.bench_traffic, traffic.print_traffic)}
+              "traffic": (traffic.bench_traffic, traffic.print_traffic),
+              "rollout": (rollout.bench_rollout, rollout.print_rollout)}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -131,6 +136,7 @@ def parser() -> argparse.ArgumentParser:
     deltanet.add_parser(sub)
     depth.add_parser(sub)
     moe.add_parser(sub)
+    rollout.add_parser(sub)
     return ap
 
 

@@ -41,7 +41,8 @@ from jodpo.program.sources import describe_split, load_split, training_prompts
 
 # The training config's fields that shape generation (``--FIELD VALUE`` on the command line).
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_new_tokens", "stop_token",
-                   "max_prompt_length", "prompt_buckets", "seed", "per_device_eval_batch_size", "decode_chunk", "bf16",
+                   "max_prompt_length", "prompt_buckets", "seed", "per_device_eval_batch_size", "decode_chunk",
+                   "sampler_slots", "bf16",
                    "matmul_precision", "attn_implementation", "param_dtype", "mesh_data", "mesh_fsdp", "mesh_expert",
                    "mesh_tensor")
 DATA_FIELDS = ("dataset_name", "dataset_config", "dataset_test_split", "chat_template_path")
@@ -111,7 +112,7 @@ def load_policy(name: str, step: int | None = None, overrides: dict | None = Non
     sampling = SamplingConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
                               top_p=cfg.top_p, min_p=cfg.min_p or 0.0, repetition_penalty=cfg.repetition_penalty,
                               eos_token_ids=tuple(dict.fromkeys(eos)), pad_token_id=tokenizer.pad_token_id,
-                              chunk=cfg.decode_chunk)
+                              chunk=cfg.decode_chunk, slots=cfg.sampler_slots)
     return Policy(name, step, cfg, model, params, tokenizer, mesh, sampling, trained_on)
 
 

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jodpo.filtering import SamplingConfig, choose, process_logits  # noqa: F401 (re-exported)
-from jodpo.models.decoder import Cache, Model, Params, hidden_states, init_cache, moved_cache, split_cache
+from jodpo.models.decoder import Cache, Model, Params, hidden_states, init_cache, split_cache
 from jodpo.models.params import compute_params, decode_params, split_layers
 from jodpo.models.heads import lm_head
 
@@ -86,6 +86,8 @@ class _State:
     item: jax.Array | None = None  # i32[S] (refill): the prompt in each slot, -1 for none
     next: jax.Array | None = None  # i32[] (refill): the next prompt of the queue
     out: Samples | None = None  # (refill) the finished completions, [nB, T], block layout over the call's prompts
+    stash: tuple | None = None  # (refill) per model, the next S prompts' prefill: (cache of P slots, first logits)
+    stash_first: jax.Array | None = None  # i32[] (refill): the first of them
 
 
 def _choose_next(cfg: SamplingConfig, logits_NV: jax.Array, seen, done, keys, pos):
@@ -171,18 +173,20 @@ def _decode_step(model: Model, decoders: tuple[_Decoder, ...], combine, cfg: Sam
 
 def _prefill(model: Model, d: _Decoder, prompt_ids: jax.Array, prompt_mask: jax.Array, length: int):
     """One model's prefill over prompts, through the decoder's scans over its layers (one compiled body per repeating
-    period of layers, whatever the depth), its cache then split per layer for the unrolled decode steps (which slice
-    no weights and no cache state, step after step): the cache of ``length`` slots copied for the model's blocks of
-    rows, and the logits of token 0 likewise (one prefill a prompt, not one a completion)."""
-    B, P = prompt_ids.shape
-    h, cache = hidden_states(model, d.params, prompt_ids, prompt_mask, init_cache(model, B, length), empty_cache=True)
-    logits = lm_head(model, d.params, h[:, -1])
-    cache = split_cache(model, cache)
-    if d.end - d.first > 1:
-        tile = lambda x: jnp.concatenate([x] * (d.end - d.first), 0)  # noqa: E731
-        cache = {"state": jax.tree.map(tile, cache["state"]), "mask": tile(cache["mask"]), "index": cache["index"]}
-        logits = tile(logits)
-    return cache, logits
+    period of layers, whatever the depth), its cache of ``length`` slots then split per layer for the unrolled decode
+    steps (which slice no weights and no cache state, step after step), and the logits of token 0."""
+    h, cache = hidden_states(model, d.params, prompt_ids, prompt_mask, init_cache(model, prompt_ids.shape[0], length),
+                             empty_cache=True)
+    return split_cache(model, cache), lm_head(model, d.params, h[:, -1])
+
+
+def _tiled(d: _Decoder, cache: Cache, logits: jax.Array):
+    """A prefill's cache and logits copied for the model's blocks of rows (one prefill a prompt, not a completion)."""
+    if d.end - d.first == 1:
+        return cache, logits
+    tile = lambda x: jnp.concatenate([x] * (d.end - d.first), 0)  # noqa: E731
+    return {"state": jax.tree.map(tile, cache["state"]), "mask": tile(cache["mask"]), "index": cache["index"]}, \
+        tile(logits)
 
 
 def _empty_rows(model: Model, N: int, T: int) -> Samples:
@@ -197,18 +201,18 @@ def _seen(model: Model, prompt_ids, prompt_mask, n: int):
     return jnp.concatenate([jnp.any(hit, axis=1)] * n, 0)
 
 
-def _refill(model: Model, decoders, combine, cfg: SamplingConfig, rng, first_prompt, prompt_ids, prompt_mask, n: int,
-            state: _State) -> _State:
+def _refill(model: Model, decoders, combine, cfg: SamplingConfig, rng, first_prompt, B: int, prompt_ids, prompt_mask,
+            n: int, state: _State) -> _State:
     """Between decode chunks: the slots whose completions have all ended hand them out (``state.out``, at their
-    prompt's rows), then every free slot takes the next prompt of the queue: its prefill through each model, moved
-    into the slot's rows at the loop's current slot of the caches' rings (``decoder.moved_cache``), its rows' state
-    reset, token 0 chosen."""
-    B, P = prompt_ids.shape
+    prompt's rows), then every free slot takes the next prompt of the queue: its cache and first logits from the
+    stash (the prompts prefilled S at a time, as a fixed batch of S prompts is: ``_restash``) into the slot's rows,
+    which start again at slot P (the caches' index is per row), their state reset, token 0 chosen. ``prompt_ids``,
+    ``prompt_mask``: the queue of B prompts in whole batches of S (``_restash``)."""
+    P = prompt_ids.shape[1]
     S, T = state.item.shape[0], cfg.max_new_tokens
     ended = jnp.all(state.done.reshape(n, S), 0) & (state.item >= 0)
     at = jnp.concatenate([jnp.where(ended, j * B + state.item, n * B) for j in range(n)])  # out of range: dropped
-    put = lambda out, rows: out.at[at].set(rows, mode="drop")  # noqa: E731
-    out = jax.tree.map(put, state.out, state.rows)
+    out = jax.tree.map(lambda out, rows: out.at[at].set(rows, mode="drop"), state.out, state.rows)
     item = jnp.where(ended, -1, state.item)
     free = item < 0
     take = free & (state.next + jnp.cumsum(free) - 1 < B)
@@ -218,32 +222,48 @@ def _refill(model: Model, decoders, combine, cfg: SamplingConfig, rng, first_pro
 
     def fill(i, st):
         slot, prompt = order[i], st.next + i
-        ids = jax.lax.dynamic_slice_in_dim(prompt_ids, prompt, 1)
-        mask = jax.lax.dynamic_slice_in_dim(prompt_mask, prompt, 1)
-        rows = jnp.arange(n) * S + slot
+        st = jax.lax.cond(prompt >= st.stash_first + S, functools.partial(_restash, model, decoders, prompt_ids,
+                                                                          prompt_mask, prompt), lambda st: st, st)
+        e, rows = prompt - st.stash_first, jnp.arange(n) * S + slot
         caches, logits = [], []
-        for d, big in zip(decoders, st.caches):
-            cache, first = _prefill(model, d, ids, mask, P + T)
-            cache = moved_cache(model, cache, big["index"])
+        for d, big, (cache, first) in zip(decoders, st.caches, st.stash):
             mine = jnp.arange(d.end - d.first) * S + slot  # the slot's rows in this model's cache (its blocks')
-            caches.append(jax.tree.map(lambda b, c, mine=mine: b.at[mine].set(c.astype(b.dtype)),
-                                       {"state": big["state"], "mask": big["mask"]},
-                                       {"state": cache["state"], "mask": cache["mask"]}) | {"index": big["index"]})
-            logits.append(first)
+
+            def put(whole, part, mine=mine):  # the prompt's P slots first in its rows' P + T (the rest masked)
+                row = part[e]
+                row = jnp.pad(row, [(0, w - r) for w, r in zip(whole.shape[1:], row.shape)])
+                return whole.at[mine].set(row.astype(whole.dtype))
+
+            caches.append({"state": jax.tree.map(put, big["state"], cache["state"]), "mask": put(big["mask"],
+                                                                                              cache["mask"]),
+                           "index": big["index"].at[mine].set(P)})
+            logits.append(jnp.repeat(first[e][None], d.end - d.first, 0))
         keys = completion_keys(rng, first_prompt + prompt[None], n)
-        seen = None if st.seen is None else _seen(model, ids, mask, n)
+        seen = None
+        if st.seen is not None:
+            seen = _seen(model, jax.lax.dynamic_slice_in_dim(prompt_ids, prompt, 1),
+                         jax.lax.dynamic_slice_in_dim(prompt_mask, prompt, 1), n)
         zero = jnp.zeros((n,), jnp.int32)
         token, logp, alive, done, seen = _choose_next(cfg, combine(*logits), seen, jnp.zeros((n,), bool), keys, zero)
         all_rows = jax.tree.map(lambda b, f: b.at[rows].set(f), st.rows, fresh)
-        st = st.replace(caches=tuple(caches), rows=_record(all_rows, rows, zero, token, logp, alive),
-                        keys=st.keys.at[rows].set(keys), pos=st.pos.at[rows].set(1), token=st.token.at[rows].set(token),
-                        alive=st.alive.at[rows].set(alive), done=st.done.at[rows].set(done),
-                        seen=None if seen is None else st.seen.at[rows].set(seen))
-        return st
+        return st.replace(caches=tuple(caches), rows=_record(all_rows, rows, zero, token, logp, alive),
+                          keys=st.keys.at[rows].set(keys), pos=st.pos.at[rows].set(1),
+                          token=st.token.at[rows].set(token), alive=st.alive.at[rows].set(alive),
+                          done=st.done.at[rows].set(done), seen=None if seen is None else st.seen.at[rows].set(seen))
 
     state = state.replace(out=out, item=jnp.where(take, state.next + jnp.cumsum(take) - 1, item))
     state = jax.lax.fori_loop(0, count, fill, state)
     return state.replace(next=state.next + count)
+
+
+def _restash(model: Model, decoders, prompt_ids, prompt_mask, first, state: _State) -> _State:
+    """The stash: prompts ``first`` to ``first + S`` (S the slots) prefilled together through each model, their caches
+    of P slots and their first logits, ready for the slots that free. ``prompt_ids`` holds whole batches of S (the
+    queue's last rows repeated: ``_sample``), so the prompts go through the model in the batches, and so with the
+    rounding, a fixed-batch sampler of S prompts has."""
+    S, P = state.item.shape[0], prompt_ids.shape[1]
+    ids, mask = (jax.lax.dynamic_slice_in_dim(x, first, S) for x in (prompt_ids, prompt_mask))
+    return state.replace(stash=tuple(_prefill(model, d, ids, mask, P) for d in decoders), stash_first=first)
 
 
 def _sample(model: Model, sources: tuple[tuple[Params, int, int], ...], combine, prompt_ids: jax.Array,
@@ -257,7 +277,7 @@ def _sample(model: Model, sources: tuple[tuple[Params, int, int], ...], combine,
     S = min(config.slots or B, B)
     decoders = tuple(_Decoder(params, sampler_params(model, params), first, end) for params, first, end in sources)
     first_ids, first_mask = prompt_ids[:S], prompt_mask[:S]
-    caches, first_logits = zip(*(_prefill(model, d, first_ids, first_mask, P + T) for d in decoders))
+    caches, first_logits = zip(*(_tiled(d, *_prefill(model, d, first_ids, first_mask, P + T)) for d in decoders))
     seen = None if config.repetition_penalty == 1.0 else _seen(model, first_ids, first_mask, n)
     state = _State(step=jnp.zeros((), jnp.int32), pos=jnp.zeros((n * S,), jnp.int32),
                    keys=completion_keys(rng, first_prompt + jnp.arange(S), n), token=jnp.zeros((n * S,), jnp.int32),
@@ -276,10 +296,13 @@ def _sample(model: Model, sources: tuple[tuple[Params, int, int], ...], combine,
         state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), chunk, state)
         rows = state.rows
     else:  # S prompts in flight; between chunks, the slots whose completions have ended take the next prompts
-        refill = functools.partial(_refill, model, decoders, combine, config, rng, first_prompt, prompt_ids,
-                                   prompt_mask, n)
+        whole = -B % S  # the queue in whole batches of S (its last prompt repeated), as the stash prefills it
+        queue = [jnp.concatenate([x, jnp.repeat(x[-1:], whole, 0)]) for x in (prompt_ids, prompt_mask)]
+        refill = functools.partial(_refill, model, decoders, combine, config, rng, first_prompt, B, *queue, n)
+        per_row = tuple({**c, "index": jnp.full((c["mask"].shape[0],), c["index"], jnp.int32)} for c in state.caches)
         state = state.replace(item=jnp.arange(S, dtype=jnp.int32), next=jnp.int32(S),
-                              out=_empty_rows(model, n * B, T))
+                              out=_empty_rows(model, n * B, T), caches=per_row)
+        state = _restash(model, decoders, queue[0], queue[1], S, state)
         state = jax.lax.while_loop(lambda s: ~jnp.all(s.done) | (s.next < B), lambda s: refill(chunk(s)),
                                    refill(state))
         rows = state.out

@@ -38,7 +38,7 @@ from jodpo.models.params import buffers, frozen_params
 from jodpo.optim import SCHEDULES, OptimizerConfig, learning_rate_schedule, make_optimizer  # noqa: F401 (re-exported)
 from jodpo.pairing import group_metrics, pair_rows, resolve_pairing, take_rows
 from jodpo.scoring import score_tokens
-from jodpo.sampling import Samples, SamplingConfig, sample  # noqa: F401 (SamplingConfig: re-exported)
+from jodpo.sampling import Samples, SamplingConfig, sample, slot_utilization  # noqa: F401 (SamplingConfig: re-exported)
 from jodpo.step_state import PreferenceBatch, StepConfig, TrainState  # noqa: F401 (PreferenceBatch: re-exported)
 
 def init_state(cfg: StepConfig, params: Params, rng: jax.Array) -> TrainState:
@@ -255,6 +255,19 @@ def _update(cfg: StepConfig, state: TrainState, ref_params: Params, batch: Onlin
     return apply_gradients(cfg, state, grads, metrics)
 
 
+def rollout_metrics(cfg: StepConfig, prompt_ids: jax.Array, samples: Samples) -> dict:
+    """The sampler's share of a window (``samples`` [A, kB, T] of ``prompt_ids`` [A, B, P], from one call):
+    ``rollout/slot_utilization`` (``sampling.slot_utilization``: real decoded tokens over the row-steps run) and
+    ``rollout/generated_tokens``, the completions' real tokens (the program logs them per second:
+    ``rollout/generated_tok_s``). None of them for samples made elsewhere (no ``decode_steps``)."""
+    if samples.decode_steps is None:
+        return {}
+    A, B = prompt_ids.shape[:2]
+    rows = samples.tokens.shape[1] // B * min(cfg.sampling.slots or A * B, A * B)
+    return {"rollout/slot_utilization": slot_utilization(samples, rows),
+            "rollout/generated_tokens": jnp.sum(samples.mask).astype(jnp.float32)}
+
+
 def online_update(cfg: StepConfig, state: TrainState, ref_params: Params, prompt_ids: jax.Array,
                   prompt_mask: jax.Array, samples: Samples, rewards: jax.Array,
                   rows: jax.Array | None = None) -> tuple[TrainState, dict]:
@@ -263,7 +276,7 @@ def online_update(cfg: StepConfig, state: TrainState, ref_params: Params, prompt
     step (``_sampled``)."""
     pairs, rewards, weights, chosen = choose_pairs(cfg, state, samples, rewards, rows)
     new, metrics = update(cfg, state, ref_params, prompt_ids, prompt_mask, pairs, rewards, pair_weights=weights)
-    return _sampled(cfg, state, new), metrics | chosen
+    return _sampled(cfg, state, new), metrics | chosen | rollout_metrics(cfg, prompt_ids, samples)
 
 
 def rollout_update(cfg: StepConfig, state: TrainState, ref_params: Params, prompt_ids: jax.Array,
@@ -284,6 +297,7 @@ def rollout_update(cfg: StepConfig, state: TrainState, ref_params: Params, promp
     if R % M:
         raise ValueError(f"a rollout of {R} micro-batches does not split into {M} mini-batches")
     A = R // M
+    rollout = rollout_metrics(cfg, prompt_ids, samples)
     samples, rewards, weights, chosen = choose_pairs(cfg, state, samples, rewards, rows)
     batch = _online_batch(cfg, prompt_ids, prompt_mask, samples, rewards, weights)
     if not cfg.reference_free:  # the reference's log-probs, once per rollout
@@ -308,7 +322,7 @@ def rollout_update(cfg: StepConfig, state: TrainState, ref_params: Params, promp
     new, metrics = jax.lax.scan(one_update, state, jnp.arange(num_epochs * M))
     # means over the updates; the learning rate after the last, as a single update reports it
     metrics = jax.tree.map(lambda m: m.mean(0), metrics) | {"learning_rate": metrics["learning_rate"][-1]}
-    return _sampled(cfg, state, new), metrics | chosen
+    return _sampled(cfg, state, new), metrics | chosen | rollout
 
 
 def online_step(cfg: StepConfig, state: TrainState, ref_params: Params, rm_params: Params, prompt_ids: jax.Array,

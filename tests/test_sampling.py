@@ -152,27 +152,30 @@ def test_num_samples_copies_the_prompt_cache_and_equals_repeated_prompts(checkpo
 @pytest.mark.parametrize("family", ["gemma4", "qwen3_5"])
 def test_refill_between_chunks_gives_the_fixed_batch_completions(checkpoints, family):
     """With fewer prompts in flight than the call's (``SamplingConfig.slots``), the rows whose completions have ended
-    take the next prompts between chunks, and every completion is the fixed batch's token for token: its prefill moved
-    into a row at the running loop's slot of the cache rings (past their end: the loop runs longer than the cache),
-    the sliding ring, KV sharing's reads (Gemma 4) and the DeltaNet state and convolution window (Qwen3.5) reset, its
-    draws keyed by (prompt, sample)."""
+    take the next prompts between chunks, and every completion is the one a fixed batch of as many prompts samples,
+    token for token: each prompt prefilled in the same batches (the stash), written into its rows at slot P (the
+    caches' index per row), the sliding ring, KV sharing's reads (Gemma 4) and the DeltaNet state and convolution window
+    (Qwen3.5) reset, its draws keyed by (prompt, sample)."""
     model, params = jodpo.load_model(str(checkpoints[family]["causal_lm"]))
-    ids, mask = hf_fixtures.padded_batch(np.random.default_rng(12), [6, 3, 8, 2, 7], model.pad_token_id, "left")
-    B, T, n = ids.shape[0], 12, 2
+    ids, mask = hf_fixtures.padded_batch(np.random.default_rng(12), [6, 3, 8, 2, 7, 4], model.pad_token_id, "left")
+    B, T, n, S = ids.shape[0], 12, 2, 2
     fixed = jodpo.SamplingConfig(max_new_tokens=T, temperature=0.9, repetition_penalty=1.2, chunk=2,
                                  eos_token_ids=tuple(range(3, 300, 13)), pad_token_id=model.pad_token_id)
     sample = jax.jit(jodpo.sample, static_argnums=(0, 5, 6))
-    want = sample(model, params, ids, mask, jax.random.key(5), fixed, n)
-    got = sample(model, params, ids, mask, jax.random.key(5), dataclasses.replace(fixed, slots=2), n)
-    lengths = np.asarray(want.mask).sum(1)
+    got = sample(model, params, ids, mask, jax.random.key(5), dataclasses.replace(fixed, slots=S), n)
+    parts = [sample(model, params, ids[b:b + S], mask[b:b + S], jax.random.key(5), fixed, n, b) for b in range(0, B, S)]
+    want = {k: np.concatenate([np.asarray(getattr(o, k)).reshape(n, S, T) for o in parts], 1).reshape(n * B, T)
+            for k in ("tokens", "mask", "logprobs")}
+    lengths = want["mask"].sum(1)
     assert lengths.min() < T // 2 and lengths.max() == T  # short and long completions
-    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
-    np.testing.assert_array_equal(np.asarray(got.mask), np.asarray(want.mask))
-    np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(want.logprobs), rtol=1e-5, atol=1e-5)
-    assert int(got.decode_steps[0]) * 2 > ids.shape[1] + T  # the loop ran past the cache's slots
-    for samples, rows in ((want, n * B), (got, n * 2)):  # real decoded tokens over row-steps
-        made = lengths.sum() - n * B
-        np.testing.assert_allclose(sampling.slot_utilization(samples, rows), made / (int(samples.decode_steps[0]) * rows))
+    np.testing.assert_array_equal(np.asarray(got.tokens), want["tokens"])
+    np.testing.assert_array_equal(np.asarray(got.mask), want["mask"])
+    np.testing.assert_allclose(np.asarray(got.logprobs), want["logprobs"], rtol=1e-5, atol=1e-5)
+    whole = sample(model, params, ids, mask, jax.random.key(5), fixed, n)  # all at once: the same draws (only the
+    assert np.mean(np.asarray(whole.tokens) == want["tokens"]) > 0.9  # prefill's batch rounds differently)
+    steps = int(got.decode_steps[0])
+    made = lengths.sum() - n * B  # real decoded tokens over row-steps
+    np.testing.assert_allclose(sampling.slot_utilization(got, n * S), made / (steps * n * S))
 
 
 def test_logprobs_are_raw_model_logprobs(checkpoints):

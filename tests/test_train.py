@@ -37,8 +37,8 @@ def test_tiny_default_learns_and_writes_every_output(tiny_run):
     for name in TRL_NAMES:
         assert name in lines[0], name
     scores = np.array([m["objective/scores"] for m in lines])
-    q = len(scores) // 4
-    first, last = scores[:q].mean(), scores[-q:].mean()
+    q = len(scores) // 4  # from the first logs (steps 10 and 20: it learns within tens of steps) to the last quarter
+    first, last = scores[:2].mean(), scores[-q:].mean()
     noise = np.abs(np.diff(scores[-q:])).mean()
     assert last > first + 0.4 and last - first > 5 * noise, (scores, noise)
     evals = [m for m in _metrics(tiny_run) if "eval/objective/scores" in m]

@@ -7,7 +7,6 @@ offers the decoder the same functions:
   prefixed(model, p, xs, ctx, site, kv)   the shared-prompt layout: a prefix group and the suffixes that continue it
   cached(model, p, x, state, j, ctx, site)   new tokens after a cache state (the prefill, the decode steps)
   init_state(model, batch, length, dtype)    one layer's empty cache state (None: it keeps none)
-  moved_state(model, state, offset)  optional (a kind whose state has slots): its slots moved along their ring
   open_state(model, state, length), close_state(model, state, ctx)   optional: the state made ready for ``length``
                                     new tokens before a cached call over several, and put in order after every layer
                                     ran (the sliding kind keeps them beside its ring until its KV-sharing readers
@@ -107,6 +106,18 @@ def _within(window: int, dist):
     return (dist >= 0) & (dist < window) if window else dist >= 0
 
 
+def _cached_keys(ctx: Context):
+    """Which cache slots the new tokens attend to, ``[B, L, S]``: the real ones up to each token's own (the
+    distances are per row where the cache's index is, ``decoder.hidden_states``)."""
+    dist = ctx.dist[1]
+    return ctx.mask[1][:, None, :] & _within(0, dist if dist.ndim == 3 else dist[None])
+
+
+def write_slot(slab, new_BKD, slot_B):
+    """``slab`` ``[B, K, S, Dh]`` with row b's ``new_BKD[b]`` at its slot ``slot_B[b]`` (past the end: dropped)."""
+    return slab.at[jnp.arange(slab.shape[0]), :, slot_B, :].set(new_BKD.astype(slab.dtype), mode="drop")
+
+
 def full(model: Model, p: Params, x, ctx: Context, site: Site, kv=None, reads: bool = False, kind: str = KIND):
     """A windowed kind's layers (``jodpo.models.sliding_attention``) attend within ``Attention.window`` and rotate
     with the local RoPE tables where the rope has them."""
@@ -144,12 +155,6 @@ def init_state(model: Model, batch: int, length: int, dtype, kind: str = KIND) -
     return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
 
 
-def moved_state(model: Model, state: dict, offset) -> dict:
-    """The keys and values moved ``offset`` slots along their ring (``decoder.moved_cache``); the sliding and global
-    kinds' too (the ring's size is the state's)."""
-    return {n: jnp.roll(a, offset % a.shape[-2], axis=-2) for n, a in state.items()}
-
-
 def cached(model: Model, p: Params, x, state: dict, j, ctx: Context, site: Site, reads: bool = False,
            kind: str = KIND) -> tuple[jax.Array, dict]:
     """The new tokens' keys and values are written at slot ``ctx.start`` (only those slots: the cache is updated in
@@ -161,10 +166,11 @@ def cached(model: Model, p: Params, x, state: dict, j, ctx: Context, site: Site,
     q, gate = _queries(model, attn, p, x, rope)
     if not reads:
         k, v = keys_values(model, attn, p, x, *rope)
-        slot = ctx.start % state["k"].shape[-2]  # the slots are a ring (decoder's Cache.index)
-        at = (0, 0, slot, 0) if j is None else (j, 0, 0, slot, 0)
+        at = (0, 0, ctx.start, 0) if j is None else (j, 0, 0, ctx.start, 0)
 
         def write(slab, new):  # [B, L, K, Dh] -> the slab's head-major layout, at the new tokens' slots
+            if jnp.ndim(ctx.start) == 1:  # a slot per row
+                return write_slot(slab, new[:, 0], ctx.start)
             new = new.transpose(0, 2, 1, 3).astype(slab.dtype)
             return jax.lax.dynamic_update_slice(slab, new if j is None else new[None], at)
 
@@ -173,5 +179,5 @@ def cached(model: Model, p: Params, x, state: dict, j, ctx: Context, site: Site,
             a = forward_attention(model, q, k, v, ctx.mask[0][:, None, :] & _within(0, ctx.dist[0])[None])
             return _output(model, p, a, gate, x.dtype), state
     ks, vs = (state["k"], state["v"]) if j is None else (state["k"][j], state["v"][j])
-    a = attention(model, q, ks, vs, ctx.mask[1][:, None, :] & _within(0, ctx.dist[1])[None])
+    a = attention(model, q, ks, vs, _cached_keys(ctx))
     return _output(model, p, a, gate, x.dtype), state

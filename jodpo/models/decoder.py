@@ -34,10 +34,8 @@ The cache is a dict pytree passed in and returned (never a mutable collection):
          s % window; DeltaNet: its convolution window and recurrent state); a KV-sharing layer has none (None): it
          reads its source layer's where it is (``_source``)
   mask   bool[B, S]   which slots hold a real (non-pad) token
-  index  i32[]        the next slot to write, counted from the first: the slots are a ring, token s written at slot
-                      s % S (the sliding kind's at s % its window), so a decode loop may run on past S steps where
-                      each row's own tokens span at most S slots (the sampler's refill, ``moved_cache``); several
-                      tokens at once (a prefill) must not cross the ring's end
+  index  i32[]        the next slot to write; or i32[B], each row's own (one token a call, per-layer states: the
+                      sampler's refill, whose rows hold completions begun at different steps)
 Positions always come from the masks (count of real tokens before), so left padding shifts nothing.
 """
 from __future__ import annotations
@@ -289,16 +287,6 @@ def split_cache(model: Model, cache: Cache) -> Cache:
     return {**cache, "state": tuple(mine(i, k) for i, k in enumerate(model.kinds))}
 
 
-def moved_cache(model: Model, cache: Cache, start) -> Cache:
-    """A cache filled from slot 0 (a prefill into ``init_cache``: its index the slot after its last token) moved to
-    where a ring whose next slot is ``start`` (i32[], counted as ``Cache.index``) has it: every token's slot s goes to
-    s + start - index, in each ring modulo its size (the mask's and every attention layer's; a DeltaNet layer's state
-    has no slots). The sampler's refill puts a new prompt's prefill into a row of a running decode loop with it."""
-    offset = start - cache["index"]
-    state = _each_state(model, cache["state"], "moved_state", offset)
-    return {"state": state, "mask": jnp.roll(cache["mask"], offset % cache["mask"].shape[1], axis=1), "index": start}
-
-
 def hidden_states(model: Model, params: Params, tokens_BL: jax.Array, mask_BL: jax.Array,
                   cache: Cache | None = None, *, empty_cache: bool = False, with_router: bool = False,
                   routes: jax.Array | None = None):
@@ -340,11 +328,15 @@ def hidden_states(model: Model, params: Params, tokens_BL: jax.Array, mask_BL: j
 
     start = cache["index"]
     S = cache["mask"].shape[1]
-    kv_mask_BS = jax.lax.dynamic_update_slice(cache["mask"], mask_BL, (0, start % S))
+    if jnp.ndim(start) == 1:  # each row at its own slot (the sampler's refill): one token, written row by row
+        if L != 1 or not split:
+            raise ValueError("a cache with an index per row takes one token at a time, with per-layer states")
+        kv_mask_BS = cache["mask"].at[jnp.arange(B), start].set(mask_BL[:, 0], mode="drop")
+        dist_LS = start[:, None, None] - jnp.arange(S, dtype=jnp.int32)[None, None, :]  # [B, 1, S]
+    else:
+        kv_mask_BS = jax.lax.dynamic_update_slice(cache["mask"], mask_BL, (0, start))
+        dist_LS = (start + jnp.arange(L, dtype=jnp.int32))[:, None] - jnp.arange(S, dtype=jnp.int32)[None, :]
     pos = _positions(mask_BL, jnp.sum(cache["mask"], -1, dtype=jnp.int32))
-    dist_LS = (start + jnp.arange(L, dtype=jnp.int32))[:, None] - jnp.arange(S, dtype=jnp.int32)[None, :]
-    if L == 1:  # a decode step in the ring of slots: every other slot was written before this one
-        dist_LS = dist_LS % S
     ctx = Context(mask=(mask_BL, kv_mask_BS), dist=(dist_LL, dist_LS), rope=(rope_tables(model.rope, pos),),
                   start=start, empty=empty_cache, positions=(pos,))
 

@@ -32,9 +32,6 @@ def init_state(model: Model, batch: int, length: int, dtype) -> dict:
     return attention_mixer.init_state(model, batch, length, dtype, kind=KIND)
 
 
-moved_state = attention_mixer.moved_state
-
-
 def full(model: Model, p, x, ctx: Context, site, kv=None, reads: bool = False):
     return attention_mixer.full(model, p, x, context(model, ctx), site, kv, reads, kind=KIND)
 

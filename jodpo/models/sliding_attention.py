@@ -50,9 +50,6 @@ def init_state(model: Model, batch: int, length: int, dtype) -> dict:
     return attention_mixer.init_state(model, batch, min(window, length), dtype, kind=KIND)
 
 
-moved_state = attention_mixer.moved_state
-
-
 def _read(model: Model) -> bool:
     """Whether layers of another kind read this kind's keys and values (KV sharing)."""
     return any(READS.get(k) == KIND for k in model.kinds)
@@ -99,15 +96,20 @@ def _written(ring, new, start, j):
 
 
 def _held(last, size: int):
-    """The sequence slot each ring position holds when the latest written is slot ``last`` (negative: none yet)."""
+    """The sequence slot each ring position holds when the latest written is slot ``last`` (negative: none yet);
+    ``last`` i32[] or, a slot per row, i32[B] (then ``[B, size]``)."""
+    last = jnp.asarray(last)[..., None]
     return last - (last - jnp.arange(size, dtype=jnp.int32)) % size
 
 
 def _real(ctx: Context, slots):
-    """bool ``[B, n]``: which of these sequence slots hold a real token (the cache's mask, itself a ring: slot s at
-    s % its length)."""
+    """bool ``[B, n]``: which of these sequence slots (``[n]``, or ``[B, n]`` a row's own) hold a real token (the
+    cache's mask; a slot past the mask's end, in the sampler's last chunk's overhang, reads its last)."""
     mask = ctx.mask[1]
-    return (slots >= 0)[None] & jnp.take(mask, slots % mask.shape[1], axis=1)
+    at = jnp.clip(slots, 0, mask.shape[1] - 1)
+    if slots.ndim == 2:
+        return (slots >= 0) & jnp.take_along_axis(mask, at, axis=1)
+    return (slots >= 0)[None] & jnp.take(mask, at, axis=1)
 
 
 def cached(model: Model, p: Params, x, state: dict, j, ctx: Context, site: Site,
@@ -128,6 +130,8 @@ def cached(model: Model, p: Params, x, state: dict, j, ctx: Context, site: Site,
             at = (0, 0, ctx.start % size, 0) if j is None else (j, 0, 0, ctx.start % size, 0)
 
             def write(ring, new):  # [B, 1, K, Dh] -> the ring's head-major layout, at the token's slot
+                if jnp.ndim(ctx.start) == 1:  # a slot per row
+                    return attention_mixer.write_slot(ring, new[:, 0], ctx.start % size)
                 new = new.transpose(0, 2, 1, 3).astype(ring.dtype)
                 return jax.lax.dynamic_update_slice(ring, new if j is None else new[None], at)
 

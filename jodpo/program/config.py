@@ -193,6 +193,9 @@ class _Fields:
                             "copies")
     prompt_buckets: tuple[int, ...] = _f((), "padded prompt lengths (default: powers of two up to max_prompt_length)")
     decode_chunk: int = _f(8, "decode steps between checks that every completion has ended")
+    sampler_slots: int = _f(0, "prompts sampled at once, their caches in memory (0: a step's whole window); fewer: "
+                               "the window's prompts are a queue, the rows that ended taking the next prompts between "
+                               "decode chunks (refill), the completions unchanged")
     # --- devices (docs/tpu.md)
     mesh_data: int = _f(1, "mesh axis 'data': batch split, parameters replicated (-1: the devices left)")
     mesh_fsdp: int = _f(-1, "mesh axis 'fsdp': batch split, parameters/gradients/optimizer state split (-1: the rest)")

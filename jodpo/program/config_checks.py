@@ -22,6 +22,8 @@ def check(c) -> None:
     for name in positive:
         if getattr(c, name) < 1:
             raise ConfigError(f"{name} must be >= 1, got {getattr(c, name)}")
+    if c.sampler_slots < 0:
+        raise ConfigError(f"sampler_slots must be >= 0 (0: every prompt of a step at once), got {c.sampler_slots}")
     if not c.learning_rate > 0:
         raise ConfigError(f"learning_rate must be > 0, got {c.learning_rate}")
     if c.num_generations < 2:

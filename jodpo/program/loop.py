@@ -309,7 +309,7 @@ def _loop(run: Run, state, start: int, ckpt: Checkpointer, logger: RunLogger, st
     """The steps from ``start``; returns ``(the last logged metrics, the state, the step reached)``."""
     cfg, schedule = run.cfg, run.schedule
     table_every = max(1, run.total_steps // max(1, cfg.num_sample_generations))
-    last, t0, since = {}, time.perf_counter(), 0
+    last, t0, since, made = {}, time.perf_counter(), 0, []  # made: each step's completion tokens since the last log
     skipped, streak = None, 0  # the previous step's skip flag (read a step late: no wait) and the run of skips
 
     def check_skipped(flag, step):
@@ -358,6 +358,8 @@ def _loop(run: Run, state, start: int, ckpt: Checkpointer, logger: RunLogger, st
             check_skipped(skipped, step)
         skipped = metrics["skipped_update"]
         since += run.global_batch
+        if "rollout/generated_tokens" in metrics:  # read at the next log (no wait here)
+            made.append(metrics.pop("rollout/generated_tokens"))
         done = step + 1
         events.step_end(done, done / run.steps_per_epoch)
         if schedule.logs(done):
@@ -365,7 +367,9 @@ def _loop(run: Run, state, start: int, ckpt: Checkpointer, logger: RunLogger, st
             now = time.perf_counter()
             last = metrics | {"step": done, "episode": done * run.global_batch, "epoch": done / run.steps_per_epoch,
                               "eps": since / (now - t0)}
-            t0, since = now, 0
+            if "rollout/slot_utilization" in metrics:  # real completion tokens a second, as TRL's rollout workers
+                last["rollout/generated_tok_s"] = sum(float(S.to_host(n)) for n in made) / (now - t0)
+            t0, since, made = now, 0, []
             logger.log(last)
             events.log(last)
         if sampled is not None and cfg.num_sample_generations > 0 and (done % table_every == 0 or

@@ -252,7 +252,7 @@ def build(cfg: TrainConfig, given: Given = Given()) -> Run:
     warmup = cfg.warmup_steps or math.ceil(total * updates * cfg.warmup_ratio)
     sampling = SamplingConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
                               top_p=cfg.top_p, min_p=cfg.min_p or 0.0, repetition_penalty=cfg.repetition_penalty,
-                              eos_token_ids=eos, pad_token_id=pad, chunk=cfg.decode_chunk)
+                              eos_token_ids=eos, pad_token_id=pad, chunk=cfg.decode_chunk, slots=cfg.sampler_slots)
     opt = ts.OptimizerConfig(learning_rate=cfg.learning_rate, total_steps=total * updates, warmup_steps=warmup,
                              lr_scheduler_type=cfg.lr_scheduler_type, weight_decay=cfg.weight_decay,
                              adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_epsilon=cfg.adam_epsilon,
