@@ -27,6 +27,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jodpo import collective_order
@@ -65,9 +66,15 @@ def _on_mesh_of(params: Params, state: TrainState) -> TrainState:
         return state
     whole = jax.sharding.NamedSharding(meshes.pop(), jax.sharding.PartitionSpec())
 
+    def put(x):  # from the host value every process holds, as jodpo.parallel.sharding.put (a key: by its data)
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            return jax.random.wrap_key_data(put(jax.random.key_data(x)), impl=jax.random.key_impl(x))
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, whole, lambda index: host[index])
+
     def place(x):
         on_mesh = isinstance(x.sharding, jax.sharding.NamedSharding) and x.sharding.mesh == whole.mesh
-        return x if on_mesh else jax.device_put(x, whole)
+        return x if on_mesh else put(x)
 
     return jax.tree.map(lambda x: place(x) if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) else x,
                         state)
