@@ -82,6 +82,12 @@ class _Lines:
         self.stream.flush()
 
 
+def bar_options(every: float = 10.0) -> dict:
+    """tqdm's options for a command's progress bar on stderr: redrawn in place on a terminal; elsewhere a line at the
+    start, at most one every ``every`` seconds, and one at the end (``_Lines``)."""
+    return {} if sys.stderr.isatty() else {"file": _Lines(sys.stderr), "mininterval": every}
+
+
 def penalty_note(missing_eos_penalty: float | None, penalty_reward_value: float | None) -> str | None:
     """The line that says which numbers on screen carry an EOS penalty, when the run has one (else None)."""
     if missing_eos_penalty is None and penalty_reward_value is None:
