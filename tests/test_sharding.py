@@ -1,5 +1,6 @@
 """Meshes and shardings: the rules, and whole training runs on 8 fake CPU devices ((data, fsdp, tensor) =
-(2, 2, 2) and (8, 1, 1)) that equal the 1-device run step for step (the tldr.py jobs of 8 devices and of 2 processes
+(2, 2, 2) and (8, 1, 1), none of whose programs XLA reshards by gathering an array whole) that equal the 1-device
+run step for step (the tldr.py jobs of 8 devices and of 2 processes
 are in test_collective_order.py); checkpoints move between 1 and 8 devices in both directions; sampling on devices of
 its own (4 sample, 4 train) equals sampling on the training mesh."""
 import json
@@ -171,6 +172,9 @@ def _run_8_devices(jobs: list[tuple[list[str], Path | None, Path | None]]) -> tu
     done = subprocess.run([*python, "-c", code, json.dumps(jobs)], capture_output=True, text=True, env=env,
                           timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
+    # no resharding that XLA's partitioner can only do by gathering the whole array on every chip (18 of them in a
+    # (2, 2, 2) run's programs, before layers.rows_split split the looked-up rows over data first)
+    assert "Involuntary full rematerialization" not in done.stderr, done.stderr[-4000:]
     return json.loads(done.stdout.split("SPLIT ")[-1])
 
 
