@@ -2,6 +2,9 @@
 
 The public functional API: outside code imports exactly these names from ``jodpo``. Importing jodpo does no work
 and changes no setting of jax (the commands set up XLA themselves: ``jodpo.program.backend``)."""
+import jodpo.parallel.sharding  # noqa: F401 (jodpo.parallel.sharding: meshes, shardings, placement)
+import jodpo.parallel.split_sampler  # noqa: F401
+from jodpo import train_step  # the pure training step (init_state, online_step, jit_steps, ...)
 from jodpo.collective_order import order_collectives
 from jodpo.errors import CheckpointError
 from jodpo.losses import (LOSSES, LossOptions, completion_logprobs, dpo_loss, nash_md_loss, online_dpo_loss,
@@ -32,5 +35,5 @@ def __getattr__(name: str):
 __all__ = ["LOSSES", "CheckpointError", "LossOptions", "Model", "Samples", "SamplingConfig", "completion_logprobs",
            "dpo_loss", "nash_md_loss", "xpo_loss", "init_cache", "init_params", "load_model", "load_tokenizer",
            "logits", "online_dpo_loss", "order_collectives", "param_axes", "reward_scores", "sample", "save_hf",
-           "TrainConfig", "OnlineDPOConfig", "OnlineDPOTrainer", "NashMDConfig", "NashMDTrainer", "XPOConfig",
+           "TrainConfig", "train_step", "parallel", "OnlineDPOConfig", "OnlineDPOTrainer", "NashMDConfig", "NashMDTrainer", "XPOConfig",
            "XPOTrainer"]

@@ -172,10 +172,13 @@ def judge_rows(comparison: Comparison, data: D.PromptData, completions: list[dic
     a time."""
     from tqdm.auto import tqdm
 
+    from jodpo.program.metrics_log import bar_options
+
     G.check_settings(out, settings, overwrite)
     rows = G.read_rows(out, batch, data.prompts)
     N, write = len(data), jax.process_index() == 0  # every process judges, process 0 writes
-    with tqdm(total=N, initial=len(rows), desc="judge", unit="prompt", dynamic_ncols=True, disable=not write) as bar:
+    with tqdm(total=N, initial=len(rows), desc="judge", unit="prompt", dynamic_ncols=True, disable=not write,
+              **bar_options()) as bar:
         for start in range(len(rows), N, batch):
             idx = range(start, min(start + batch, N))
             prompts = [data.prompts[i] for i in idx]

@@ -246,11 +246,14 @@ def generate(policy: Policy, data: D.PromptData, out: Path, settings: dict, over
     """Every prompt's row in ``out`` (continuing the rows already there); returns all the rows."""
     from tqdm.auto import tqdm
 
+    from jodpo.program.metrics_log import bar_options
+
     check_settings(out, settings, overwrite)
     B, N = policy.batch_size, len(data)
     rows = read_rows(out, B, data.prompts)
     write = jax.process_index() == 0
-    with tqdm(total=N, initial=len(rows), desc=desc, unit="prompt", dynamic_ncols=True, disable=not write) as bar:
+    with tqdm(total=N, initial=len(rows), desc=desc, unit="prompt", dynamic_ncols=True, disable=not write,
+              **bar_options()) as bar:
         for start in range(len(rows), N, B):
             batch = completion_rows(policy, data, start, min(start + B, N))
             if write:

@@ -27,6 +27,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jodpo import collective_order
@@ -43,11 +44,40 @@ from jodpo.step_state import PreferenceBatch, StepConfig, TrainState  # noqa: F4
 
 def init_state(cfg: StepConfig, params: Params, rng: jax.Array) -> TrainState:
     """A fresh state. The policy is a copy of ``params`` (made once), so ``params`` can stay the frozen
-    reference: the jitted steps donate the state's buffers, never the reference's."""
+    reference: the jitted steps donate the state's buffers, never the reference's.
+
+    Laid out as a step returns it, so the second step reuses the first one's program: the copies and the optimizer's
+    moments keep their parameter's placement, and where ``params`` sit on a mesh the rest (the step, the optimizer's
+    counts, the key) is put on that mesh whole. Left on one device, those scalars would come back from the first
+    step placed on the mesh, a new argument layout that compiles the step again."""
     params = jax.tree.map(jnp.copy, params)
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                      opt_state=make_optimizer(cfg.optimizer, buffers(cfg.model)).init(params), rng=rng,
-                      sampler_params=sampler_weights(cfg, params) if cfg.lagging else None)
+    state = TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                       opt_state=make_optimizer(cfg.optimizer, buffers(cfg.model)).init(params), rng=rng,
+                       sampler_params=sampler_weights(cfg, params) if cfg.lagging else None)
+    return _on_mesh_of(params, state)
+
+
+def _on_mesh_of(params: Params, state: TrainState) -> TrainState:
+    """``state`` with every concrete array that is not already on the mesh of ``params`` replicated over it (as it is
+    without a mesh: under ``jit`` or ``eval_shape``, or for parameters on one device)."""
+    meshes = {s.mesh for x in jax.tree.leaves(params)
+              if isinstance(x, jax.Array) and isinstance(s := getattr(x, "sharding", None), jax.sharding.NamedSharding)}
+    if len(meshes) != 1:
+        return state
+    whole = jax.sharding.NamedSharding(meshes.pop(), jax.sharding.PartitionSpec())
+
+    def put(x):  # from the host value every process holds, as jodpo.parallel.sharding.put (a key: by its data)
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            return jax.random.wrap_key_data(put(jax.random.key_data(x)), impl=jax.random.key_impl(x))
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, whole, lambda index: host[index])
+
+    def place(x):
+        on_mesh = isinstance(x.sharding, jax.sharding.NamedSharding) and x.sharding.mesh == whole.mesh
+        return x if on_mesh else put(x)
+
+    return jax.tree.map(lambda x: place(x) if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) else x,
+                        state)
 
 
 def _sampled(cfg: StepConfig, old: TrainState, new: TrainState) -> TrainState:

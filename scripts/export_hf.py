@@ -153,13 +153,16 @@ def verify_peft(lora_model, base, adapters, base_path: str, out_dir: Path, rtol:
 def main(argv: list[str] | None = None) -> int:
     backend.start_command()  # no "PyTorch was not found" from transformers where torch is not installed
     parser = argparse.ArgumentParser(prog="python scripts/export_hf.py", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--checkpoint", required=True, help="a training output_dir, or one checkpoints/<step> dir")
+    parser.add_argument("--checkpoint", required=True,
+                        help="a training output_dir (its newest checkpoint), or one checkpoints/<step> dir")
     parser.add_argument("--out", required=True, help="directory to write (must be empty unless --overwrite)")
-    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="dtype of the saved weights")
-    parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (5GB, 500MB, 2GiB)")
-    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
+                        help="dtype of the saved weights (default: %(default)s, bitwise the trained ones)")
+    parser.add_argument("--max-shard-size", default="5GB",
+                        help="largest safetensors file: 5GB, 500MB, 2GiB (default: %(default)s)")
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out (default: refuse)")
     parser.add_argument("--peft", action="store_true", help="a LoRA run: write its adapters in PEFT's format "
-                                                            "instead of the merged model")
+                                                            "(default: the merged model)")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")

@@ -100,7 +100,8 @@ def pytest_addoption(parser):
 # `--durations=0` on 2 cores (the commit that last changed this list gives the times).
 SLOWEST_FIRST = ("test_sharding.py", "test_collective_order.py", "test_train.py", "test_bench.py", "test_train_step.py", "test_reliability.py",
                  "test_real_model.py", "test_gguf.py", "test_bench_program.py", "test_models.py",
-                 "test_export_script.py", "test_device_check.py", "test_sampling.py", "test_losses_vs_trl.py",
+                 "test_export_script.py", "test_device_check.py", "test_sampling.py", "test_functional_guide.py",
+                 "test_losses_vs_trl.py",
                  "test_errors.py", "test_pairing.py", "test_losses.py", "test_lora.py", "test_judges.py",
                  "test_evaluate.py", "test_generate.py", "test_training_eval.py", "test_trainer.py",
                  "test_fresh_install.py")

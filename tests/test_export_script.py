@@ -167,3 +167,13 @@ def test_checkpoint_written_on_8_devices_exports_on_1(neox_run, tmp_path):
     _, params = jodpo.load_model(str(out))
     for a, b in zip(jax.tree.leaves(restore_params(neox_run / "checkpoints" / "2")), jax.tree.leaves(params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_help_shows_the_defaults(capsys):
+    with pytest.raises(SystemExit) as done:
+        export_hf.main(["--help"])
+    assert done.value.code == 0
+    shown = " ".join(capsys.readouterr().out.split())  # argparse wraps its lines
+    for default in ("(default: float32, bitwise the trained ones)", "(default: 5GB)", "(default: refuse)",
+                    "(default: the merged model)", "its newest checkpoint"):
+        assert default in shown, shown

@@ -1,5 +1,6 @@
 """metrics.jsonl as a resumed run leaves it: each step's lines once, in order, none past the restored step; the
-console: a time left from the steady steps, and which numbers carry the EOS penalty."""
+console: a time left from the steady steps, which numbers carry the EOS penalty, and, off a terminal, the bar as
+lines of its own."""
 import io
 import json
 
@@ -58,3 +59,28 @@ def test_the_screen_says_which_numbers_carry_the_eos_penalty(tmp_path, capsys):
         assert err.count(note) == (1 if penalty else 0), err
         assert f"| {'completion':50s} | {header}\n" in err and "| 0.900" in err
         assert "score -0.100" in err  # the bar: objective/scores, as metrics.jsonl names it
+
+
+def test_off_a_terminal_the_bar_is_a_line_per_logged_step_and_messages_lines_of_their_own(tmp_path, capsys):
+    """stderr not a terminal (a log file; here pytest's capture): no carriage returns, no blanking, each logged step
+    one line once it ends, and nothing printed meanwhile lands on the bar's line (with ``2>&1`` they share a file)."""
+    logger = RunLogger(tmp_path, 4, 0, report_to="none")
+    logger.message("step 1 compiles the step's programs first")
+    for step in range(1, 5):
+        if step % 2 == 0:  # logging_steps=2
+            logger.log({"step": step, "loss": 0.69, "objective/scores": 0.25 * step, "eps": 3.0})
+            logger.table(step, [("review this :", "good good", 0.9)])
+        logger.advance()
+    logger.close()
+    stopped = RunLogger(tmp_path, 4, 0, report_to="none")  # a run that stops between logged steps says where
+    stopped.advance()
+    stopped.close()
+    said = capsys.readouterr()
+    assert "\r" not in said.err and all(line.strip() for line in said.err.splitlines()), repr(said.err)
+    bars = said.err.splitlines()
+    # the start, steps 2 and 4 (the end); the stopped run's start and its end
+    assert [line.split(" [")[0] for line in bars] == ["online dpo 0/4", "online dpo 2/4", "online dpo 4/4",
+                                                       "online dpo 0/4", "online dpo 1/4"], bars
+    assert "score 0.500" in bars[1] and "score 1.000" in bars[2]
+    assert said.out.splitlines()[0] == "step 1 compiles the step's programs first"
+    assert said.out.count("step 2: completions\n") == 1 and said.out.count("step 4: completions\n") == 1

@@ -114,6 +114,7 @@ def test_launch_passes_arguments_through_verbatim(capsys):
     assert cmd == (
         'cd jodpo || exit 1; if [ -f train.pid ] && kill -0 "$(cat train.pid)" 2>/dev/null; then '
         'echo "jodpo.train is already running (pid $(cat train.pid)); run: pod.py stop" >&2; exit 1; fi; '
+        + pod._shared_output_dir(types.SimpleNamespace(output_dir="bucket/runs/tldr", passthrough=passthrough)) +
         "nohup env HF_HOME=/mnt/hf .venv/bin/python -m jodpo.train --distributed --config tldr.py "
         "--config.output_dir=bucket/runs/tldr --config.learning_rate=1e-6 '--config.dataset_name=my data' "
         "'--config.x=it'\"'\"'s \"q\"' '$(touch /tmp/x)' >> train.log 2>&1 < /dev/null & echo $! > train.pid; "
@@ -128,6 +129,64 @@ def test_launch_defaults(capsys):
     [line] = dry(capsys, "launch", "--config", "tldr_6.9b.py", "--log", "run 2.log")
     assert "nohup .venv/bin/python -m jodpo.train --distributed --config tldr_6.9b.py >> 'run 2.log' 2>&1 < /dev/null &" in \
         remote(line)
+
+
+def test_launch_help_says_the_passthrough_distributed_and_the_default_config(capsys):
+    with pytest.raises(SystemExit):
+        pod.main(["launch", "--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    for phrase in ("[-- JODPO.TRAIN ARGUMENTS ...]", "Arguments after -- go to jodpo.train verbatim",
+                   "--distributed on each", "(default tldr.py)", "launch refuses an output_dir on the workers' own disks"):
+        assert phrase in shown, shown
+
+
+def _worker(home: Path, workers: str, *argv: str) -> subprocess.CompletedProcess:
+    """The shell line ``launch`` runs on a worker, run here in ``home`` (its checkout ``home/jodpo``) with the
+    metadata server answering ``workers`` for the slice's endpoints, and ``.venv/bin/python`` a stand-in that
+    records its arguments."""
+    [line] = _dry_lines("launch", *argv)
+    stubs = home / "bin"
+    stubs.mkdir(exist_ok=True)
+    (stubs / "curl").write_text(f"#!/bin/sh\necho '{workers}'\n")
+    checkout = home / "jodpo"
+    (checkout / ".venv" / "bin").mkdir(parents=True, exist_ok=True)
+    (checkout / ".venv" / "bin" / "python").write_text('#!/bin/sh\necho "$@" > started\n')
+    for f in (stubs / "curl", checkout / ".venv" / "bin" / "python"):
+        f.chmod(0o755)
+    (checkout / "train.pid").unlink(missing_ok=True)
+    done = subprocess.run(["bash", "-c", remote(line)], cwd=home, capture_output=True, text=True, timeout=60,
+                          env={"PATH": f"{stubs}:/usr/bin:/bin", "HOME": str(home)})
+    return done
+
+
+def _dry_lines(*argv) -> list[str]:
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert pod.main([*argv[:1], *WHERE, "--dry-run", *argv[1:]]) == 0
+    return out.getvalue().splitlines()
+
+
+def test_launch_on_several_workers_refuses_an_output_dir_on_their_own_disks(tmp_path, monkeypatch):
+    """On a slice of several workers each worker refuses (before starting anything) a missing output_dir or one on
+    the checkout's filesystem; a single worker is not checked; a directory on another filesystem is accepted."""
+    monkeypatch.setattr(pod, "subprocess", subprocess)  # the dry run only prints; the remote line runs here in bash
+    two = "10.0.0.2:8470,10.0.0.3:8470"
+    done = _worker(tmp_path, two, "--output-dir", "runs/tldr")
+    assert done.returncode == 1 and "output_dir runs/tldr is on this worker's own disk" in done.stderr, done.stderr
+    assert "pod.py mount" in done.stderr and not (tmp_path / "jodpo" / "train.pid").exists()
+    done = _worker(tmp_path, two, "--", "--config.output_dir=runs/x")  # given after -- counts the same
+    assert done.returncode == 1 and "output_dir runs/x is on" in done.stderr
+    done = _worker(tmp_path, two)
+    assert done.returncode == 1 and "needs an output_dir that they all see" in done.stderr
+    done = _worker(tmp_path, "10.0.0.2:8470", "--output-dir", "runs/tldr")  # a single-host VM
+    assert done.returncode == 0 and "jodpo.train started" in done.stdout, done.stderr
+    other = Path("/dev/shm")
+    if other.is_dir() and other.stat().st_dev != tmp_path.stat().st_dev:  # a filesystem of its own, as a mount
+        done = _worker(tmp_path, two, "--output-dir", str(other / "jodpo-test-run"))
+        assert done.returncode == 0 and "jodpo.train started" in done.stdout, done.stderr
 
 
 def test_logs_stop_copy(capsys):

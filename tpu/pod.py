@@ -99,9 +99,33 @@ def install(a) -> list[list[str]]:
     return [_ssh(a, "all", " && ".join(steps))]
 
 
+# The slice's workers, as jax.distributed reads them on a Cloud TPU VM: a comma between each two
+WORKERS_URL = ("http://metadata.google.internal/computeMetadata/v1/instance/attributes/worker-network-endpoints")
+
+
+def _shared_output_dir(a) -> str:
+    """The remote shell's check, on a slice of several workers, that the run's output_dir (``--output-dir``, or
+    ``--config.output_dir=`` after ``--``) is given and on another filesystem than the checkout (a mounted bucket,
+    NFS): every worker writes its own shards of each checkpoint, so on each worker's own disk every checkpoint would
+    be in pieces. A single-host VM (one worker) is not checked."""
+    given = [w.split("=", 1)[1] for w in a.passthrough if w.startswith("--config.output_dir=")]
+    out = shlex.quote(given[-1] if given else a.output_dir or "")
+    fix = ("mount a bucket on every worker (pod.py mount) and give --output-dir under it (../bucket/RUN), or a "
+           "directory on NFS")
+    return (f"workers=$(curl -sf -m 10 -H Metadata-Flavor:Google {WORKERS_URL} 2>/dev/null); "
+            f'case "$workers" in *,*) out={out}; '
+            'if [ -z "$out" ]; then echo "$(hostname): a slice of several workers needs an output_dir that they all '
+            f'see: {fix}" >&2; exit 1; fi; '
+            'd="$out"; while [ ! -e "$d" ]; do d=$(dirname "$d"); done; '
+            'if [ "$(stat -c %d "$d")" = "$(stat -c %d .)" ]; then echo "$(hostname): output_dir $out is on this '
+            "worker's own disk, and every worker of the slice writes its own part of each checkpoint: "
+            f'{fix}" >&2; exit 1; fi;; esac; ')
+
+
 def launch(a) -> list[list[str]]:
     """``python -m jodpo.train --distributed`` in the background on every worker (``jax.distributed`` finds
-    the other workers of the slice by itself). Refuses to start a second run next to a live one."""
+    the other workers of the slice by itself). Refuses to start a second run next to a live one, and on a slice of
+    several workers one whose output_dir is on each worker's own disk (``_shared_output_dir``)."""
     d, q = shlex.quote(a.remote_dir), shlex.quote
     env = ["env", *a.env] if a.env else []
     train = [*env, ".venv/bin/python", "-m", "jodpo.train", "--distributed", "--config", a.config]
@@ -111,6 +135,7 @@ def launch(a) -> list[list[str]]:
     remote = (f"cd {d} || exit 1; "
               f'if [ -f {PID_FILE} ] && kill -0 "$(cat {PID_FILE})" 2>/dev/null; then '
               f'echo "jodpo.train is already running (pid $(cat {PID_FILE})); run: pod.py stop" >&2; exit 1; fi; '
+              f"{_shared_output_dir(a)}"
               f"nohup {' '.join(q(w) for w in train)} >> {q(a.log)} 2>&1 < /dev/null & "
               f"echo $! > {PID_FILE}; "
               'echo "$(hostname): jodpo.train started (pid $!)"')
@@ -221,9 +246,22 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--bucket", help="gs://BUCKET[/PATH] to mount (required)")
     m.add_argument("--mount-point", default="bucket", help="where, relative to $HOME (default bucket)")
 
-    la = sub.add_parser("launch", parents=[common, remote, log], help="start jodpo.train on every worker")
+    la = sub.add_parser(
+        "launch", parents=[common, remote, log], help="start jodpo.train on every worker",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        usage="pod.py launch [options] [-- JODPO.TRAIN ARGUMENTS ...]",
+        description="Start `.venv/bin/python -m jodpo.train --distributed --config CONFIG` in the background on\n"
+                    "every worker of the slice (--distributed on each: jax.distributed finds the other workers by\n"
+                    "itself), its output appended to --log, its pid in train.pid.",
+        epilog="Arguments after -- go to jodpo.train verbatim, each quoted for the remote shell:\n"
+               "  pod.py launch --config tldr.py -- --config.learning_rate=1e-6 --config.save_total_limit=3\n"
+               "On a slice of several workers (v4-16, v5litepod-16 and up) each writes its own part of every\n"
+               "checkpoint, so output_dir must be one directory they all see: `pod.py mount` a bucket, then\n"
+               "--output-dir ../bucket/RUN. launch refuses an output_dir on the workers' own disks there.\n"
+               "See docs/tpu.md.")
     la.add_argument("--config", default="tldr.py", help="config file or name in configs/ (default tldr.py)")
-    la.add_argument("--output-dir", help="sets --config.output_dir (on a multi-host slice: under a `mount`ed bucket)")
+    la.add_argument("--output-dir", help="sets --config.output_dir (default: the config's; on a slice of several "
+                                         "workers: under a `mount`ed bucket)")
     la.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                     help="environment variable for the run (repeatable), e.g. XLA_FLAGS=...")
 

@@ -112,11 +112,21 @@ def rows_split(x: jax.Array, like: jax.Array) -> jax.Array:
     sits on, where they divide it; as it is without such a mesh. The embeddings' lookup says so: left to itself XLA
     kept the table's split (its hidden size over ``fsdp``) for the looked-up rows, and every chip then ran the layers
     on the whole batch, a slice of the hidden size each, with an all-reduce per product. XLA:TPU's temporaries of the
-    step on 8 v5e chips: Gemma 4 E2B 23.6 -> 16.8 GiB, Gemma 3 4B 21.4 -> 16.2, Qwen3-1.7B's peak 12.8 -> 10.9."""
+    step on 8 v5e chips: Gemma 4 E2B 23.6 -> 16.8 GiB, Gemma 3 4B 21.4 -> 16.2, Qwen3-1.7B's peak 12.8 -> 10.9.
+
+    With ``data`` beside another batch axis, the rows are split over ``data`` first: rows looked up from a parameter
+    are whole over ``data`` (it splits no parameter), so that is a slice of what each chip holds, and the rest a
+    reshard within each ``data`` group. In one step (hidden size over fsdp, whole over data -> rows over data x fsdp)
+    XLA's partitioner finds no collective for it and gathers the whole array on every chip, forward and backward
+    ("Involuntary full rematerialization": 32 of them in a step on a (2, 2, 2) mesh)."""
     mesh, axes = _batch_split(x.shape[0], like)
     if not axes:
         return x
-    return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(axes)))
+    P = jax.sharding.PartitionSpec
+    if len(axes) > 1 and axes[0] == "data":
+        x = jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(mesh, P("data", *[P.UNCONSTRAINED] *
+                                                                                   (x.ndim - 1))))
+    return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(mesh, P(axes)))
 
 
 def row_shards(rows: int, like: jax.Array) -> int:

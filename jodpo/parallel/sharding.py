@@ -91,7 +91,10 @@ def data_parallel_size(mesh: Mesh) -> int:
 def spec_for(shape: tuple[int, ...], axes: tuple, mesh: Mesh) -> P:
     """The partition spec of an array with these logical ``axes``: each axis goes to its mesh axes (``RULES``, in
     order) as far as their sizes multiply to a divisor of it and no earlier axis of the array took them, else stays
-    whole. The expert axis is claimed first, so that an expert's weights split by expert, their ``embed`` over fsdp."""
+    whole. The expert axis is claimed first, so that an expert's weights split by expert, their ``embed`` over fsdp.
+    Trailing whole axes are left out, as XLA writes the shardings of a program's outputs: jax tells ``P(x, None)``
+    from ``P(x)`` when it looks a program up, so parameters placed with the one and returned by a step with the other
+    would compile the step a second time."""
     order = sorted(range(len(axes)), key=lambda i: axes[i] != "expert")
     used, out = set(), [None] * len(axes)
     for i in order:
@@ -103,6 +106,8 @@ def spec_for(shape: tuple[int, ...], axes: tuple, mesh: Mesh) -> P:
                 ways *= k
         used.update(taken)
         out[i] = None if not taken else taken[0] if len(taken) == 1 else tuple(taken)
+    while out and out[-1] is None:
+        out.pop()
     return P(*out)
 
 

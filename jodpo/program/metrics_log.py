@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -61,6 +62,30 @@ class StepBar(tqdm):
         else:
             d["rate"] = (self.n - start[0]) / max(self._time() - start[1], 1e-9)
         return d
+
+
+class _Lines:
+    """The progress bar's stream where stderr is not a terminal (a log file, a pipe, ``2>&1`` into one file with
+    stdout): every redraw a line of its own, the blanking of a clear dropped. Redrawn in place there, the bar's
+    carriage returns pile up in the file, and a line printed to stdout meanwhile lands after the bar's last text
+    on the same line."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text: str) -> None:
+        text = text.replace("\r", "").strip()
+        if text:
+            self.stream.write(text + "\n")
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+def bar_options(every: float = 10.0) -> dict:
+    """tqdm's options for a command's progress bar on stderr: redrawn in place on a terminal; elsewhere a line at the
+    start, at most one every ``every`` seconds, and one at the end (``_Lines``)."""
+    return {} if sys.stderr.isatty() else {"file": _Lines(sys.stderr), "mininterval": every}
 
 
 def penalty_note(missing_eos_penalty: float | None, penalty_reward_value: float | None) -> str | None:
@@ -134,8 +159,12 @@ class RunLogger:
         if "wandb" in names:
             self.wandb = WandbTracker(output_dir, config or {}, run_name, start_step)
         desc = (config or {}).get("method", "online_dpo").replace("_", " ")  # online dpo, nash md, xpo
+        # on a terminal the bar is redrawn in place; elsewhere it is a line at each logged step (and at the start
+        # and the end), and the messages are plain lines of stdout
+        self.in_place = sys.stderr.isatty()
+        lines = {} if self.in_place else {"file": _Lines(sys.stderr), "mininterval": math.inf, "leave": False}
         self.bar = StepBar(total=total_steps, initial=start_step, desc=desc, dynamic_ncols=True,
-                           bar_format="{desc} {n_fmt}/{total_fmt} [{elapsed}<{remaining}]{postfix}")
+                           bar_format="{desc} {n_fmt}/{total_fmt} [{elapsed}<{remaining}]{postfix}", **lines)
         if penalty:
             self.message(penalty)
 
@@ -161,14 +190,28 @@ class RunLogger:
             score = next((record[k] for k in keys if k in record), float("nan"))
             self.bar.set_postfix_str(f"eps {record.get('eps', 0):.1f} | loss {record['loss']:.4f} | score {score:.3f}",
                                      refresh=False)
+            self.logged = True
 
     def advance(self, steps: int = 1) -> None:
         if self.enabled:
             self.bar.update(steps)
+            if not self.in_place and getattr(self, "logged", False):  # the line of a logged step, as it ends
+                self._line()
 
     def message(self, text: str) -> None:
         if self.enabled:
+            self._write(text)
+
+    def _line(self) -> None:
+        self.bar.refresh()
+        self.logged, self.shown = False, self.bar.n
+
+    def _write(self, text: str) -> None:
+        """A message on stdout: on a terminal around the bar (cleared and redrawn), elsewhere a plain line."""
+        if self.in_place:
             self.bar.write(text)
+        else:
+            print(text, flush=True)
 
     def table(self, step: int, rows: list[tuple[str, str, float]], tag: str = "completions") -> None:
         """Sample completions as a console table, a TensorBoard markdown table and a W&B table (``tag``, the full
@@ -181,7 +224,7 @@ class RunLogger:
 
         lines = [f"step {step}: {tag}", f"{'prompt':40s} | {'completion':50s} | {self.reward_header}"]
         lines += [f"{clip(p, 40, True):40s} | {clip(c, 50):50s} | {s:.3f}" for p, c, s in rows]
-        self.bar.write("\n".join(lines))
+        self._write("\n".join(lines))
         md = [f"| prompt | completion | {self.reward_header} |", "| --- | --- | --- |"]
         md += [f"| {clip(p, 200, True)} | {clip(c, 400)} | {s:.3f} |".replace("\n", " ") for p, c, s in rows]
         if self.tb is not None:
@@ -191,6 +234,8 @@ class RunLogger:
 
     def close(self) -> None:
         if self.enabled:
+            if not self.in_place and getattr(self, "shown", None) != self.bar.n:  # where the run ended
+                self._line()
             self.bar.close()
             self.jsonl.close()
             for tracker in (self.tb, self.wandb):

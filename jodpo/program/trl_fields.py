@@ -215,7 +215,7 @@ TABLE: dict[str, Answer] = {
     "include_num_input_tokens_seen": only("no", "jodpo does not count the input tokens seen", False),
     "log_level": noop("passive", "transformers' logging verbosity; jodpo prints its own lines"),
     "log_level_replica": noop("warning", "transformers' logging verbosity; jodpo prints on process 0 only"),
-    "disable_tqdm": noop(None, "jodpo always shows its one-line progress bar (on stderr, rewritten in place)"),
+    "disable_tqdm": noop(None, "jodpo always shows its one-line progress bar (on stderr: rewritten in place on a terminal, a line per logged step elsewhere)"),
     "project": noop("huggingface", _TRACKIO),
     "trackio_space_id": noop(None, _TRACKIO),
     "trackio_bucket_id": noop(None, _TRACKIO),
