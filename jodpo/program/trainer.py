@@ -80,6 +80,10 @@ class OnlineDPOTrainer:
         cfg = args if args is not None else OnlineDPOConfig()
         if not isinstance(cfg, TrainConfig):
             raise ConfigError(f"OnlineDPOTrainer: args is a {type(cfg).__name__}; give a jodpo.OnlineDPOConfig")
+        if ref_model is not None and ref_model is model and not isinstance(model, (str, Path)):
+            raise ConfigError("OnlineDPOTrainer: model and ref_model are the same object, which training changes, so "
+                              "it would be no reference (TRL refuses it too); leave ref_model None for the starting "
+                              "policy as the reference, or give another copy")
         fields, objects = {}, {}
         if ref_model is not None:
             if isinstance(ref_model, tuple) and not is_jodpo_model(ref_model):

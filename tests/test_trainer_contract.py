@@ -1,0 +1,52 @@
+"""TRL's own tests of its trainers (huggingface/trl tests/experimental/test_online_dpo_trainer.py,
+test_nash_md_trainer.py, test_xpo_trainer.py) as jodpo's trainers meet them: the same constructor calls and the same
+assertions, with the import changed and local tiny checkpoints in place of trl-internal-testing's (nothing from the
+Hub): TRL's Qwen2 policy and Llama reward model are the suite's, its "zen" prompt-only dataset hf_fixtures'."""
+import pytest
+from datasets import Dataset
+
+from jodpo import NashMDConfig, NashMDTrainer, OnlineDPOConfig, OnlineDPOTrainer, XPOConfig, XPOTrainer
+from tests import hf_fixtures
+
+# what keeps a training test tiny (TRL's tests run 3 steps of TRL's defaults on tiny models)
+TINY = dict(max_new_tokens=4, max_length=96, max_prompt_length=64, prompt_buckets=[64], bf16=False, logging_steps=1)
+
+
+class Setup:
+    """TRL's ``setup_method``: the policy, a reference copy, the reward model and their tokenizers, as objects."""
+
+    def __init__(self, checkpoints, root):
+        from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+        self.model_id = str(checkpoints["qwen2"]["causal_lm"])
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_id, dtype="float32")
+        self.ref_model = AutoModelForCausalLM.from_pretrained(self.model_id)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_id)
+        self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.reward_model_id = str(checkpoints["llama"]["reward"])
+        self.reward_model = AutoModelForSequenceClassification.from_pretrained(self.reward_model_id, num_labels=1)
+        self.reward_tokenizer = AutoTokenizer.from_pretrained(self.reward_model_id)
+        self.reward_tokenizer.pad_token = self.reward_tokenizer.eos_token
+        data = hf_fixtures.prompt_dataset(root / "zen")
+        self.dataset = {s: Dataset.from_json(str(data / f"{s}.jsonl")) for s in ("train", "test")}
+        chat = hf_fixtures.prompt_dataset(root / "zen_chat", chat=True)
+        self.chat_dataset = {s: Dataset.from_json(str(chat / f"{s}.jsonl")) for s in ("train", "test")}
+
+
+@pytest.fixture(scope="module")
+def trl(checkpoints, tmp_path_factory):
+    return Setup(checkpoints, tmp_path_factory.mktemp("trl"))
+
+
+TRAINERS = {"online_dpo": (OnlineDPOTrainer, OnlineDPOConfig), "nash_md": (NashMDTrainer, NashMDConfig),
+            "xpo": (XPOTrainer, XPOConfig)}
+
+
+@pytest.mark.parametrize("method", list(TRAINERS))
+def test_ref_model_is_model(trl, tmp_path, method):
+    trainer, config = TRAINERS[method]
+    with pytest.raises(ValueError):
+        trainer(model=trl.model, ref_model=trl.model,  # ref_model can't be the same as model
+                reward_funcs=trl.reward_model, args=config(output_dir=str(tmp_path), per_device_train_batch_size=2,
+                                                           max_steps=3, report_to="none"),
+                train_dataset=trl.dataset["train"], processing_class=trl.tokenizer)
