@@ -50,3 +50,52 @@ def test_ref_model_is_model(trl, tmp_path, method):
                 reward_funcs=trl.reward_model, args=config(output_dir=str(tmp_path), per_device_train_batch_size=2,
                                                            max_steps=3, report_to="none"),
                 train_dataset=trl.dataset["train"], processing_class=trl.tokenizer)
+
+
+def _args(config, out, **fields):
+    return config(output_dir=str(out), report_to="none", **fields)
+
+
+@pytest.mark.parametrize("method", list(TRAINERS))
+@pytest.mark.parametrize("eval_dataset_type", ["dataset", "dataset_dict", "dict_of_dataset", "none"])
+def test_init_with_eval_dataset(trl, tmp_path, method, eval_dataset_type):
+    from datasets import DatasetDict
+
+    trainer_class, config = TRAINERS[method]
+    dataset = trl.dataset
+    if eval_dataset_type == "none":
+        eval_dataset = None
+    elif eval_dataset_type == "dataset":
+        eval_dataset = dataset["test"]
+    elif eval_dataset_type == "dataset_dict":
+        eval_dataset = DatasetDict({"data1": dataset["test"], "data2": dataset["test"]})
+    else:  # "dict_of_dataset"
+        eval_dataset = {"data1": dataset["test"], "data2": dataset["test"]}
+    trainer = trainer_class(model=trl.model, reward_funcs=trl.reward_model, args=_args(config, tmp_path),
+                            train_dataset=dataset["train"], eval_dataset=eval_dataset,
+                            processing_class=trl.tokenizer)
+    if eval_dataset_type == "none":
+        assert trainer.eval_dataset is None
+    elif isinstance(trainer.eval_dataset, dict):
+        assert set(trainer.eval_dataset.keys()) == {"data1", "data2"}
+    else:
+        assert trainer.eval_dataset is eval_dataset
+    assert trainer.train_dataset is dataset["train"]
+
+
+@pytest.mark.parametrize("config_name", ["standard_prompt_only", "conversational_prompt_only"])
+def test_train_with_reward_funcs(trl, tmp_path, config_name):
+    def simple_reward_func(prompts, completions, completion_ids, **kwargs):
+        return [0.5 for _ in prompts]
+
+    training_args = OnlineDPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=3,
+                                    learning_rate=5.0e-7, reward_weights=[0.7, 0.3], report_to="none", **TINY)
+    dataset = trl.dataset if config_name == "standard_prompt_only" else trl.chat_dataset
+    trainer = OnlineDPOTrainer(model=trl.model, reward_funcs=[simple_reward_func, simple_reward_func],
+                               args=training_args, train_dataset=dataset["train"], processing_class=trl.tokenizer)
+    trainer.train()
+    assert "train_loss" in trainer.state.log_history[-1]
+    assert len(trainer.reward_funcs) == 2
+    assert trainer.reward_weights is not None
+    assert round(abs(trainer.reward_weights[0].item() - 0.7), 5) == 0
+    assert round(abs(trainer.reward_weights[1].item() - 0.3), 5) == 0

@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 from jodpo.errors import ConfigError
 from jodpo.program import loop
+from jodpo.program import trainer_setup as setup
 from jodpo.program.config import FIELDS, TrainConfig, coerce
 from jodpo.program.rewards import function_name
 from jodpo.program.sources import Given, is_jodpo_model
@@ -163,9 +164,39 @@ class OnlineDPOTrainer:
         self.given = Given(**objects)
         self.callbacks = [c() if isinstance(c, type) else c for c in callbacks or []]
         self.model, self.processing_class = model, processing_class  # what callbacks get as model= and processing_class=
+        self._trl_attributes(ref_model, rewards, reward_processing_classes, train_dataset, eval_dataset)
         self.metrics: dict = {}
         self._state = None  # transformers' TrainerState, made when first needed (its import loads peft and torch)
         self._policy = None  # with save_strategy="no", the trained policy on the host (no checkpoint holds it)
+
+    def _trl_attributes(self, ref_model, rewards, reward_processing_classes, train_dataset, eval_dataset) -> None:
+        """The attributes TRL's constructor sets, as it sets them (``trainer_setup``)."""
+        cfg = self.args
+        self.ref_model, self.train_dataset, self.eval_dataset = ref_model, train_dataset, eval_dataset
+        self.reward_funcs = setup.reward_funcs(rewards, cfg)
+        self.reward_func_names = [function_name(r) if callable(r) and not hasattr(r, "state_dict") else
+                                  str(getattr(r, "name_or_path", r)).rstrip("/").split("/")[-1]
+                                  for r in self.reward_funcs]
+        self.reward_weights = setup.reward_weights(cfg, len(self.reward_funcs))
+        classes = reward_processing_classes
+        self.reward_processing_classes = list(classes) if isinstance(classes, (list, tuple)) else \
+            [classes] * len(self.reward_funcs)
+        self.use_vllm, self.vllm_mode = cfg.use_vllm, cfg.vllm_mode if cfg.use_vllm else None
+        self.num_generations, self.max_length = cfg.num_generations, cfg.max_length
+        self.temperature, self.top_p, self.top_k, self.min_p = cfg.temperature, cfg.top_p, cfg.top_k, cfg.min_p
+        self.repetition_penalty = cfg.repetition_penalty
+        tokenizer = self.processing_class
+        eos = getattr(tokenizer, "eos_token_id", None)
+        self.eos_token_ids = [] if eos is None else [eos]
+        self.generation_kwargs = setup.generation_kwargs(cfg, tokenizer, self.eos_token_ids)
+        self.generation_config = setup.generation_config(self.generation_kwargs)
+
+    @property
+    def beta(self):
+        """TRL's ``trainer.beta``: ``args.beta``, a list's entry for the current epoch (the last kept)."""
+        if isinstance(self.args.beta, tuple):
+            return self.args.beta[min(int(self.state.epoch or 0), len(self.args.beta) - 1)]
+        return self.args.beta
 
     def train(self, resume_from_checkpoint: bool | str | None = None, *, allow_config_change: bool = False):
         """Run the training (the same program as ``python -m jodpo.train``); returns transformers' ``TrainOutput``

@@ -78,6 +78,11 @@ def _generation(value) -> dict:
     return {k: v for k, v in kwargs.items() if k in SAMPLING}
 
 
+def generation_settings(cfg) -> dict:
+    """A config's ``generation_kwargs``, as the dict TRL updates its GenerationConfig with ({} when None)."""
+    return dict(_keys(cfg.generation_kwargs, "generation_kwargs"))
+
+
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "torch.float32": "float32", "torch.bfloat16": "bfloat16"}
 
 
