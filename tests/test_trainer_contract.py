@@ -83,6 +83,79 @@ def test_init_with_eval_dataset(trl, tmp_path, method, eval_dataset_type):
     assert trainer.train_dataset is dataset["train"]
 
 
+def test_vllm_config_validation():
+    """TRL's: use_vllm=True is accepted (jodpo's own sampler takes it, below), vLLM's fields read back."""
+    config = OnlineDPOConfig(use_vllm=True, vllm_mode="server")
+    assert config.vllm_mode == "server"
+    config = OnlineDPOConfig(use_vllm=True, vllm_mode="colocate")
+    assert config.vllm_mode == "colocate"
+    config = OnlineDPOConfig()
+    assert config.vllm_mode == "colocate"
+    assert config.vllm_server_base_url is None
+    assert config.vllm_server_host == "0.0.0.0"
+    assert config.vllm_server_port == 8000
+    assert config.vllm_server_timeout == 240.0
+    assert config.vllm_gpu_memory_utilization == 0.55
+    assert config.top_p == 1.0
+    assert config.top_k == 0
+    assert config.min_p is None
+    assert config.repetition_penalty == 1.0
+    assert config.cache_implementation is None
+    assert config.generation_kwargs is None
+
+
+def test_generation_config_setup(trl, tmp_path):
+    from jodpo.program.run import build
+
+    training_args = OnlineDPOConfig(output_dir=str(tmp_path), use_vllm=False, temperature=0.8, top_p=0.9, top_k=40,
+                                    repetition_penalty=1.2, max_new_tokens=64, generation_kwargs={"do_sample": False},
+                                    report_to="none")
+    trainer = OnlineDPOTrainer(model=trl.model, reward_funcs=trl.reward_model, args=training_args,
+                               train_dataset=trl.dataset["train"], processing_class=trl.tokenizer,
+                               reward_processing_classes=trl.reward_tokenizer)
+    assert not trainer.use_vllm
+    assert not (hasattr(trainer, "llm") and trainer.llm is not None)
+    assert not (hasattr(trainer, "vllm_client") and trainer.vllm_client is not None)
+    assert trainer.generation_config is not None
+    assert trainer.generation_config.temperature == 0.8
+    assert trainer.generation_config.top_p == 0.9
+    assert trainer.generation_config.top_k == 40
+    assert trainer.generation_config.repetition_penalty == 1.2
+    assert trainer.generation_config.max_new_tokens == 64
+    assert not trainer.generation_config.do_sample  # From generation_kwargs
+    # and jodpo's sampler decodes greedily, as transformers' generate does with do_sample=False
+    assert build(trainer.args, trainer.given).step_cfg.sampling.temperature == 0.0
+
+
+def test_train_with_vllm_colocate(trl, tmp_path, capsys):
+    """TRL's (vLLM's own objects aside: trainer.llm, a SamplingParams' max_tokens): use_vllm=True trains with jodpo's
+    sampler at the same settings, said once."""
+    training_args = OnlineDPOConfig(output_dir=str(tmp_path), use_vllm=True, vllm_mode="colocate",
+                                    vllm_gpu_memory_utilization=0.2, per_device_train_batch_size=1, max_steps=2,
+                                    report_to="none", temperature=0.9, top_p=0.95, top_k=50, repetition_penalty=1.1,
+                                    **TINY | dict(max_new_tokens=32))
+    trainer = OnlineDPOTrainer(model=trl.model, reward_funcs=trl.reward_model, args=training_args,
+                               train_dataset=trl.dataset["train"], processing_class=trl.tokenizer,
+                               reward_processing_classes=trl.reward_tokenizer)
+    assert trainer.use_vllm
+    assert trainer.vllm_mode == "colocate"
+    assert trainer.temperature == 0.9
+    assert trainer.top_p == 0.95
+    assert trainer.top_k == 50
+    assert trainer.repetition_penalty == 1.1
+    assert trainer.generation_config is not None
+    assert trainer.generation_config.temperature == 0.9
+    assert trainer.generation_config.top_p == 0.95
+    assert trainer.generation_config.top_k == 50
+    assert trainer.generation_config.repetition_penalty == 1.1
+    assert trainer.generation_config.max_new_tokens == 32
+    trainer.train()
+    assert "train_loss" in trainer.state.log_history[-1]
+    said = capsys.readouterr().out
+    assert said.count("use_vllm=True is mapped: True is accepted and samples as False does: with jodpo's own JAX "
+                      "sampler") == 1
+
+
 @pytest.mark.parametrize("config_name", ["standard_prompt_only", "conversational_prompt_only"])
 def test_train_with_reward_funcs(trl, tmp_path, config_name):
     def simple_reward_func(prompts, completions, completion_ids, **kwargs):

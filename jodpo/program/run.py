@@ -13,7 +13,7 @@ from jax.sharding import Mesh
 
 from jodpo import collective_order
 from jodpo.errors import ConfigError
-from jodpo.program import backend
+from jodpo.program import backend, trl_fields
 from jodpo.program import data as D
 from jodpo.parallel import sharding as S
 from jodpo import train_step as ts
@@ -250,7 +250,8 @@ def build(cfg: TrainConfig, given: Given = Given()) -> Run:
     spe = D.steps_per_epoch(len(train), global_batch)
     total = run_length(cfg, global_batch, spe)
     warmup = cfg.warmup_steps or math.ceil(total * updates * cfg.warmup_ratio)
-    sampling = SamplingConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
+    sampling = SamplingConfig(max_new_tokens=cfg.max_new_tokens,
+                              temperature=cfg.temperature if trl_fields.do_sample(cfg) else 0.0, top_k=cfg.top_k,
                               top_p=cfg.top_p, min_p=cfg.min_p or 0.0, repetition_penalty=cfg.repetition_penalty,
                               eos_token_ids=eos, pad_token_id=pad, chunk=cfg.decode_chunk)
     opt = ts.OptimizerConfig(learning_rate=cfg.learning_rate, total_steps=total * updates, warmup_steps=warmup,
