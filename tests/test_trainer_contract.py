@@ -172,3 +172,50 @@ def test_train_with_reward_funcs(trl, tmp_path, config_name):
     assert trainer.reward_weights is not None
     assert round(abs(trainer.reward_weights[0].item() - 0.7), 5) == 0
     assert round(abs(trainer.reward_weights[1].item() - 0.3), 5) == 0
+
+
+def test_trust_remote_code(trl, checkpoints, tmp_path):
+    """TRL's, on a local copy of the policy whose config.json maps AutoModelForCausalLM to code of its own (as
+    trl-internal-testing/tiny-RemoteForCausalLM's does): refused without trust_remote_code when the trainer is built;
+    with it, jodpo trains the checkpoint as its own implementation of the model_type (TRL's trainer.model is the
+    remote class; jodpo runs no checkpoint's code), said once."""
+    import json
+    import shutil
+
+    model_id = tmp_path / "tiny-RemoteForCausalLM"
+    shutil.copytree(checkpoints["qwen2"]["causal_lm"], model_id)
+    config = json.loads((model_id / "config.json").read_text())
+    config |= {"architectures": ["RemoteForCausalLM"],
+               "auto_map": {"AutoModelForCausalLM": "modeling_remote.RemoteForCausalLM"}}
+    (model_id / "config.json").write_text(json.dumps(config))
+    dataset = trl.dataset["train"]
+    with pytest.raises(ValueError, match="custom code"):
+        OnlineDPOTrainer(model=str(model_id), reward_funcs=trl.reward_model,
+                         args=OnlineDPOConfig(output_dir=str(tmp_path), report_to="none"), train_dataset=dataset,
+                         processing_class=trl.tokenizer, reward_processing_classes=trl.reward_tokenizer)
+    with pytest.warns(UserWarning, match="jodpo trains it as its own implementation of the checkpoint's model_type"):
+        trainer = OnlineDPOTrainer(model=str(model_id), reward_funcs=trl.reward_model,
+                                   args=OnlineDPOConfig(output_dir=str(tmp_path), report_to="none",
+                                                        trust_remote_code=True),
+                                   train_dataset=dataset, processing_class=trl.tokenizer,
+                                   reward_processing_classes=trl.reward_tokenizer)
+    assert trainer.model[0].family == "qwen2"  # TRL's: type(trainer.model).__name__ == "RemoteForCausalLM"
+
+
+def test_the_model_is_read_when_the_trainer_is_built(trl, tmp_path):
+    """TRL's constructor loads a model given by name: trainer.model is the model (jodpo's (Model, params), on the host)
+    and trainer.processing_class its tokenizer from then on, and a path that holds no model is said there."""
+    import jax
+    import numpy as np
+
+    from jodpo.errors import CheckpointError
+
+    trainer = OnlineDPOTrainer(model=trl.model_id, reward_funcs=trl.reward_model,
+                               args=OnlineDPOConfig(output_dir=str(tmp_path), report_to="none"),
+                               train_dataset=trl.dataset["train"])
+    model, params = trainer.model
+    assert model.family == "qwen2" and all(isinstance(x, np.ndarray) for x in jax.tree.leaves(params))
+    assert trainer.processing_class.eos_token_id == trainer.eos_token_ids[0]
+    with pytest.raises(CheckpointError, match="not a model directory"):
+        OnlineDPOTrainer(model=str(tmp_path / "nothing"), reward_funcs=trl.reward_model,
+                         args=OnlineDPOConfig(output_dir=str(tmp_path), report_to="none"))

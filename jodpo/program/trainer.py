@@ -43,10 +43,11 @@ class OnlineDPOTrainer:
     processing_class, reward_processing_classes, peft_config, compute_metrics, callbacks, optimizers,
     preprocess_logits_for_metrics)``, and ``judge`` as TRL took it before 1.1.
 
-    model: a path or hub id, the transformers ``*ForCausalLM`` object a script built (its config and weights
-      read once, from memory), or jodpo's own ``(model, params)`` (``jodpo.load_model``'s; with a tokenizer as
-      ``processing_class``, or ``args.model_name_or_path`` naming where it came from). None:
-      ``args.model_name_or_path``.
+    model: a path or hub id (read when the trainer is built, into host memory, as jodpo's ``(model, params)``:
+      ``trainer.model``), the transformers ``*ForCausalLM`` object a script built (its config and weights read once,
+      from memory, when training starts), or jodpo's own ``(model, params)`` (``jodpo.load_model``'s; with a
+      tokenizer as ``processing_class``, or ``args.model_name_or_path`` naming where it came from). None:
+      ``args.model_name_or_path``. A checkpoint with code of its own needs ``args.trust_remote_code``, as in TRL.
     ref_model: None (TRL's default: the reference is the starting policy; with ``peft_config`` the base without
       adapters), or the frozen reference as ``model`` takes it (a path, a transformers object, jodpo's
       ``(model, params)``), of the policy's architecture and size; refused with ``peft_config`` (as TRL refuses it)
@@ -161,9 +162,11 @@ class OnlineDPOTrainer:
         if peft_config is not None:
             fields |= _lora_fields(peft_config)
         self.args = cfg.replace(**fields) if fields else cfg
+        # read now, as TRL's constructor reads them; what callbacks get as model= and processing_class=
+        self.model, self.processing_class = setup.read_model(model, processing_class, self.args)
+        objects["model"], objects["tokenizer"] = self.model, self.processing_class
         self.given = Given(**objects)
         self.callbacks = [c() if isinstance(c, type) else c for c in callbacks or []]
-        self.model, self.processing_class = model, processing_class  # what callbacks get as model= and processing_class=
         self._trl_attributes(ref_model, rewards, reward_processing_classes, train_dataset, eval_dataset)
         self.metrics: dict = {}
         self._state = None  # transformers' TrainerState, made when first needed (its import loads peft and torch)
@@ -185,10 +188,8 @@ class OnlineDPOTrainer:
         self.num_generations, self.max_length = cfg.num_generations, cfg.max_length
         self.temperature, self.top_p, self.top_k, self.min_p = cfg.temperature, cfg.top_p, cfg.top_k, cfg.min_p
         self.repetition_penalty = cfg.repetition_penalty
-        tokenizer = self.processing_class
-        eos = getattr(tokenizer, "eos_token_id", None)
-        self.eos_token_ids = [] if eos is None else [eos]
-        self.generation_kwargs = setup.generation_kwargs(cfg, tokenizer, self.eos_token_ids)
+        self.eos_token_ids = setup.eos_token_ids(self.model, self.processing_class)
+        self.generation_kwargs = setup.generation_kwargs(cfg, self.processing_class, self.eos_token_ids)
         self.generation_config = setup.generation_config(self.generation_kwargs)
 
     @property

@@ -8,9 +8,41 @@ from pathlib import Path
 import numpy as np
 
 from jodpo.errors import ConfigError
+from jodpo.models import load_tokenizer
 from jodpo.program import trl_fields
 from jodpo.program.config import TrainConfig
+from jodpo.program.sources import is_jodpo_model, named, on_host, read_policy
 from jodpo.program.user_code import import_reward_function
+
+
+def read_model(model, processing_class, cfg: TrainConfig) -> tuple[object, object]:
+    """The policy and its tokenizer as the trainer holds them from its constructor on, read there as TRL's
+    constructor reads them (so that what cannot be trained is said in TRL's order, before ``train()``): a path or hub
+    id (``model``, or ``args.model_name_or_path``) read into host memory as jodpo's ``(Model, params)`` (no device is
+    touched: ``train()`` places them); a transformers object or jodpo's own pair as given. The tokenizer:
+    ``processing_class``, or the model's own."""
+    if model is None or isinstance(model, (str, Path)):
+        if not cfg.model_name_or_path:
+            raise ConfigError("OnlineDPOTrainer: no model: give model (a path, a hub id, a transformers model or "
+                              "jodpo's (model, params)) or args.model_name_or_path")
+        # one copy whichever dtype the run reads it in: train() casts it (float32 holds bfloat16 exactly)
+        dtype = cfg.param_dtype if cfg.param_dtype == cfg.frozen_param_dtype else "float32"
+        model = read_policy(cfg.model_name_or_path, dtype, cfg, None, place=on_host)
+    if processing_class is None:
+        with named("model_name_or_path"):
+            processing_class = load_tokenizer(cfg.model_name_or_path, cfg.model_revision)
+    return model, processing_class
+
+
+def eos_token_ids(model, tokenizer) -> list[int]:
+    """TRL's ``trainer.eos_token_ids``: the tokenizer's EOS first, then every EOS id the model declares."""
+    if is_jodpo_model(model):
+        declared = list(model[0].eos_token_ids)
+    else:
+        declared = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        declared = [] if declared is None else [declared] if isinstance(declared, int) else list(declared)
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return declared if eos is None or eos in declared else [eos, *declared]
 
 
 def reward_funcs(given: list, cfg: TrainConfig) -> list:

@@ -100,7 +100,7 @@ def _dtype(value, what: str) -> dict:
     return {"param_dtype": name, "frozen_param_dtype": name}
 
 
-_INIT_IGNORED = ("trust_remote_code", "attn_implementation", "device_map", "use_cache", "low_cpu_mem_usage")
+_INIT_IGNORED = ("attn_implementation", "device_map", "use_cache", "low_cpu_mem_usage")
 
 
 def _model_init(value) -> dict:
@@ -112,9 +112,9 @@ def _model_init(value) -> dict:
             out |= _dtype(kwargs[key], f"model_init_kwargs[{key!r}]")
     if kwargs.get("revision") is not None:
         out["model_revision"] = kwargs["revision"]
-    other = sorted(set(kwargs) - {"dtype", "torch_dtype", "revision", *_INIT_IGNORED})
+    other = sorted(set(kwargs) - {"dtype", "torch_dtype", "revision", "trust_remote_code", *_INIT_IGNORED})
     if other:
-        raise ValueError(f"{other} have no counterpart in jodpo (which maps dtype, torch_dtype and revision, and "
+        raise ValueError(f"{other} have no counterpart in jodpo (which maps dtype, torch_dtype, revision and trust_remote_code, and "
                          f"needs none of {', '.join(_INIT_IGNORED)}: it reads the weights itself, onto its mesh); "
                          "drop them")
     return out
@@ -173,11 +173,14 @@ TABLE: dict[str, Answer] = {
     "ds3_gather_for_generation": noop(True, "DeepSpeed ZeRO-3's; jodpo's sampler reads mesh_fsdp-sharded weights "
                                             "where XLA lays them out"),
     "model_init_kwargs": mapped(None, "dtype / torch_dtype (float32 or bfloat16) set param_dtype and "
-                                      "frozen_param_dtype, revision sets model_revision; trust_remote_code, "
-                                      "attn_implementation, device_map, use_cache, low_cpu_mem_usage are not needed; "
+                                      "frozen_param_dtype, revision sets model_revision, trust_remote_code as the "
+                                      "field of that name; attn_implementation, device_map, use_cache, "
+                                      "low_cpu_mem_usage are not needed; "
                                       "other keys are refused, named", _model_init),
-    "trust_remote_code": noop(False, "jodpo runs its own implementation of each architecture, never a checkpoint's "
-                                     "Python code"),
+    "trust_remote_code": mapped(False, "a checkpoint with code of its own (config.json's auto_map) is refused "
+                                       "without it, as transformers refuses it; True trains it as jodpo's own "
+                                       "implementation of its model_type: jodpo never runs a checkpoint's Python "
+                                       "code", lambda v: {}),
     "use_transformers_paged": noop(False, "transformers' paged generation; jodpo samples with its own sampler"),
     "dataset_num_proc": noop(None, "jodpo tokenizes the data in one process, once, before training"),
     "log_completions": mapped(False, "jodpo prints a table of sample completions num_sample_generations times (and "
