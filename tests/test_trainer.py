@@ -248,7 +248,8 @@ def test_a_jodpo_model_needs_its_tokenizer(checkpoints):
 def test_a_ref_model_of_its_own_is_the_reference(checkpoints, tmp_path):
     """TRL's ``ref_model``: the same weights as the policy log what no ref_model logs; other weights of the same
     architecture are the reference (the first step's KL, zero against the starting policy, is not); another
-    architecture, or with ``peft_config``, is refused in one line."""
+    architecture, or other weights than the base with ``peft_config`` (whose reference is the base), is refused in one
+    line."""
     import jax
 
     data = hf_fixtures.prompt_dataset(tmp_path / "data", chat=True)
@@ -267,8 +268,9 @@ def test_a_ref_model_of_its_own_is_the_reference(checkpoints, tmp_path):
     assert abs(other[0]["objective/kl"]) > 1e-3 and other[0]["logps/chosen"] == alone[0]["logps/chosen"]
     with pytest.raises(ConfigError, match="ref_model is a llama model of other shapes than the policy"):
         run("llama", ref_model=str(checkpoints["llama"]["causal_lm"]))
-    with pytest.raises(ConfigError, match="ref_model: with peft_config the reference is the base"):
-        run("peft", ref_model=path, peft_config={"peft_type": "LORA", "r": 2, "lora_alpha": 4})
+    with pytest.raises(ConfigError, match="ref_model: with peft_config jodpo's reference is the base model with its "
+                                          "adapters off, and this ref_model's weights are not the base's"):
+        run("peft", ref_model=shifted, peft_config={"peft_type": "LORA", "r": 2, "lora_alpha": 4})
 
 
 # TRL 1.16's quick start as a script that pushes to the Hub and saves and evaluates by steps, ending as TRL's example

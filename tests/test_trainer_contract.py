@@ -219,3 +219,21 @@ def test_the_model_is_read_when_the_trainer_is_built(trl, tmp_path):
     with pytest.raises(CheckpointError, match="not a model directory"):
         OnlineDPOTrainer(model=str(tmp_path / "nothing"), reward_funcs=trl.reward_model,
                          args=OnlineDPOConfig(output_dir=str(tmp_path), report_to="none"))
+
+
+@pytest.mark.parametrize("method", list(TRAINERS))
+def test_train_with_peft_and_ref_model(trl, tmp_path, method):
+    """TRL's (all three trainers): a ref_model beside peft_config (TRL's: the policy's checkpoint again) trains; it
+    was refused. jodpo's LoRA reference is the base with its adapters off, which this reference is (one of other
+    weights is refused: tests/test_trainer.py)."""
+    from peft import LoraConfig
+
+    trainer_class, config = TRAINERS[method]
+    lora_config = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, bias="none", task_type="CAUSAL_LM")
+    training_args = config(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=3,
+                           learning_rate=5.0e-7, report_to="none", **TINY)
+    trainer = trainer_class(model=trl.model, ref_model=trl.ref_model, reward_funcs=trl.reward_model,
+                            args=training_args, processing_class=trl.tokenizer, train_dataset=trl.dataset["train"],
+                            peft_config=lora_config)
+    trainer.train()
+    assert "train_loss" in trainer.state.log_history[-1]

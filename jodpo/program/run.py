@@ -28,7 +28,7 @@ from jodpo.optim import restarted
 from jodpo.models.params import buffers
 from jodpo.program.rewards import RewardSet
 from jodpo.program.schedule import Schedule
-from jodpo.program.sources import (Given, describe_policy, eval_sets, load_judge, load_rewards, load_split, named,
+from jodpo.program.sources import (Given, check_lora_reference, describe_policy, eval_sets, load_judge, load_rewards, load_split, named,
                                    prompt_bos, read_policy, say_attention)
 from jodpo.sampling import SamplingConfig
 
@@ -173,19 +173,21 @@ def build(cfg: TrainConfig, given: Given = Given()) -> Run:
     else:
         train = D.prepare_prompts(train_rows, tokenizer, cfg.max_prompt_length, prompt_bos(cfg, tokenizer))
     evaluation = eval_sets(cfg, given, tokenizer, dp, offline)
-    if given.ref_model is not None and (cfg.use_peft or not needs_reference(cfg.loss_type)):
-        raise ConfigError("ref_model: with " + ("peft_config the reference is the base without its adapters" if
-                          cfg.use_peft else f"loss_type={cfg.loss_type!r} no reference is run") +
-                          "; leave ref_model None (TRL refuses it with peft_config too)")
+    if given.ref_model is not None and not needs_reference(cfg.loss_type):
+        raise ConfigError(f"ref_model: with loss_type={cfg.loss_type!r} no reference is run; leave ref_model None")
+    own_reference = given.ref_model is not None and not cfg.use_peft  # with LoRA the base is the reference
     if needs_reference(cfg.loss_type) or cfg.use_peft:
-        model, ref_params = read_policy(source if given.ref_model is None else given.ref_model,
-                                        cfg.frozen_param_dtype, cfg, mesh)
+        model, ref_params = read_policy(given.ref_model if own_reference else source, cfg.frozen_param_dtype, cfg,
+                                        mesh)
         if given.ref_model is not None:  # a reference of its own: the policy is read from its source (Run.policy)
             policy = describe_policy(source, cfg.frozen_param_dtype, cfg)
-            if policy.family != model.family or param_shapes(policy) != param_shapes(model):
-                raise ConfigError(f"ref_model is a {model.family} model of other shapes than the policy "
+            reference = model if own_reference else describe_policy(given.ref_model, cfg.frozen_param_dtype, cfg)
+            if policy.family != reference.family or param_shapes(policy) != param_shapes(reference):
+                raise ConfigError(f"ref_model is a {reference.family} model of other shapes than the policy "
                                   f"({policy.family}); give a reference of the policy's architecture and size")
             model = policy
+        if given.ref_model is not None and cfg.use_peft:
+            check_lora_reference(given.ref_model, source, ref_params, cfg, mesh)
     else:  # reference-free (simpo): only the policy, read in param_dtype when the run starts from it (Run.policy)
         model, ref_params = describe_policy(source, cfg.param_dtype, cfg), None
     policy_params, targets = ref_params, ()

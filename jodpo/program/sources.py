@@ -113,6 +113,21 @@ def on_host(model: Model, dtype):
     return lambda path, host: host
 
 
+def check_lora_reference(ref_model, source, base: dict, cfg: TrainConfig, mesh) -> None:
+    """TRL's ``ref_model`` beside ``peft_config``: jodpo's LoRA reference is the base with its adapters off (no second
+    copy is held), which is the reference given when it has the base's weights (TRL's own tests give the policy's
+    checkpoint again); one of other weights is refused in one line."""
+    if ref_model is source or (isinstance(ref_model, str) and ref_model == source):
+        return
+    _, ref_params = read_policy(ref_model, cfg.frozen_param_dtype, cfg, mesh)
+    same = jax.jit(lambda a, b: jnp.all(jnp.stack([jnp.array_equal(x, y) for x, y in
+                                                    zip(jax.tree.leaves(a), jax.tree.leaves(b))])))
+    if not bool(same(base, ref_params)):
+        raise ConfigError("ref_model: with peft_config jodpo's reference is the base model with its adapters off, "
+                          "and this ref_model's weights are not the base's; leave ref_model None (the base is then "
+                          "the reference, as in TRL) or train without peft_config to train against this reference")
+
+
 def describe_policy(source, dtype, cfg: TrainConfig) -> Model:
     """The policy's ``Model`` without reading its weights (``describe_model``), or that of a given ``(Model,
     params)``."""

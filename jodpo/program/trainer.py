@@ -50,8 +50,9 @@ class OnlineDPOTrainer:
       ``args.model_name_or_path``. A checkpoint with code of its own needs ``args.trust_remote_code``, as in TRL.
     ref_model: None (TRL's default: the reference is the starting policy; with ``peft_config`` the base without
       adapters), or the frozen reference as ``model`` takes it (a path, a transformers object, jodpo's
-      ``(model, params)``), of the policy's architecture and size; refused with ``peft_config`` (as TRL refuses it)
-      and with a reference-free ``loss_type``. A resumed run must be given the same one.
+      ``(model, params)``), of the policy's architecture and size; with ``peft_config`` (whose reference is the base
+      with its adapters off) only the base's weights (TRL's tests give the policy's checkpoint again), others
+      refused; refused with a reference-free ``loss_type``. A resumed run must be given the same one.
     reward_funcs: one or a list of: callables ``f(prompts, completions, completion_ids, **columns)``,
       ``module:function`` strings, a reward model's path or hub id, or a ``*ForSequenceClassification`` object (at
       most one model; TRL weighs them with ``args.reward_weights``, model first).
