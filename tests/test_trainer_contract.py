@@ -5,6 +5,7 @@ Hub): TRL's Qwen2 policy and Llama reward model are the suite's, its "zen" promp
 import pytest
 from datasets import Dataset
 
+import jodpo
 from jodpo import NashMDConfig, NashMDTrainer, OnlineDPOConfig, OnlineDPOTrainer, XPOConfig, XPOTrainer
 from tests import hf_fixtures
 
@@ -237,3 +238,42 @@ def test_train_with_peft_and_ref_model(trl, tmp_path, method):
                             peft_config=lora_config)
     trainer.train()
     assert "train_loss" in trainer.state.log_history[-1]
+
+
+@pytest.mark.parametrize("method", ["nash_md", "xpo"])
+def test_train_pre_pefted_model_implicit_ref(trl, tmp_path, method):
+    """TRL's (Nash-MD's and XPO's): a model already wrapped by get_peft_model trains its adapters, the reference its
+    base; it failed with a CheckpointError ("config.json and the weights disagree")."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    trainer_class, config = TRAINERS[method]
+    lora_config = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.1, bias="none", task_type="CAUSAL_LM")
+    model = AutoModelForCausalLM.from_pretrained(trl.model_id, dtype="float32")  # get_peft_model changes it
+    peft_model_instance = get_peft_model(model, lora_config)
+    training_args = config(output_dir=str(tmp_path), per_device_train_batch_size=1, max_steps=2,
+                           learning_rate=5.0e-7, eval_strategy="no", report_to="none", remove_unused_columns=False,
+                           **TINY)
+    with pytest.warns(UserWarning, match="model is a peft model: jodpo trains LoRA adapters of its config"):
+        trainer = trainer_class(model=peft_model_instance, ref_model=None, reward_funcs=trl.reward_model,
+                                args=training_args, processing_class=trl.tokenizer, train_dataset=trl.dataset["train"])
+    assert (trainer.args.use_peft, trainer.args.lora_r, trainer.args.lora_alpha) == (True, 8, 16)
+    assert trainer.args.lora_target_modules == ("q_proj", "v_proj")  # what get_peft_model resolved for Qwen2
+    trainer.train()
+    assert "train_loss" in trainer.state.log_history[-1]
+    adapter = trainer.save_model(str(tmp_path / "adapter"))
+    assert (adapter / "adapter_config.json").is_file()
+
+
+def test_a_peft_model_read_as_weights_says_what_to_give(trl):
+    """jodpo.load_model of a peft model (the functional API, or as a ref_model): one line saying what to give, not a
+    CheckpointError about config.json."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from jodpo.errors import CheckpointError
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(trl.model_id), LoraConfig(r=2, lora_alpha=4))
+    with pytest.raises(CheckpointError, match=r"is a peft model \(LoRA layers injected\); give "
+                                              r"model.merge_and_unload\(\)"):
+        jodpo.load_model(model)

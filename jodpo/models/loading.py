@@ -211,6 +211,9 @@ def model_from_object(obj, task: str, dtype) -> Model:
     """The static ``Model`` of a transformers model object (its config and generation config), as
     ``model_from_dir`` reads a directory's."""
     name, cfg = _object_name(obj), obj.config
+    if hasattr(obj, "peft_config") and hasattr(obj, "get_base_model"):  # its tensors are named for its LoRA layers
+        raise CheckpointError(f"{name}: is a peft model (LoRA layers injected); give model.merge_and_unload() for its "
+                              "weights with the adapters merged (OnlineDPOTrainer trains a peft model's adapters)")
     arch = type(obj).__name__
     kind = families.ARCHITECTURES.get(arch, (None, None))[1]
     if kind is not None and kind != task:

@@ -61,7 +61,8 @@ class OnlineDPOTrainer:
       ``eval_<name>/...`` (transformers' ``eval_<name>_...``, with jodpo's ``/``). None: the config's datasets.
     processing_class / reward_processing_classes: the tokenizers (default: the models' own).
     peft_config: a peft ``LoraConfig`` or its dict: use_peft with its r, lora_alpha, target_modules,
-      target_parameters, lora_dropout.
+      target_parameters, lora_dropout. A ``model`` wrapped by peft's ``get_peft_model`` trains adapters of its own
+      config on its base weights (as TRL trains its adapters).
     callbacks: transformers ``TrainerCallback``s (or their classes), called as TRL's trainer calls them with
       ``(args, state, control, **kwargs)``: ``on_train_begin``, ``on_step_end``, ``on_log`` (each logged line),
       ``on_evaluate`` (``metrics``), ``on_save`` (the checkpoint is written in the background), ``on_train_end``;
@@ -106,6 +107,11 @@ class OnlineDPOTrainer:
                 objects["model"] = model
                 fields["model_name_or_path"] = cfg.model_name_or_path or "<jodpo (model, params)>"
             else:
+                if setup.is_peft_model(model):  # TRL trains its adapters: they are the run's LoRA
+                    if peft_config is not None:
+                        raise ConfigError("OnlineDPOTrainer: model is a peft model already and peft_config is "
+                                          "given too; give one (the peft model's own config is its LoRA)")
+                    fields |= _lora_fields(setup.adapter_config(model))
                 objects["model"] = model
                 fields["model_name_or_path"] = getattr(model, "name_or_path", "") or cfg.model_name_or_path
         rewards = [] if reward_funcs is None else list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) \

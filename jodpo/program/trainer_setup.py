@@ -3,16 +3,48 @@ attributes a TRL script or test reads off the trainer (``reward_funcs``, ``rewar
 the sampling settings), with TRL's names and, where TRL's are torch's, their torch-free counterparts."""
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import numpy as np
 
 from jodpo.errors import ConfigError
 from jodpo.models import load_tokenizer
+from jodpo.models.loading import is_model_object, load_params, model_from_object
 from jodpo.program import trl_fields
 from jodpo.program.config import TrainConfig
 from jodpo.program.sources import is_jodpo_model, named, on_host, read_policy
 from jodpo.program.user_code import import_reward_function
+
+
+def is_peft_model(x) -> bool:
+    """A peft ``PeftModel`` (``get_peft_model``'s): a transformers model with LoRA layers injected."""
+    return is_model_object(x) and hasattr(x, "peft_config") and hasattr(x, "get_base_model")
+
+
+def adapter_config(model) -> dict:
+    """A peft model's active LoRA config, as a dict for ``peft_config``; one whose adapters were trained already (a
+    ``lora_B`` not zero: jodpo starts adapters afresh) or that trains whole modules besides them is refused."""
+    config = model.peft_config[getattr(model, "active_adapter", "default")]
+    d = config.to_dict()
+    if d.get("modules_to_save"):
+        raise ConfigError(f"model is a peft model with modules_to_save={d['modules_to_save']}; jodpo's LoRA trains the "
+                          "adapters alone: give one without")
+    trained = [n for n, t in model.named_parameters() if ".lora_B." in n and bool(t.detach().abs().sum() > 0)]
+    if trained:
+        raise ConfigError(f"model is a peft model whose adapters have been trained ({trained[0]} is not zero); jodpo "
+                          "trains adapters from a fresh start on the base: give model.merge_and_unload() and a "
+                          "peft_config to train new adapters on the merged weights, or get_peft_model's fresh model")
+    return d
+
+
+def _base_tensors(model):
+    """A peft model's base weights under transformers' names (its LoRA layers' ``base_layer`` as the module), the
+    adapters left out; float32 numpy arrays, one at a time, through the tensors' own methods (no torch import)."""
+    for name, t in model.get_base_model().state_dict().items():
+        if ".lora_" in name:
+            continue
+        yield name.replace(".base_layer.", "."), t.detach().to("cpu").float().numpy()
 
 
 def read_model(model, processing_class, cfg: TrainConfig) -> tuple[object, object]:
@@ -28,6 +60,14 @@ def read_model(model, processing_class, cfg: TrainConfig) -> tuple[object, objec
         # one copy whichever dtype the run reads it in: train() casts it (float32 holds bfloat16 exactly)
         dtype = cfg.param_dtype if cfg.param_dtype == cfg.frozen_param_dtype else "float32"
         model = read_policy(cfg.model_name_or_path, dtype, cfg, None, place=on_host)
+    elif is_peft_model(model):  # its base, on the host; its LoRA config is the run's (use_peft)
+        base = model.get_base_model()
+        described = model_from_object(base, "causal_lm", "float32")
+        model = described, load_params(described, f"the peft model's base ({cfg.model_name_or_path})", "float32",
+                                       on_host(described, "float32"), _base_tensors(model))
+        warnings.warn("model is a peft model: jodpo trains LoRA adapters of its config (rank, alpha, target modules) "
+                      "on its base weights, from a fresh start of jodpo's own (lora_B zero, as get_peft_model starts "
+                      "them; lora_A drawn from seed)", stacklevel=3)
     if processing_class is None:
         with named("model_name_or_path"):
             processing_class = load_tokenizer(cfg.model_name_or_path, cfg.model_revision)
