@@ -277,3 +277,67 @@ def test_a_peft_model_read_as_weights_says_what_to_give(trl):
     with pytest.raises(CheckpointError, match=r"is a peft model \(LoRA layers injected\); give "
                                               r"model.merge_and_unload\(\)"):
         jodpo.load_model(model)
+
+
+class TestGeometricMixtureWrapper:
+    """TRL's (trl.experimental.nash_md.nash_md_trainer.GeometricMixtureWrapper, now jodpo.GeometricMixtureWrapper;
+    it was missing), with TRL's assertions: torch tensors in, torch tensors out. tests/test_trl112.py checks its
+    greedy generate against TRL 1.12's recorded wrapper."""
+
+    @pytest.fixture(autouse=True)
+    def setup_method(self, trl):
+        import copy
+
+        import torch
+        from transformers import GenerationConfig
+
+        self.device = "cpu"
+        self.model = trl.model
+        self.ref_model = copy.deepcopy(self.model).eval()  # TRL's create_reference_model: a frozen copy
+        self.generation_config = GenerationConfig.from_pretrained(trl.model_id)
+        self.mixture_coef = 0.5
+        self.wrapper = jodpo.GeometricMixtureWrapper(self.model, self.ref_model, self.generation_config,
+                                                     mixture_coef=self.mixture_coef)
+        self.torch = torch
+
+    def test_forward(self):
+        torch = self.torch
+        input_ids = torch.tensor([[1, 2, 3, 4, 5]], device=self.device)
+        attention_mask = torch.ones_like(input_ids)
+        output = self.wrapper(input_ids=input_ids, attention_mask=attention_mask)
+        assert output is not None
+        assert hasattr(output, "logits")
+        assert output.logits.shape == (1, 5, self.model.config.vocab_size)
+
+    def test_mixture_coefficient(self):
+        torch = self.torch
+        input_ids = torch.tensor([[1, 2, 3, 4, 5]], device=self.device)
+        attention_mask = torch.ones_like(input_ids)
+        with torch.no_grad():
+            model_output = self.model(input_ids=input_ids, attention_mask=attention_mask)
+            ref_model_output = self.ref_model(input_ids=input_ids, attention_mask=attention_mask)
+            wrapper_output = self.wrapper(input_ids=input_ids, attention_mask=attention_mask)
+        expected_logits = torch.nn.functional.log_softmax(
+            self.mixture_coef * ref_model_output.logits + (1 - self.mixture_coef) * model_output.logits, dim=-1)
+        torch.testing.assert_close(wrapper_output.logits, expected_logits)
+
+    def test_prepare_inputs_for_generation(self):
+        torch = self.torch
+        input_ids = torch.tensor([[1, 2, 3, 4, 5]], device=self.device)
+        attention_mask = torch.ones_like(input_ids)
+        inputs = self.wrapper.prepare_inputs_for_generation(input_ids, attention_mask=attention_mask, use_cache=True)
+        assert "input_ids" in inputs
+        assert "attention_mask" in inputs
+        assert not inputs.get("use_cache", False)
+
+    def test_generate_greedily_is_the_argmax_of_the_mixture_each_step(self):
+        """jodpo's: ``generate`` (do_sample=False) continues the prompt by the argmax of the mixture's forward at each
+        step, what transformers' generate does through TRL's wrapper."""
+        import numpy as np
+
+        ids = np.array([[1, 2, 3, 4, 5]], np.int32)
+        out = self.wrapper.generate(ids, generation_config=self.generation_config, max_new_tokens=4,
+                                    do_sample=False, eos_token_id=[])
+        assert out.shape == (1, 9) and (out[:, :5] == ids).all()
+        for t in range(5, 9):
+            assert out[0, t] == int(np.argmax(self.wrapper(out[:, :t]).logits[0, -1]))
