@@ -59,7 +59,9 @@ class OnlineDPOTrainer:
     train_dataset / eval_dataset: ``datasets.Dataset`` or ``IterableDataset`` (read whole), standard or
       conversational prompts. ``eval_dataset`` may be a dict of sets: each is evaluated, its metrics named
       ``eval_<name>/...`` (transformers' ``eval_<name>_...``, with jodpo's ``/``). None: the config's datasets.
-    processing_class / reward_processing_classes: the tokenizers (default: the models' own).
+    processing_class / reward_processing_classes: the tokenizers (default: the models' own); processing_class may be
+      a vision-language model's processor, whose tokenizer reads the prompts (jodpo trains the language model of a
+      ``*ForConditionalGeneration`` on text: a dataset with images is refused, naming the column).
     peft_config: a peft ``LoraConfig`` or its dict: use_peft with its r, lora_alpha, target_modules,
       target_parameters, lora_dropout. A ``model`` wrapped by peft's ``get_peft_model`` trains adapters of its own
       config on its base weights (as TRL trains its adapters).
@@ -171,7 +173,7 @@ class OnlineDPOTrainer:
         self.args = cfg.replace(**fields) if fields else cfg
         # read now, as TRL's constructor reads them; what callbacks get as model= and processing_class=
         self.model, self.processing_class = setup.read_model(model, processing_class, self.args)
-        objects["model"], objects["tokenizer"] = self.model, self.processing_class
+        objects["model"], objects["tokenizer"] = self.model, setup.tokenizer_of(self.processing_class)
         self.given = Given(**objects)
         self.callbacks = [c() if isinstance(c, type) else c for c in callbacks or []]
         self._trl_attributes(ref_model, rewards, reward_processing_classes, train_dataset, eval_dataset)
@@ -195,8 +197,8 @@ class OnlineDPOTrainer:
         self.num_generations, self.max_length = cfg.num_generations, cfg.max_length
         self.temperature, self.top_p, self.top_k, self.min_p = cfg.temperature, cfg.top_p, cfg.top_k, cfg.min_p
         self.repetition_penalty = cfg.repetition_penalty
-        self.eos_token_ids = setup.eos_token_ids(self.model, self.processing_class)
-        self.generation_kwargs = setup.generation_kwargs(cfg, self.processing_class, self.eos_token_ids)
+        self.eos_token_ids = setup.eos_token_ids(self.model, self.given.tokenizer)
+        self.generation_kwargs = setup.generation_kwargs(cfg, self.given.tokenizer, self.eos_token_ids)
         self.generation_config = setup.generation_config(self.generation_kwargs)
 
     @property

@@ -47,12 +47,21 @@ def _base_tensors(model):
         yield name.replace(".base_layer.", "."), t.detach().to("cpu").float().numpy()
 
 
+def tokenizer_of(processing_class):
+    """The tokenizer of a ``processing_class``: a processor's own (a vision-language model's ``ProcessorMixin``, as
+    TRL takes its ``.tokenizer`` for text), else the tokenizer itself."""
+    if hasattr(processing_class, "tokenizer") and not hasattr(processing_class, "convert_tokens_to_ids"):
+        return processing_class.tokenizer
+    return processing_class
+
+
 def read_model(model, processing_class, cfg: TrainConfig) -> tuple[object, object]:
-    """The policy and its tokenizer as the trainer holds them from its constructor on, read there as TRL's
+    """The policy and its processing class as the trainer holds them from its constructor on, read there as TRL's
     constructor reads them (so that what cannot be trained is said in TRL's order, before ``train()``): a path or hub
     id (``model``, or ``args.model_name_or_path``) read into host memory as jodpo's ``(Model, params)`` (no device is
-    touched: ``train()`` places them); a transformers object or jodpo's own pair as given. The tokenizer:
-    ``processing_class``, or the model's own."""
+    touched: ``train()`` places them); a transformers object or jodpo's own pair as given. The processing class:
+    ``processing_class`` (a tokenizer, or a vision-language model's processor: ``tokenizer_of``), or the model's own
+    tokenizer."""
     if model is None or isinstance(model, (str, Path)):
         if not cfg.model_name_or_path:
             raise ConfigError("OnlineDPOTrainer: no model: give model (a path, a hub id, a transformers model or "
