@@ -28,8 +28,8 @@ from jodpo.optim import restarted
 from jodpo.models.params import buffers
 from jodpo.program.rewards import RewardSet
 from jodpo.program.schedule import Schedule
-from jodpo.program.sources import (Given, check_lora_reference, describe_policy, eval_sets, load_judge, load_rewards, load_split, named,
-                                   prompt_bos, read_policy, say_attention)
+from jodpo.program.sources import (Given, check_lora_reference, describe_policy, eval_sets, load_judge, load_rewards,
+                                   load_split, named, prompt_bos, read_policy, say_attention)
 from jodpo.sampling import SamplingConfig
 
 

@@ -71,7 +71,8 @@ def is_jodpo_model(x) -> bool:
 
 
 def trusts_remote_code(cfg: TrainConfig) -> bool:
-    """TRL's ``trust_remote_code`` (or ``model_init_kwargs``' key of that name, which TRL's constructor sets from it)."""
+    """TRL's ``trust_remote_code`` (or ``model_init_kwargs``' key of that name, which TRL's constructor sets from
+    it)."""
     return bool(cfg.trust_remote_code or (cfg.model_init_kwargs or {}).get("trust_remote_code"))
 
 

@@ -106,7 +106,6 @@ class OnlineDPOTrainer:
                 if processing_class is None and not cfg.model_name_or_path:
                     raise ConfigError("OnlineDPOTrainer: model is jodpo's (model, params), which holds no tokenizer; "
                                       "give its tokenizer as processing_class (or args.model_name_or_path)")
-                objects["model"] = model
                 fields["model_name_or_path"] = cfg.model_name_or_path or "<jodpo (model, params)>"
             else:
                 if setup.is_peft_model(model):  # TRL trains its adapters: they are the run's LoRA
@@ -114,7 +113,6 @@ class OnlineDPOTrainer:
                         raise ConfigError("OnlineDPOTrainer: model is a peft model already and peft_config is "
                                           "given too; give one (the peft model's own config is its LoRA)")
                     fields |= _lora_fields(setup.adapter_config(model))
-                objects["model"] = model
                 fields["model_name_or_path"] = getattr(model, "name_or_path", "") or cfg.model_name_or_path
         rewards = [] if reward_funcs is None else list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) \
             else [reward_funcs]
@@ -147,7 +145,6 @@ class OnlineDPOTrainer:
         if isinstance(tokenizers, (list, tuple)):
             tokenizers = tokenizers[0] if tokenizers else None
         objects["reward_tokenizer"] = tokenizers
-        objects["tokenizer"] = processing_class
         if judge is not None:
             if isinstance(judge, (str, Path)):
                 fields["judge"] = str(judge)

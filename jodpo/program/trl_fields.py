@@ -114,9 +114,9 @@ def _model_init(value) -> dict:
         out["model_revision"] = kwargs["revision"]
     other = sorted(set(kwargs) - {"dtype", "torch_dtype", "revision", "trust_remote_code", *_INIT_IGNORED})
     if other:
-        raise ValueError(f"{other} have no counterpart in jodpo (which maps dtype, torch_dtype, revision and trust_remote_code, and "
-                         f"needs none of {', '.join(_INIT_IGNORED)}: it reads the weights itself, onto its mesh); "
-                         "drop them")
+        raise ValueError(f"{other} have no counterpart in jodpo (which maps dtype, torch_dtype, revision and "
+                         f"trust_remote_code, and needs none of {', '.join(_INIT_IGNORED)}: it reads the weights "
+                         "itself, onto its mesh); drop them")
     return out
 
 
