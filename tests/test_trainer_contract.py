@@ -341,3 +341,14 @@ class TestGeometricMixtureWrapper:
         assert out.shape == (1, 9) and (out[:, :5] == ids).all()
         for t in range(5, 9):
             assert out[0, t] == int(np.argmax(self.wrapper(out[:, :t]).logits[0, -1]))
+
+
+def test_reward_weights_that_do_not_match_the_rewards(tmp_path):
+    """TRL's constructor's ValueError, said before the model is read (TRL's order): here the model does not exist."""
+    def reward(completions, **kwargs):
+        return [0.0 for _ in completions]
+
+    with pytest.raises(ValueError, match=r"Number of reward weights \(1\) must match number of reward functions "
+                                         r"\(2\)"):
+        OnlineDPOTrainer(model=str(tmp_path / "not-read"), reward_funcs=[reward, reward],
+                         args=OnlineDPOConfig(output_dir=str(tmp_path), reward_weights=[1.0], report_to="none"))

@@ -168,20 +168,21 @@ class OnlineDPOTrainer:
         if peft_config is not None:
             fields |= _lora_fields(peft_config)
         self.args = cfg.replace(**fields) if fields else cfg
+        self._reward_attributes(rewards, reward_processing_classes)  # TRL checks the rewards before the model
         # read now, as TRL's constructor reads them; what callbacks get as model= and processing_class=
         self.model, self.processing_class = setup.read_model(model, processing_class, self.args)
         objects["model"], objects["tokenizer"] = self.model, setup.tokenizer_of(self.processing_class)
         self.given = Given(**objects)
         self.callbacks = [c() if isinstance(c, type) else c for c in callbacks or []]
-        self._trl_attributes(ref_model, rewards, reward_processing_classes, train_dataset, eval_dataset)
+        self.ref_model, self.train_dataset, self.eval_dataset = ref_model, train_dataset, eval_dataset
+        self._sampling_attributes()
         self.metrics: dict = {}
         self._state = None  # transformers' TrainerState, made when first needed (its import loads peft and torch)
         self._policy = None  # with save_strategy="no", the trained policy on the host (no checkpoint holds it)
 
-    def _trl_attributes(self, ref_model, rewards, reward_processing_classes, train_dataset, eval_dataset) -> None:
-        """The attributes TRL's constructor sets, as it sets them (``trainer_setup``)."""
+    def _reward_attributes(self, rewards, reward_processing_classes) -> None:
+        """TRL's attributes of the rewards, as its constructor sets them (``trainer_setup``)."""
         cfg = self.args
-        self.ref_model, self.train_dataset, self.eval_dataset = ref_model, train_dataset, eval_dataset
         self.reward_funcs = setup.reward_funcs(rewards, cfg)
         self.reward_func_names = [function_name(r) if callable(r) and not hasattr(r, "state_dict") else
                                   str(getattr(r, "name_or_path", r)).rstrip("/").split("/")[-1]
@@ -190,6 +191,10 @@ class OnlineDPOTrainer:
         classes = reward_processing_classes
         self.reward_processing_classes = list(classes) if isinstance(classes, (list, tuple)) else \
             [classes] * len(self.reward_funcs)
+
+    def _sampling_attributes(self) -> None:
+        """TRL's attributes of the sampling, as its constructor sets them (``trainer_setup``)."""
+        cfg = self.args
         self.use_vllm, self.vllm_mode = cfg.use_vllm, cfg.vllm_mode if cfg.use_vllm else None
         self.num_generations, self.max_length = cfg.num_generations, cfg.max_length
         self.temperature, self.top_p, self.top_k, self.min_p = cfg.temperature, cfg.top_p, cfg.top_k, cfg.min_p
