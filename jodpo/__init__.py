@@ -19,13 +19,13 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str):
     """TRL's trainer API (``OnlineDPOConfig``, ``OnlineDPOTrainer``; TRL 1.12's ``NashMDConfig``, ``NashMDTrainer``,
-    ``XPOConfig``, ``XPOTrainer``), imported when first used: the training program's modules (Orbax, the trackers)
-    load only for code that trains."""
+    ``XPOConfig``, ``XPOTrainer``, ``GeometricMixtureWrapper``), imported when first used: the training program's
+    modules (Orbax, the trackers) load only for code that trains."""
     if name in ("OnlineDPOConfig", "OnlineDPOTrainer"):
         from jodpo.program import trainer
 
         return getattr(trainer, name)
-    if name in ("NashMDConfig", "NashMDTrainer", "XPOConfig", "XPOTrainer"):
+    if name in ("NashMDConfig", "NashMDTrainer", "XPOConfig", "XPOTrainer", "GeometricMixtureWrapper"):
         from jodpo.program import family_trainers
 
         return getattr(family_trainers, name)
@@ -35,5 +35,5 @@ def __getattr__(name: str):
 __all__ = ["LOSSES", "CheckpointError", "LossOptions", "Model", "Samples", "SamplingConfig", "completion_logprobs",
            "dpo_loss", "nash_md_loss", "xpo_loss", "init_cache", "init_params", "load_model", "load_tokenizer",
            "logits", "online_dpo_loss", "order_collectives", "param_axes", "reward_scores", "sample", "save_hf",
-           "TrainConfig", "train_step", "parallel", "OnlineDPOConfig", "OnlineDPOTrainer", "NashMDConfig", "NashMDTrainer", "XPOConfig",
-           "XPOTrainer"]
+           "TrainConfig", "train_step", "parallel", "OnlineDPOConfig", "OnlineDPOTrainer", "NashMDConfig",
+           "NashMDTrainer", "XPOConfig", "XPOTrainer", "GeometricMixtureWrapper"]

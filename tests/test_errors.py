@@ -48,6 +48,11 @@ def world(checkpoints, tmp_path_factory):
     conf = json.loads((bad / "two_labels" / "config.json").read_text())
     conf.update(num_labels=2, id2label={"0": "a", "1": "b"}, label2id={"a": 0, "b": 1})
     (bad / "two_labels" / "config.json").write_text(json.dumps(conf))
+    # a checkpoint whose config.json maps AutoModelForCausalLM to code of its own (transformers' trust_remote_code)
+    shutil.copytree(checkpoints["neox"]["causal_lm"], bad / "remote")
+    conf = json.loads((bad / "remote" / "config.json").read_text())
+    conf["auto_map"] = {"AutoModelForCausalLM": "modeling_remote.RemoteForCausalLM"}
+    (bad / "remote" / "config.json").write_text(json.dumps(conf))
     # a truncated weights file
     shutil.copytree(checkpoints["neox"]["causal_lm"], bad / "truncated")
     weights = bad / "truncated" / "model.safetensors"
@@ -65,6 +70,7 @@ def world(checkpoints, tmp_path_factory):
     # data
     (bad / "no_prompt.jsonl").write_text('{"text": "hello"}\n' * 4)
     (bad / "empty.jsonl").write_text("")
+    (bad / "images.jsonl").write_text('{"prompt": "Describe the image.", "images": ["cat.png"]}\n' * 4)
     (bad / "malformed.jsonl").write_text('{"prompt": "a"}\n{"prompt": "b}\n' + '{"prompt": "c"}\n' * 4)
     (bad / "no_messages.jsonl").write_text('{"prompt": [{"role": "user", "content": "hi"}]}\n{"prompt": []}\n' * 4)
     hf_fixtures.prompt_dataset(bad / "chat", chat=True)
@@ -107,6 +113,13 @@ CASES = {  # name: (argv after --config CFG, the phrase the one-line message mus
                     "network (hf download EleutherAI/pythia-70m)"),
     "unsupported architecture": (["--config.model_name_or_path={bad}/bert"], "architecture ['BertForMaskedLM'] is not "
                                                                              f"supported; jodpo supports {SUPPORTED}."),
+    "a checkpoint with code of its own": (["--config.model_name_or_path={bad}/remote"],
+                                          "contains custom code (AutoModelForCausalLM: modeling_remote."
+                                          "RemoteForCausalLM), which transformers runs only with "
+                                          "trust_remote_code=True"),
+    "a dataset with images": (["--config.dataset_name={bad}/images.jsonl"],
+                              "the dataset has an 'images' column: jodpo trains a vision-language checkpoint's "
+                              "language model on text prompts"),
     "reward model is a causal LM": (["--config.reward_model_path={policy}"], "not a sequence classifier"),
     "reward model with two labels": (["--config.reward_model_path={bad}/two_labels"], "sequence classifier with 2 "
                                                                                       "labels; a reward model needs "

@@ -113,3 +113,59 @@ def test_a_tied_multimodal_qwen3_5_trains_and_exports(checkpoints, tmp_path):
     exported, checks = export_hf.export(str(out), str(tmp_path / "hf"))
     assert "transformers" in checks[1]
     assert AutoModelForCausalLM.from_pretrained(exported).config.tie_word_embeddings
+
+
+def test_a_vision_language_processor_as_processing_class(checkpoints, tmp_path):
+    """TRL's test_online_dpo_vlm_trainer on a multimodal Qwen3.5 with a processor as processing_class (a stand-in
+    LlavaProcessor around the checkpoint's tokenizer; TRL's tests use Idefics2's and Llava's, families jodpo does not
+    have): it failed with "'LlavaProcessor' object has no attribute 'pad_token'"; now the processor's tokenizer reads
+    the prompts. TRL's rows carry images, which jodpo does not pass to the language model it trains: refused in one
+    line naming the column; the same prompts as text train (2 steps, as TRL's)."""
+    import numpy as np
+    from datasets import Dataset, features
+    from PIL import Image
+    from transformers import AutoModelForSequenceClassification, LlavaProcessor, Qwen3_5ForConditionalGeneration
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    from jodpo.errors import DataError
+
+    multimodal("qwen3_5", checkpoints, tmp_path / "mm", True, False)
+    dataset_dict = {
+        "prompt": [
+            [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe the image."}]}],
+            [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What do you see?"}]}],
+        ],
+        "images": [
+            [Image.fromarray(np.random.randint(0, 255, (64, 64, 3), dtype=np.uint8))],
+            [Image.fromarray(np.random.randint(0, 255, (64, 64, 3), dtype=np.uint8))],
+        ],
+    }
+    dataset = Dataset.from_dict(dataset_dict).cast_column("images", features.Sequence(features.Image()))
+    model = Qwen3_5ForConditionalGeneration.from_pretrained(tmp_path / "mm", dtype=torch.float32)
+    reward_id = str(checkpoints["llama"]["reward"])
+    reward_model = AutoModelForSequenceClassification.from_pretrained(reward_id, num_labels=1)
+    processor = LlavaProcessor(image_processor=CLIPImageProcessorPil(),
+                               tokenizer=AutoTokenizer.from_pretrained(tmp_path / "mm"))
+    reward_tokenizer = AutoTokenizer.from_pretrained(reward_id)
+    reward_tokenizer.pad_token = reward_tokenizer.eos_token
+
+    def trainer(rows, out):
+        training_args = jodpo.OnlineDPOConfig(output_dir=str(tmp_path / out), per_device_train_batch_size=1,
+                                              max_steps=2, learning_rate=0.01, report_to="none", max_new_tokens=4,
+                                              max_length=96, max_prompt_length=64, bf16=False)
+        return jodpo.OnlineDPOTrainer(model=model, reward_funcs=reward_model, args=training_args,
+                                      processing_class=processor, train_dataset=rows, eval_dataset=rows,
+                                      reward_processing_classes=reward_tokenizer)
+
+    with pytest.raises(DataError, match="the dataset has an 'images' column: jodpo trains a vision-language "
+                                        "checkpoint's language model on text prompts"):
+        trainer(dataset, "images").train()
+    text = Dataset.from_dict({"prompt": [[{"role": "user", "content": m[0]["content"][1]["text"]}]
+                                         for m in dataset_dict["prompt"]]})
+    with pytest.raises(DataError, match="'prompt' column holds messages with image parts"):
+        trainer(Dataset.from_dict({"prompt": dataset_dict["prompt"]}), "parts").train()
+    trained = trainer(text, "text")
+    with pytest.warns(UserWarning, match="left out"):
+        trained.train()
+    assert trained.state.log_history[-1]["train_loss"] is not None
+    assert trained.processing_class is processor

@@ -131,7 +131,7 @@ def test_a_script_gets_the_commands_set_up_and_its_second_start_reads_the_compil
     assert "Persistent compilation cache hit for 'jit_online_step'" in runs[1].stderr
 
 
-def test_trls_arguments_jodpo_has_no_use_for_are_refused_in_one_line():
+def test_trls_arguments_jodpo_has_no_use_for_are_refused_in_one_line(checkpoints):
     with pytest.raises(ConfigError, match="unknown field.*Did you mean 'learning_rate'"):
         jodpo.OnlineDPOConfig(output_dir="x", learnin_rate=1e-6)
     assert jodpo.OnlineDPOConfig("x", beta=[0.2]).beta == 0.2  # TRL's one-element list, a float as in TRL
@@ -139,8 +139,9 @@ def test_trls_arguments_jodpo_has_no_use_for_are_refused_in_one_line():
         jodpo.OnlineDPOTrainer("m", ref_model=("m", "p"))
     with pytest.raises(ConfigError, match="optimizers is a torch Trainer's"):
         jodpo.OnlineDPOTrainer("m", optimizers=(object(), None))
-    trainer = jodpo.OnlineDPOTrainer("m", peft_config={"peft_type": "LORA", "r": 4, "lora_alpha": 8,
-                                                        "target_modules": ["q_proj", "v_proj"]})
+    trainer = jodpo.OnlineDPOTrainer(str(checkpoints["qwen2"]["causal_lm"]),
+                                     peft_config={"peft_type": "LORA", "r": 4, "lora_alpha": 8,
+                                                  "target_modules": ["q_proj", "v_proj"]})
     args = trainer.args
     assert (args.use_peft, args.lora_r, args.lora_alpha, args.lora_target_modules) == (True, 4, 8, ("q_proj", "v_proj"))
 
@@ -229,8 +230,8 @@ def test_objects_peft_eval_sets_and_callbacks_through_train(checkpoints, tmp_pat
     assert (adapter / "adapter_config.json").is_file()
 
 
-def test_a_trainer_holds_a_state_before_it_trains():
-    state = jodpo.OnlineDPOTrainer("m").state  # transformers' TrainerState, as a TRL trainer holds from the start
+def test_a_trainer_holds_a_state_before_it_trains(checkpoints):
+    state = jodpo.OnlineDPOTrainer(str(checkpoints["qwen2"]["causal_lm"])).state  # transformers' TrainerState, as a TRL trainer holds from the start
     assert (state.global_step, state.log_history) == (0, [])
 
 
@@ -241,13 +242,14 @@ def test_a_jodpo_model_needs_its_tokenizer(checkpoints):
     with pytest.raises(ConfigError, match="not jodpo's \\(model, params\\)"):
         jodpo.OnlineDPOTrainer((1, 2))
     with pytest.raises(ConfigError, match="eval_dataset is an empty dict"):
-        jodpo.OnlineDPOTrainer("m", eval_dataset={})
+        jodpo.OnlineDPOTrainer(str(checkpoints["qwen2"]["causal_lm"]), eval_dataset={})
 
 
 def test_a_ref_model_of_its_own_is_the_reference(checkpoints, tmp_path):
     """TRL's ``ref_model``: the same weights as the policy log what no ref_model logs; other weights of the same
     architecture are the reference (the first step's KL, zero against the starting policy, is not); another
-    architecture, or with ``peft_config``, is refused in one line."""
+    architecture, or other weights than the base with ``peft_config`` (whose reference is the base), is refused in one
+    line."""
     import jax
 
     data = hf_fixtures.prompt_dataset(tmp_path / "data", chat=True)
@@ -266,8 +268,9 @@ def test_a_ref_model_of_its_own_is_the_reference(checkpoints, tmp_path):
     assert abs(other[0]["objective/kl"]) > 1e-3 and other[0]["logps/chosen"] == alone[0]["logps/chosen"]
     with pytest.raises(ConfigError, match="ref_model is a llama model of other shapes than the policy"):
         run("llama", ref_model=str(checkpoints["llama"]["causal_lm"]))
-    with pytest.raises(ConfigError, match="ref_model: with peft_config the reference is the base"):
-        run("peft", ref_model=path, peft_config={"peft_type": "LORA", "r": 2, "lora_alpha": 4})
+    with pytest.raises(ConfigError, match="ref_model: with peft_config jodpo's reference is the base model with its "
+                                          "adapters off, and this ref_model's weights are not the base's"):
+        run("peft", ref_model=shifted, peft_config={"peft_type": "LORA", "r": 2, "lora_alpha": 4})
 
 
 # TRL 1.16's quick start as a script that pushes to the Hub and saves and evaluates by steps, ending as TRL's example

@@ -144,3 +144,10 @@ def test_greedy_mixture_equals_trl_geometric_mixture_wrapper(golden_models, fami
     theirs = np.asarray(rec["tokens"])
     theirs = np.pad(theirs, ((0, 0), (0, T - theirs.shape[1])), constant_values=model.pad_token_id)
     np.testing.assert_array_equal(np.asarray(out.tokens)[len(ids):], theirs)
+    # jodpo.GeometricMixtureWrapper, TRL's class, generating as transformers' generate does through TRL's
+    from transformers import GenerationConfig
+
+    wrapper = jodpo.GeometricMixtureWrapper((model, params), (model, ref_params), GenerationConfig(
+        max_new_tokens=T, do_sample=False, eos_token_id=model.eos_token_ids[0], pad_token_id=model.pad_token_id),
+        mixture_coef=rec["mixture_coef"])
+    np.testing.assert_array_equal(wrapper.generate(ids, mask)[:, ids.shape[1]:], theirs)

@@ -211,6 +211,9 @@ def model_from_object(obj, task: str, dtype) -> Model:
     """The static ``Model`` of a transformers model object (its config and generation config), as
     ``model_from_dir`` reads a directory's."""
     name, cfg = _object_name(obj), obj.config
+    if hasattr(obj, "peft_config") and hasattr(obj, "get_base_model"):  # its tensors are named for its LoRA layers
+        raise CheckpointError(f"{name}: is a peft model (LoRA layers injected); give model.merge_and_unload() for its "
+                              "weights with the adapters merged (OnlineDPOTrainer trains a peft model's adapters)")
     arch = type(obj).__name__
     kind = families.ARCHITECTURES.get(arch, (None, None))[1]
     if kind is not None and kind != task:
@@ -380,6 +383,22 @@ def _gguf_model(file: Path, task: str, dtype):
     except UnsupportedModelError as e:
         raise CheckpointError(f"{file}: {e}") from e
     return model, g.tensors(model.num_heads, model.num_kv_heads)  # (Gemma 4's config has per-layer-type kv heads)
+
+
+def custom_code(path_or_hub_id, revision: str | None = None) -> str | None:
+    """The Python code a checkpoint's config.json names for transformers' Auto classes (its ``auto_map``, which
+    transformers runs only with ``trust_remote_code=True``), as ``"AutoModelForCausalLM: modeling_x.XForCausalLM"``;
+    None for a checkpoint without any (and for a model object, a GGUF file)."""
+    if is_model_object(path_or_hub_id):
+        return None
+    path = resolve_path(path_or_hub_id, revision)
+    if gguf.find(path) is not None:
+        return None
+    auto_map = read_config_json(path).get("auto_map") or {}
+    if not auto_map:
+        return None
+    key = "AutoModelForCausalLM" if "AutoModelForCausalLM" in auto_map else next(iter(auto_map))
+    return f"{key}: {auto_map[key]}"
 
 
 def describe_model(path_or_hub_id: str, task: str = "causal_lm", dtype=jnp.float32, *,

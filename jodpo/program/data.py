@@ -266,6 +266,7 @@ def prepare_prompts(ds, tokenizer, max_prompt_length: int, bos_token_id: int | N
     if len(ds) == 0:
         raise DataError("the dataset is empty")
     prompts = list(ds["prompt"])
+    refuse_images(ds.column_names, prompts)
     kwargs = list(ds["chat_template_kwargs"]) if "chat_template_kwargs" in ds.column_names else None
     texts = render_prompts(tokenizer, prompts, kwargs)  # first: a row that cannot be rendered is an error, no warning
     empty = sum(_is_empty(p) for p in prompts)
@@ -278,6 +279,28 @@ def prepare_prompts(ds, tokenizer, max_prompt_length: int, bos_token_id: int | N
     columns = {c: list(ds[c]) for c in ds.column_names if c != "prompt"}
     refs = columns.get("completion")
     return PromptData(prompts, ids, columns, [_reference_text(r) for r in refs] if refs is not None else None)
+
+
+IMAGE_COLUMNS = ("images", "image")  # TRL's vision-language datasets' (prompt-only: "images")
+_IMAGE_PARTS = ("image", "image_url", "video")
+
+
+def refuse_images(columns, prompts) -> None:
+    """jodpo trains a vision-language checkpoint's language model on text (its vision tower is left out when it is
+    read), so a dataset that carries images (TRL's ``images`` column, or image parts in its chat messages) is refused
+    in one line naming the column, rather than trained on its text alone unsaid."""
+    why = ("jodpo trains a vision-language checkpoint's language model on text prompts (its vision tower is left "
+           "out) and passes no images to it")
+    for c in IMAGE_COLUMNS:
+        if c in columns:
+            raise DataError(f"the dataset has an {c!r} column: {why}; drop the column (dataset.remove_columns("
+                            f"{c!r})) and any image parts of the prompts to train on their text")
+    for p in prompts:
+        for m in p if isinstance(p, list) else ():
+            parts = m.get("content") if isinstance(m, dict) else None
+            if isinstance(parts, list) and any(isinstance(x, dict) and x.get("type") in _IMAGE_PARTS for x in parts):
+                raise DataError(f"the dataset's 'prompt' column holds messages with image parts: {why}; give the "
+                                "prompts as text")
 
 
 def _is_empty(prompt) -> bool:
@@ -322,6 +345,7 @@ def prepare_preferences(ds, tokenizer, max_prompt_length: int, max_response_leng
     if len(ds) == 0:
         raise DataError("the dataset is empty")
     prompts = list(ds["prompt"])
+    refuse_images(ds.column_names, prompts)
     prompt_ids = _truncate_left(_tokenize(tokenizer, render_prompts(tokenizer, prompts)), max_prompt_length,
                                 "prompts")
 

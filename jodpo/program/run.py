@@ -13,7 +13,7 @@ from jax.sharding import Mesh
 
 from jodpo import collective_order
 from jodpo.errors import ConfigError
-from jodpo.program import backend
+from jodpo.program import backend, trl_fields
 from jodpo.program import data as D
 from jodpo.parallel import sharding as S
 from jodpo import train_step as ts
@@ -28,8 +28,8 @@ from jodpo.optim import restarted
 from jodpo.models.params import buffers
 from jodpo.program.rewards import RewardSet
 from jodpo.program.schedule import Schedule
-from jodpo.program.sources import (Given, describe_policy, eval_sets, load_judge, load_rewards, load_split, named,
-                                   prompt_bos, read_policy, say_attention)
+from jodpo.program.sources import (Given, check_lora_reference, describe_policy, eval_sets, load_judge, load_rewards,
+                                   load_split, named, prompt_bos, read_policy, say_attention)
 from jodpo.sampling import SamplingConfig
 
 
@@ -173,19 +173,21 @@ def build(cfg: TrainConfig, given: Given = Given()) -> Run:
     else:
         train = D.prepare_prompts(train_rows, tokenizer, cfg.max_prompt_length, prompt_bos(cfg, tokenizer))
     evaluation = eval_sets(cfg, given, tokenizer, dp, offline)
-    if given.ref_model is not None and (cfg.use_peft or not needs_reference(cfg.loss_type)):
-        raise ConfigError("ref_model: with " + ("peft_config the reference is the base without its adapters" if
-                          cfg.use_peft else f"loss_type={cfg.loss_type!r} no reference is run") +
-                          "; leave ref_model None (TRL refuses it with peft_config too)")
+    if given.ref_model is not None and not needs_reference(cfg.loss_type):
+        raise ConfigError(f"ref_model: with loss_type={cfg.loss_type!r} no reference is run; leave ref_model None")
+    own_reference = given.ref_model is not None and not cfg.use_peft  # with LoRA the base is the reference
     if needs_reference(cfg.loss_type) or cfg.use_peft:
-        model, ref_params = read_policy(source if given.ref_model is None else given.ref_model,
-                                        cfg.frozen_param_dtype, cfg, mesh)
+        model, ref_params = read_policy(given.ref_model if own_reference else source, cfg.frozen_param_dtype, cfg,
+                                        mesh)
         if given.ref_model is not None:  # a reference of its own: the policy is read from its source (Run.policy)
             policy = describe_policy(source, cfg.frozen_param_dtype, cfg)
-            if policy.family != model.family or param_shapes(policy) != param_shapes(model):
-                raise ConfigError(f"ref_model is a {model.family} model of other shapes than the policy "
+            reference = model if own_reference else describe_policy(given.ref_model, cfg.frozen_param_dtype, cfg)
+            if policy.family != reference.family or param_shapes(policy) != param_shapes(reference):
+                raise ConfigError(f"ref_model is a {reference.family} model of other shapes than the policy "
                                   f"({policy.family}); give a reference of the policy's architecture and size")
             model = policy
+        if given.ref_model is not None and cfg.use_peft:
+            check_lora_reference(given.ref_model, source, ref_params, cfg, mesh)
     else:  # reference-free (simpo): only the policy, read in param_dtype when the run starts from it (Run.policy)
         model, ref_params = describe_policy(source, cfg.param_dtype, cfg), None
     policy_params, targets = ref_params, ()
@@ -250,7 +252,8 @@ def build(cfg: TrainConfig, given: Given = Given()) -> Run:
     spe = D.steps_per_epoch(len(train), global_batch)
     total = run_length(cfg, global_batch, spe)
     warmup = cfg.warmup_steps or math.ceil(total * updates * cfg.warmup_ratio)
-    sampling = SamplingConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
+    sampling = SamplingConfig(max_new_tokens=cfg.max_new_tokens,
+                              temperature=cfg.temperature if trl_fields.do_sample(cfg) else 0.0, top_k=cfg.top_k,
                               top_p=cfg.top_p, min_p=cfg.min_p or 0.0, repetition_penalty=cfg.repetition_penalty,
                               eos_token_ids=eos, pad_token_id=pad, chunk=cfg.decode_chunk, slots=cfg.sampler_slots)
     opt = ts.OptimizerConfig(learning_rate=cfg.learning_rate, total_steps=total * updates, warmup_steps=warmup,

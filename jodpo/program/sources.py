@@ -16,7 +16,7 @@ from jodpo import judges as J
 from jodpo.errors import CheckpointError, ConfigError
 from jodpo.methods import get_method
 from jodpo.models import load_model, load_tokenizer
-from jodpo.models.loading import describe_model
+from jodpo.models.loading import custom_code, describe_model
 from jodpo.models.model import Model, attention_note
 from jodpo.models.params import frozen_params
 from jodpo.parallel import sharding as S
@@ -70,15 +70,63 @@ def is_jodpo_model(x) -> bool:
     return isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], Model) and isinstance(x[1], dict)
 
 
-def read_policy(source, dtype, cfg: TrainConfig, mesh) -> tuple[Model, dict]:
-    """The policy as ``(Model, params)`` in ``dtype``, its parameters laid out on the mesh: read from a path, a hub id
-    or a transformers object (``load_model``), or jodpo's own ``(Model, params)`` taken as they are (cast, placed)."""
+def trusts_remote_code(cfg: TrainConfig) -> bool:
+    """TRL's ``trust_remote_code`` (or ``model_init_kwargs``' key of that name, which TRL's constructor sets from
+    it)."""
+    return bool(cfg.trust_remote_code or (cfg.model_init_kwargs or {}).get("trust_remote_code"))
+
+
+def check_custom_code(source, cfg: TrainConfig) -> None:
+    """A checkpoint whose config.json names code of its own (``auto_map``) is refused without ``trust_remote_code``,
+    as transformers refuses to load it (TRL's ValueError); with it, said once: jodpo runs its own implementation of
+    the checkpoint's model_type, never the checkpoint's code."""
+    if is_jodpo_model(source):
+        return
+    with named("model_name_or_path"):
+        code = custom_code(source, cfg.model_revision)
+    if code is None:
+        return
+    if not trusts_remote_code(cfg):
+        raise ConfigError(f"model_name_or_path: {source} contains custom code ({code}), which transformers runs only "
+                          "with trust_remote_code=True (TRL refuses it without); jodpo never runs a checkpoint's "
+                          "code: set trust_remote_code=True to train it as jodpo's own implementation of its "
+                          "model_type")
+    warnings.warn(f"model_name_or_path: {source} contains custom code ({code}); jodpo trains it as its own "
+                  "implementation of the checkpoint's model_type (trust_remote_code=True), not that code")
+
+
+def read_policy(source, dtype, cfg: TrainConfig, mesh, place=None) -> tuple[Model, dict]:
+    """The policy as ``(Model, params)`` in ``dtype``, its parameters laid out on the mesh (or as ``place`` puts
+    them: ``on_host`` keeps them on the host): read from a path, a hub id or a transformers object (``load_model``),
+    or jodpo's own ``(Model, params)`` taken as they are (cast, placed)."""
     if is_jodpo_model(source):
         model, params = source
         put = S.placer(mesh)(model, np.dtype(jnp.dtype(dtype)))
         return model, jax.tree_util.tree_map_with_path(lambda p, x: put(tuple(k.key for k in p), x), params)
+    check_custom_code(source, cfg)
     with named("model_name_or_path"):
-        return load_model(source, "causal_lm", dtype, revision=cfg.model_revision, place=S.placer(mesh))
+        return load_model(source, "causal_lm", dtype, revision=cfg.model_revision,
+                          place=S.placer(mesh) if place is None else place)
+
+
+def on_host(model: Model, dtype):
+    """``load_model``'s ``place`` that keeps each parameter a host (numpy) array: nothing touches a device."""
+    return lambda path, host: host
+
+
+def check_lora_reference(ref_model, source, base: dict, cfg: TrainConfig, mesh) -> None:
+    """TRL's ``ref_model`` beside ``peft_config``: jodpo's LoRA reference is the base with its adapters off (no second
+    copy is held), which is the reference given when it has the base's weights (TRL's own tests give the policy's
+    checkpoint again); one of other weights is refused in one line."""
+    if ref_model is source or (isinstance(ref_model, str) and ref_model == source):
+        return
+    _, ref_params = read_policy(ref_model, cfg.frozen_param_dtype, cfg, mesh)
+    same = jax.jit(lambda a, b: jnp.all(jnp.stack([jnp.array_equal(x, y) for x, y in
+                                                    zip(jax.tree.leaves(a), jax.tree.leaves(b))])))
+    if not bool(same(base, ref_params)):
+        raise ConfigError("ref_model: with peft_config jodpo's reference is the base model with its adapters off, "
+                          "and this ref_model's weights are not the base's; leave ref_model None (the base is then "
+                          "the reference, as in TRL) or train without peft_config to train against this reference")
 
 
 def describe_policy(source, dtype, cfg: TrainConfig) -> Model:
@@ -86,6 +134,7 @@ def describe_policy(source, dtype, cfg: TrainConfig) -> Model:
     params)``."""
     if is_jodpo_model(source):
         return source[0]
+    check_custom_code(source, cfg)
     with named("model_name_or_path"):
         return describe_model(source, "causal_lm", dtype, revision=cfg.model_revision)
 

@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 from jodpo.errors import ConfigError
 from jodpo.program import loop
+from jodpo.program import trainer_setup as setup
 from jodpo.program.config import FIELDS, TrainConfig, coerce
 from jodpo.program.rewards import function_name
 from jodpo.program.sources import Given, is_jodpo_model
@@ -42,23 +43,28 @@ class OnlineDPOTrainer:
     processing_class, reward_processing_classes, peft_config, compute_metrics, callbacks, optimizers,
     preprocess_logits_for_metrics)``, and ``judge`` as TRL took it before 1.1.
 
-    model: a path or hub id, the transformers ``*ForCausalLM`` object a script built (its config and weights
-      read once, from memory), or jodpo's own ``(model, params)`` (``jodpo.load_model``'s; with a tokenizer as
-      ``processing_class``, or ``args.model_name_or_path`` naming where it came from). None:
-      ``args.model_name_or_path``.
+    model: a path or hub id (read when the trainer is built, into host memory, as jodpo's ``(model, params)``:
+      ``trainer.model``), the transformers ``*ForCausalLM`` object a script built (its config and weights read once,
+      from memory, when training starts), or jodpo's own ``(model, params)`` (``jodpo.load_model``'s; with a
+      tokenizer as ``processing_class``, or ``args.model_name_or_path`` naming where it came from). None:
+      ``args.model_name_or_path``. A checkpoint with code of its own needs ``args.trust_remote_code``, as in TRL.
     ref_model: None (TRL's default: the reference is the starting policy; with ``peft_config`` the base without
       adapters), or the frozen reference as ``model`` takes it (a path, a transformers object, jodpo's
-      ``(model, params)``), of the policy's architecture and size; refused with ``peft_config`` (as TRL refuses it)
-      and with a reference-free ``loss_type``. A resumed run must be given the same one.
+      ``(model, params)``), of the policy's architecture and size; with ``peft_config`` (whose reference is the base
+      with its adapters off) only the base's weights (TRL's tests give the policy's checkpoint again), others
+      refused; refused with a reference-free ``loss_type``. A resumed run must be given the same one.
     reward_funcs: one or a list of: callables ``f(prompts, completions, completion_ids, **columns)``,
       ``module:function`` strings, a reward model's path or hub id, or a ``*ForSequenceClassification`` object (at
       most one model; TRL weighs them with ``args.reward_weights``, model first).
     train_dataset / eval_dataset: ``datasets.Dataset`` or ``IterableDataset`` (read whole), standard or
       conversational prompts. ``eval_dataset`` may be a dict of sets: each is evaluated, its metrics named
       ``eval_<name>/...`` (transformers' ``eval_<name>_...``, with jodpo's ``/``). None: the config's datasets.
-    processing_class / reward_processing_classes: the tokenizers (default: the models' own).
+    processing_class / reward_processing_classes: the tokenizers (default: the models' own); processing_class may be
+      a vision-language model's processor, whose tokenizer reads the prompts (jodpo trains the language model of a
+      ``*ForConditionalGeneration`` on text: a dataset with images is refused, naming the column).
     peft_config: a peft ``LoraConfig`` or its dict: use_peft with its r, lora_alpha, target_modules,
-      target_parameters, lora_dropout.
+      target_parameters, lora_dropout. A ``model`` wrapped by peft's ``get_peft_model`` trains adapters of its own
+      config on its base weights (as TRL trains its adapters).
     callbacks: transformers ``TrainerCallback``s (or their classes), called as TRL's trainer calls them with
       ``(args, state, control, **kwargs)``: ``on_train_begin``, ``on_step_end``, ``on_log`` (each logged line),
       ``on_evaluate`` (``metrics``), ``on_save`` (the checkpoint is written in the background), ``on_train_end``;
@@ -80,6 +86,10 @@ class OnlineDPOTrainer:
         cfg = args if args is not None else OnlineDPOConfig()
         if not isinstance(cfg, TrainConfig):
             raise ConfigError(f"OnlineDPOTrainer: args is a {type(cfg).__name__}; give a jodpo.OnlineDPOConfig")
+        if ref_model is not None and ref_model is model and not isinstance(model, (str, Path)):
+            raise ConfigError("OnlineDPOTrainer: model and ref_model are the same object, which training changes, so "
+                              "it would be no reference (TRL refuses it too); leave ref_model None for the starting "
+                              "policy as the reference, or give another copy")
         fields, objects = {}, {}
         if ref_model is not None:
             if isinstance(ref_model, tuple) and not is_jodpo_model(ref_model):
@@ -96,10 +106,13 @@ class OnlineDPOTrainer:
                 if processing_class is None and not cfg.model_name_or_path:
                     raise ConfigError("OnlineDPOTrainer: model is jodpo's (model, params), which holds no tokenizer; "
                                       "give its tokenizer as processing_class (or args.model_name_or_path)")
-                objects["model"] = model
                 fields["model_name_or_path"] = cfg.model_name_or_path or "<jodpo (model, params)>"
             else:
-                objects["model"] = model
+                if setup.is_peft_model(model):  # TRL trains its adapters: they are the run's LoRA
+                    if peft_config is not None:
+                        raise ConfigError("OnlineDPOTrainer: model is a peft model already and peft_config is "
+                                          "given too; give one (the peft model's own config is its LoRA)")
+                    fields |= _lora_fields(setup.adapter_config(model))
                 fields["model_name_or_path"] = getattr(model, "name_or_path", "") or cfg.model_name_or_path
         rewards = [] if reward_funcs is None else list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) \
             else [reward_funcs]
@@ -132,7 +145,6 @@ class OnlineDPOTrainer:
         if isinstance(tokenizers, (list, tuple)):
             tokenizers = tokenizers[0] if tokenizers else None
         objects["reward_tokenizer"] = tokenizers
-        objects["tokenizer"] = processing_class
         if judge is not None:
             if isinstance(judge, (str, Path)):
                 fields["judge"] = str(judge)
@@ -156,12 +168,47 @@ class OnlineDPOTrainer:
         if peft_config is not None:
             fields |= _lora_fields(peft_config)
         self.args = cfg.replace(**fields) if fields else cfg
+        self._reward_attributes(rewards, reward_processing_classes)  # TRL checks the rewards before the model
+        # read now, as TRL's constructor reads them; what callbacks get as model= and processing_class=
+        self.model, self.processing_class = setup.read_model(model, processing_class, self.args)
+        objects["model"], objects["tokenizer"] = self.model, setup.tokenizer_of(self.processing_class)
         self.given = Given(**objects)
         self.callbacks = [c() if isinstance(c, type) else c for c in callbacks or []]
-        self.model, self.processing_class = model, processing_class  # what callbacks get as model= and processing_class=
+        self.ref_model, self.train_dataset, self.eval_dataset = ref_model, train_dataset, eval_dataset
+        self._sampling_attributes()
         self.metrics: dict = {}
         self._state = None  # transformers' TrainerState, made when first needed (its import loads peft and torch)
         self._policy = None  # with save_strategy="no", the trained policy on the host (no checkpoint holds it)
+
+    def _reward_attributes(self, rewards, reward_processing_classes) -> None:
+        """TRL's attributes of the rewards, as its constructor sets them (``trainer_setup``)."""
+        cfg = self.args
+        self.reward_funcs = setup.reward_funcs(rewards, cfg)
+        self.reward_func_names = [function_name(r) if callable(r) and not hasattr(r, "state_dict") else
+                                  str(getattr(r, "name_or_path", r)).rstrip("/").split("/")[-1]
+                                  for r in self.reward_funcs]
+        self.reward_weights = setup.reward_weights(cfg, len(self.reward_funcs))
+        classes = reward_processing_classes
+        self.reward_processing_classes = list(classes) if isinstance(classes, (list, tuple)) else \
+            [classes] * len(self.reward_funcs)
+
+    def _sampling_attributes(self) -> None:
+        """TRL's attributes of the sampling, as its constructor sets them (``trainer_setup``)."""
+        cfg = self.args
+        self.use_vllm, self.vllm_mode = cfg.use_vllm, cfg.vllm_mode if cfg.use_vllm else None
+        self.num_generations, self.max_length = cfg.num_generations, cfg.max_length
+        self.temperature, self.top_p, self.top_k, self.min_p = cfg.temperature, cfg.top_p, cfg.top_k, cfg.min_p
+        self.repetition_penalty = cfg.repetition_penalty
+        self.eos_token_ids = setup.eos_token_ids(self.model, self.given.tokenizer)
+        self.generation_kwargs = setup.generation_kwargs(cfg, self.given.tokenizer, self.eos_token_ids)
+        self.generation_config = setup.generation_config(self.generation_kwargs)
+
+    @property
+    def beta(self):
+        """TRL's ``trainer.beta``: ``args.beta``, a list's entry for the current epoch (the last kept)."""
+        if isinstance(self.args.beta, tuple):
+            return self.args.beta[min(int(self.state.epoch or 0), len(self.args.beta) - 1)]
+        return self.args.beta
 
     def train(self, resume_from_checkpoint: bool | str | None = None, *, allow_config_change: bool = False):
         """Run the training (the same program as ``python -m jodpo.train``); returns transformers' ``TrainOutput``

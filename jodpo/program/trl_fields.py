@@ -60,22 +60,32 @@ def _keys(value, what: str) -> dict:
 
 
 SAMPLING = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty")
-# use_cache: jodpo's sampler always decodes with its own KV cache; do_sample=True is what TRL's online trainers do
-# (False is refused below)
+# use_cache: jodpo's sampler always decodes with its own KV cache; do_sample: True samples (TRL's online trainers'
+# default), False decodes greedily (``do_sample``)
 _GENERATION_IGNORED = ("use_cache", "do_sample")
 
 
 def _generation(value) -> dict:
     """TRL's ``generation_kwargs`` (they update its GenerationConfig): jodpo's sampling fields of the same names."""
     kwargs = _keys(value, "generation_kwargs")
-    if kwargs.get("do_sample", True) is not True:
-        raise ValueError("do_sample=False decodes greedily, so both completions of a prompt are the same and nothing "
-                         "is learned; leave do_sample out")
+    if not isinstance(kwargs.get("do_sample", True), bool):
+        raise ValueError(f"do_sample is True or False, got {kwargs['do_sample']!r}")
     other = sorted(set(kwargs) - set(SAMPLING) - set(_GENERATION_IGNORED))
     if other:
         raise ValueError(f"{other} have no counterpart in jodpo's sampler, which takes {', '.join(SAMPLING)}; "
                          "drop them")
     return {k: v for k, v in kwargs.items() if k in SAMPLING}
+
+
+def generation_settings(cfg) -> dict:
+    """A config's ``generation_kwargs``, as the dict TRL updates its GenerationConfig with ({} when None)."""
+    return dict(_keys(cfg.generation_kwargs, "generation_kwargs"))
+
+
+def do_sample(cfg) -> bool:
+    """Whether completions are sampled (``generation_kwargs``' ``do_sample``, True unless it says False: then they are
+    decoded greedily, as transformers' generate does with do_sample=False, whatever temperature says)."""
+    return generation_settings(cfg).get("do_sample", True) is not False
 
 
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "torch.float32": "float32", "torch.bfloat16": "bfloat16"}
@@ -90,7 +100,7 @@ def _dtype(value, what: str) -> dict:
     return {"param_dtype": name, "frozen_param_dtype": name}
 
 
-_INIT_IGNORED = ("trust_remote_code", "attn_implementation", "device_map", "use_cache", "low_cpu_mem_usage")
+_INIT_IGNORED = ("attn_implementation", "device_map", "use_cache", "low_cpu_mem_usage")
 
 
 def _model_init(value) -> dict:
@@ -102,11 +112,11 @@ def _model_init(value) -> dict:
             out |= _dtype(kwargs[key], f"model_init_kwargs[{key!r}]")
     if kwargs.get("revision") is not None:
         out["model_revision"] = kwargs["revision"]
-    other = sorted(set(kwargs) - {"dtype", "torch_dtype", "revision", *_INIT_IGNORED})
+    other = sorted(set(kwargs) - {"dtype", "torch_dtype", "revision", "trust_remote_code", *_INIT_IGNORED})
     if other:
-        raise ValueError(f"{other} have no counterpart in jodpo (which maps dtype, torch_dtype and revision, and "
-                         f"needs none of {', '.join(_INIT_IGNORED)}: it reads the weights itself, onto its mesh); "
-                         "drop them")
+        raise ValueError(f"{other} have no counterpart in jodpo (which maps dtype, torch_dtype, revision and "
+                         f"trust_remote_code, and needs none of {', '.join(_INIT_IGNORED)}: it reads the weights "
+                         "itself, onto its mesh); drop them")
     return out
 
 
@@ -132,7 +142,7 @@ def _flag(field: str, when, value) -> Callable[[object], dict]:
 
 _DATALOADER = "torch DataLoader's; jodpo tokenizes the data once, before training, and has no data loader"
 _DDP = "torch DistributedDataParallel's; jodpo's multi-process runs are jax.distributed's (docs/tpu.md)"
-_VLLM = "meaningful only with use_vllm=True, which jodpo refuses (it samples with its own JAX sampler)"
+_VLLM = "vLLM's; jodpo samples with its own JAX sampler whatever use_vllm says"
 _TORCH_COMPILE = "XLA compiles every program jodpo runs, whatever this says"
 _EVAL_OUTPUTS = ("shapes what evaluation hands compute_metrics, which jodpo does not take: its evaluation samples "
                  "and scores completions")
@@ -143,13 +153,17 @@ _SCRIPTS = "not used by transformers' Trainer either (for scripts to read)"
 
 TABLE: dict[str, Answer] = {
     # --- OnlineDPOConfig (TRL 1.16), and what TRL 1.12's and earlier versions had
-    "generation_kwargs": mapped(None, f"keys {', '.join(SAMPLING)} set those fields (do_sample=True and use_cache "
-                                      "accepted); any other key is refused, named", _generation),
+    "generation_kwargs": mapped(None, f"keys {', '.join(SAMPLING)} set those fields; do_sample=False decodes "
+                                      "greedily, as TRL's generate then does (both completions of a prompt are the "
+                                      "same: every pair ties, nothing is learned); use_cache accepted; any other key "
+                                      "is refused, named", _generation),
     "cache_implementation": noop(None, "transformers' KV cache class; jodpo's sampler has its own KV cache"),
     "disable_dropout": only(True, "jodpo's models run without dropout, which is TRL's disable_dropout=True; False "
                                   "would need dropout in training, which jodpo does not have"),
-    "use_vllm": only(False, "jodpo samples with its own JAX sampler (on the training devices, or with "
-                            "sampler_devices=k on devices of its own, as vLLM's server mode)"),
+    "use_vllm": mapped(False, "True is accepted and samples as False does: with jodpo's own JAX sampler, with the "
+                              "same settings vLLM would take (temperature, top_k, top_p, min_p, repetition_penalty, "
+                              "max_new_tokens, generation_kwargs), on the training devices, or with sampler_devices=k "
+                              "on devices of its own, as vLLM's server mode", lambda v: {}),
     **{name: noop(default, _VLLM) for name, default in (
         ("vllm_model_impl", "vllm"), ("vllm_structured_outputs_regex", None), ("vllm_guided_decoding_regex", None),
         ("vllm_gpu_memory_utilization", 0.55), ("gpu_memory_utilization", 0.9), ("vllm_mode", "colocate"),
@@ -159,11 +173,14 @@ TABLE: dict[str, Answer] = {
     "ds3_gather_for_generation": noop(True, "DeepSpeed ZeRO-3's; jodpo's sampler reads mesh_fsdp-sharded weights "
                                             "where XLA lays them out"),
     "model_init_kwargs": mapped(None, "dtype / torch_dtype (float32 or bfloat16) set param_dtype and "
-                                      "frozen_param_dtype, revision sets model_revision; trust_remote_code, "
-                                      "attn_implementation, device_map, use_cache, low_cpu_mem_usage are not needed; "
+                                      "frozen_param_dtype, revision sets model_revision, trust_remote_code as the "
+                                      "field of that name; attn_implementation, device_map, use_cache, "
+                                      "low_cpu_mem_usage are not needed; "
                                       "other keys are refused, named", _model_init),
-    "trust_remote_code": noop(False, "jodpo runs its own implementation of each architecture, never a checkpoint's "
-                                     "Python code"),
+    "trust_remote_code": mapped(False, "a checkpoint with code of its own (config.json's auto_map) is refused "
+                                       "without it, as transformers refuses it; True trains it as jodpo's own "
+                                       "implementation of its model_type: jodpo never runs a checkpoint's Python "
+                                       "code", lambda v: {}),
     "use_transformers_paged": noop(False, "transformers' paged generation; jodpo samples with its own sampler"),
     "dataset_num_proc": noop(None, "jodpo tokenizes the data in one process, once, before training"),
     "log_completions": mapped(False, "jodpo prints a table of sample completions num_sample_generations times (and "
