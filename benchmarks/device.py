@@ -1,6 +1,6 @@
 """``bench.py device``: the GPU check that fits a short lease (``scripts/device_check.sh`` runs it on a lent machine).
 
-Four phases, each in processes of its own under its own time limit, one after the other:
+Five phases, each in processes of its own under its own time limit, one after the other:
 
 1. **tests**: the suite's tests that carry weight (``WEIGHTY``: precision, every family's logits and reward scores,
    KV-cache decoding, the sampler against transformers and a Python loop, the step against TRL's recorded step,
@@ -14,7 +14,10 @@ Four phases, each in processes of its own under its own time limit, one after th
    18 heads: 1.76B parameters, random weights; ``device_measure``): episodes/s, completion tokens/s, MFU against the
    chip's nominal dense bf16 peak and the matmul peak measured in the run, the sampler's share of its bandwidth bound;
    then ``IN_PROCESS`` variants, each one choice changed, timed in the same process.
-4. **variants**: ``FLAG_SETS``, the sampler in a process under other XLA flags (command buffers that capture the
+4. **rollout**: ``bench.py rollout`` at a ~0.1B Llama shape in bf16: fixed batches against refill between chunks
+   (``SamplingConfig.slots``) at the same rows in flight, long-tailed completion lengths, the completions checked
+   the same.
+5. **variants**: ``FLAG_SETS``, the sampler in a process under other XLA flags (command buffers that capture the
    decode loop), and with ``--baseline DIR`` (a copy of an earlier ``jodpo`` package) the same on that version: the
    sampler as it was, measured side by side in the same call.
 
@@ -102,6 +105,11 @@ FLAG_SETS = (("baseline", "", True), ("command buffers", COMMAND_BUFFERS, False)
              ("baseline, command buffers", COMMAND_BUFFERS, True))
 # the issue's targets: the sampler's share of its bandwidth bound, the fused step's MFU of the nominal peak
 SAMPLER_TARGET, STEP_TARGET = 0.70, 0.35
+# the rollout phase's sampler (bench.py rollout), and the tiny one of --dry-run
+ROLLOUT_ARGS = {"1.7b": ["--hidden", "1024", "--layers", "4", "--heads", "8", "--vocab", "32768", "--prompts", "64",
+                         "--slots", "16", "--dtype", "bfloat16", "--repeats", "2"],
+                "tiny": ["--hidden", "64", "--layers", "1", "--heads", "2", "--vocab", "512", "--prompts", "8",
+                         "--slots", "4", "--new-tokens", "16", "--repeats", "1"]}
 # the ~1.7B shape of the step phase, and the tiny one of --dry-run
 SHAPES = {"1.7b": dict(vocab=50304, hidden=2304, layers=24, heads=18, batch=16, prompt_len=128, new_tokens=128,
                        peak_size=None),
@@ -116,6 +124,7 @@ def add_parser(sub) -> None:
     p.add_argument("--step-timeout", type=float, default=200, help="seconds for the step phase and its variants")
     p.add_argument("--variant-timeout", type=float, default=40, help="seconds for each process of the variants phase")
     p.add_argument("--moe-timeout", type=float, default=90, help="seconds for each process of the MoE phase")
+    p.add_argument("--rollout-timeout", type=float, default=40, help="seconds for the rollout phase")
     p.add_argument("--moe-lowerings", nargs="+", choices=[n for n, _ in MOE_FLAG_SETS], default=[MOE_FLAG_SETS[0][0]],
                    help="XLA:GPU lowerings of ragged_dot timed in the MoE phase, a process each (default: XLA's own)")
     p.add_argument("--baseline", type=Path, help="a folder holding an earlier jodpo package, measured side by side")
@@ -236,6 +245,15 @@ def bench_device(a) -> dict:
     result["phases"]["step"] = measure("step", a.step_timeout, variants=[{"name": n, **IN_PROCESS[n]} for n in names],
                                        shrink=DRY_SHRINK if a.dry_run else None)
     save()
+    out = a.out / "rollout.json"
+    rollout = run_phase([sys.executable, str(BENCH), "rollout", *ROLLOUT_ARGS["tiny" if a.dry_run else "1.7b"],
+                         "--out", str(out)], a.rollout_timeout if not a.dry_run else max(a.rollout_timeout, 150),
+                        a.out / "rollout.log")  # a CPU's compiles (the dry run) take longer than a GPU's run
+    if out.exists():
+        rollout["result"] = json.loads(out.read_text())
+    result["phases"]["rollout"] = rollout
+    save()
+
     variants = {}
     for name, flags, baseline in FLAG_SETS:
         if ((baseline or a.dry_run) and not a.baseline) or (a.flag_sets and name not in a.flag_sets):
@@ -304,7 +322,21 @@ def table(r: dict) -> str:
                     f"{pct(x['mfu_nominal'])}{nominal} (target {pct(STEP_TARGET)}), {pct(x['mfu_measured_peak'])} "
                     f"of the {s['matmul_peak_tflops']:.3g} TFLOP/s measured |")
     rows.append(f"| step phase | {s['status']}, {s['seconds']} s of {s['timeout_s']:.0f} |")
-    return "\n".join(rows + variant_rows(r) + moe_rows(r)) + "\n"
+    return "\n".join(rows + variant_rows(r) + moe_rows(r) + rollout_rows(r)) + "\n"
+
+
+def rollout_rows(r: dict) -> list[str]:
+    """The rollout phase's row: refill against fixed batches (bench.py rollout)."""
+    ph = r["phases"].get("rollout")
+    if ph is None:
+        return []
+    x = ph.get("result")
+    if x is None:
+        return [f"| rollout phase | {ph['status']}, {ph['seconds']} s of {ph['timeout_s']:.0f} |"]
+    return [f"| rollout, {x['prompts']} prompts x {x['samples']}, {x['slots']} in flight, budget {x['new_tokens']} "
+            f"(mean length {x['mean_length']:.0f}) | refill {x['tokens_per_s']['refill']:.0f} real tokens/s against "
+            f"fixed batches' {x['tokens_per_s']['fixed']:.0f}: {x['speedup']:.2f}x; slot utilisation "
+            f"{x['slot_utilization']['refill']:.2f} against {x['slot_utilization']['fixed']:.2f} |"]
 
 
 def moe_rows(r: dict) -> list[str]:

@@ -74,6 +74,9 @@ def test_the_step_phase_numbers_agree(dry_run):
     assert "| tests: logits | " in table and "| fused step, " in table and "| step phase | passed" in table
     assert "| sampler and step, Qwen3.5-2B shape | sampler " in table and "x the speed |" in table
     assert f"| {moe_name} | tiny train, 24 | " in table
+    ro = r["phases"]["rollout"]  # refill against fixed batches, the completions checked the same in the benchmark
+    assert ro["status"] == "passed" and ro["result"]["slots"] == 4 and ro["result"]["speedup"] > 0
+    assert "| rollout, 8 prompts x 2, 4 in flight, budget 16 " in table
     import tarfile
 
     assert {p.name for p in out.iterdir()} == {"device_check.json", "device_check.md", "tests.log", "raw.tar.gz"}
