@@ -85,8 +85,11 @@ def without_torch(env: dict) -> tuple[list[str], dict]:
     return [sys.executable, "-S"], dict(env, PYTHONPATH=path)
 
 
+WALL_CLOCK = ("eps", "rollout/generated_tok_s")  # metrics of the wall clock: never the same in two runs
+
+
 def metrics_lines(out: Path) -> list[dict]:
-    return [{k: v for k, v in json.loads(line).items() if k != "eps"}  # eps is wall-clock
+    return [{k: v for k, v in json.loads(line).items() if k not in WALL_CLOCK}
             for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 

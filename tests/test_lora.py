@@ -17,6 +17,7 @@ from jodpo.program.checkpoint import restore_params
 from jodpo.models import lora
 from jodpo.sampling import sampler_params
 from tests import helpers, hf_fixtures, references
+from tests.subproc import WALL_CLOCK
 
 export_hf = helpers.script("export_hf")
 
@@ -126,7 +127,7 @@ def lora_run(checkpoints, tmp_path_factory):
 
 
 def _metrics(out):
-    return [{k: v for k, v in json.loads(line).items() if k != "eps"}
+    return [{k: v for k, v in json.loads(line).items() if k not in WALL_CLOCK}
             for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 

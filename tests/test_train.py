@@ -16,6 +16,7 @@ from jodpo import train
 from jodpo.program import loop
 from jodpo.program.tracking import wandb_name
 from tests import hf_fixtures, wandb_files
+from tests.subproc import WALL_CLOCK
 
 CONFIGS = sorted(p.name for p in C.CONFIGS_DIR.glob("*.py") if p.name != "__init__.py")
 TRL_NAMES = ["loss", "grad_norm", "learning_rate", "episode", "step", "epoch", "eps", "objective/kl", "objective/entropy",
@@ -70,8 +71,8 @@ def test_stopped_run_resumes_exactly(tiny_run, tmp_path, monkeypatch):
     before = (out / "metrics.jsonl").read_text()
     assert train.main(["--config", "tiny.py", f"--config.output_dir={out}", "--config.learning_rate=0.1"]) == 2
     assert (out / "metrics.jsonl").read_text() == before and (out / "checkpoints" / "200").is_dir()
-    a = [{k: v for k, v in m.items() if k != "eps"} for m in _metrics(tiny_run)]
-    b = [{k: v for k, v in m.items() if k != "eps"} for m in _metrics(out)]
+    a = [{k: v for k, v in m.items() if k not in WALL_CLOCK} for m in _metrics(tiny_run)]
+    b = [{k: v for k, v in m.items() if k not in WALL_CLOCK} for m in _metrics(out)]
     assert a == b
 
 
@@ -126,7 +127,7 @@ def test_a_resumed_run_reads_no_policy_weights_of_its_own_dtype(checkpoints, tmp
     reads.clear()
     loop.train(cfg.replace(output_dir=str(resumed)))
     assert sorted(reads) == reference + [("reward", "bfloat16")]
-    strip = lambda p: [{k: v for k, v in m.items() if k != "eps"} for m in _metrics(p)]  # noqa: E731
+    strip = lambda p: [{k: v for k, v in m.items() if k not in WALL_CLOCK} for m in _metrics(p)]  # noqa: E731
     assert strip(resumed) == strip(out)
     wandb.teardown()
     second = wandb_files.offline_run(resumed)
@@ -226,5 +227,5 @@ def test_open_instruct_passes_over_each_rollout_resume_exactly(checkpoints, tmp_
     shutil.copytree(out, resumed)
     shutil.rmtree(resumed / "checkpoints" / "3")
     loop.train(cfg.replace(output_dir=str(resumed)))
-    strip = lambda p: [{k: v for k, v in m.items() if k != "eps"} for m in _metrics(p)]  # noqa: E731
+    strip = lambda p: [{k: v for k, v in m.items() if k not in WALL_CLOCK} for m in _metrics(p)]  # noqa: E731
     assert strip(resumed) == strip(out)

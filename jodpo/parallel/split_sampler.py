@@ -81,7 +81,8 @@ class SplitSampler:
                 last = max(now - U, 0) if cfg.async_mode else now
                 self.launch(state.params if not cfg.async_mode and now % s == 0 else state.sampler_params, step,
                             last - last % s)
-        samples = jax.device_put(self.pending[1], S.batch_sharding(self.train_mesh, 3))
+        samples = jax.device_put(self.pending[1], jax.tree.map(  # [A, kB, ...]: split by rows (decode_steps: [A, kB])
+            lambda x: S.batch_sharding(self.train_mesh, min(x.ndim, 3)), self.pending[1]))
         self.pending = None
         if cfg.async_mode and step + 1 < self.total_steps:
             self.launch(state.params, step + 1, now - now % s)  # sent only when ``now`` is a multiple of s
