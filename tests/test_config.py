@@ -40,6 +40,8 @@ def test_overrides_are_typed():
                                                ("loss_type", "dpo", "unknown loss_type"),
                                                ("per_device_train_batch_size", 0, "per_device_train_batch_size"),
                                                ("attn_implementation", "flash", "attn_implementation must be one of"),
+                                               ("decode_attn_implementation", "flash",
+                                                "decode_attn_implementation must be one of"),
                                                ("matmul_precision", "tf32", "matmul_precision must be one of"),
                                                ("total_episodes", 0, "total_episodes must be >= 1"),
                                                ("rdpo_alpha", 0.1, "rdpo_alpha is R-DPO's length term"),
@@ -106,6 +108,17 @@ def test_auto_attention_is_cudnn_only_where_it_runs_and_pays(monkeypatch):
     assert attention_kernel(C.TrainConfig(bf16=True), model) == "xla"
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
     assert attention_kernel(C.TrainConfig(bf16=True), model) == "xla"
+
+
+def test_auto_decode_attention_is_the_pallas_kernel_on_tpus_only(monkeypatch):
+    import jax
+
+    from jodpo.program.backend import decode_attention_kernel
+
+    for backend, kernel in (("tpu", "pallas"), ("gpu", "xla"), ("cpu", "xla")):
+        monkeypatch.setattr(jax, "default_backend", lambda backend=backend: backend)
+        assert decode_attention_kernel(C.TrainConfig()) == kernel
+        assert decode_attention_kernel(C.TrainConfig(decode_attn_implementation="xla")) == "xla"
 
 
 def test_cudnn_attention_needs_bf16_and_a_gpu():

@@ -33,7 +33,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jodpo.models.layers import Context, Site, attention, forward_attention, keys_values, layer_rope, queries
+from jodpo.models.layers import Context, Site, cache_attention, forward_attention, keys_values, layer_rope, queries
 from jodpo.models.model import Attention, Model, Params, einsum
 
 KIND = "attention"
@@ -164,6 +164,5 @@ def cached(model: Model, p: Params, x, state: dict, j, ctx: Context, site: Site,
         if ctx.empty:
             a = forward_attention(model, q, k, v, ctx.mask[0][:, None, :] & _within(0, ctx.dist[0])[None])
             return _output(model, p, a, gate, x.dtype), state
-    ks, vs = (state["k"], state["v"]) if j is None else (state["k"][j], state["v"][j])
-    a = attention(model, q, ks, vs, ctx.mask[1][:, None, :] & _within(0, ctx.dist[1])[None])
+    a = cache_attention(model, q, state["k"], state["v"], ctx.mask[1][:, None, :] & _within(0, ctx.dist[1])[None], j)
     return _output(model, p, a, gate, x.dtype), state

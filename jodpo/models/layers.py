@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jodpo.models import decode_attention
 from jodpo.models.model import Attention, Model, Params, Rope, einsum
 
 # transformers' hidden_act names jodpo computes -> the function
@@ -275,6 +276,39 @@ def attention(model: Model, q_BLHD, k_BKSD, v_BKSD, attend_BLS) -> jax.Array:
     scores = jnp.where(attend_BLS[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(dt)
     return einsum(model, "bkgls,bksd->blkgd", probs, v_BKSD.astype(dt)).reshape(B, L, H, Dh)
+
+
+def cache_attention(model: Model, q_BLHD, k_BKSD, v_BKSD, attend_BLS, j=None) -> jax.Array:
+    """``attention`` over a cache's slots: one layer's ``[B, K, S, Dh]`` keys and values, or (``j``, an int32 index)
+    layer ``j``'s of a stack ``[N, B, K, S, Dh]``. ``model.decode_attention == "pallas"`` runs a decode step (one new
+    token a row) through ``jodpo.models.decode_attention``'s kernel, which reads only the cache blocks holding a slot
+    the row attends to, the stacked cache's layer in place; several new tokens, or ``"xla"``: ``attention`` over the
+    whole slab."""
+    if model.decode_attention == "pallas" and q_BLHD.shape[1] == 1:
+        return _pallas_decode(model, q_BLHD, k_BKSD, v_BKSD, attend_BLS, j)
+    if j is not None:
+        k_BKSD, v_BKSD = k_BKSD[j], v_BKSD[j]
+    return attention(model, q_BLHD, k_BKSD, v_BKSD, attend_BLS)
+
+
+def _pallas_decode(model: Model, q_BLHD, k, v, attend_BLS, j):
+    """The decode kernel, on a mesh in a ``shard_map`` (XLA cannot partition a Pallas kernel: it would gather the
+    whole cache to every device): each device its rows (split as the batch's, ``BATCH_AXES``) and, where ``tensor``
+    divides the kv heads, its kv heads with the query heads that read them."""
+    mesh = jax.typeof(k).sharding.mesh
+    def run(q, k, v, attend, layer):
+        return decode_attention.decode_attention(model, q, k, v, attend, None if j is None else layer)
+
+    if mesh.empty or mesh.size <= 1 or jax.sharding.AxisType.Manual in mesh.axis_types:
+        return run(q_BLHD, k, v, attend_BLS, j)
+    _, rows = _batch_split(q_BLHD.shape[0], k)
+    tensor = "tensor" if dict(mesh.shape).get("tensor", 1) > 1 and k.shape[-3] % dict(mesh.shape)["tensor"] == 0 \
+        else None
+    P = jax.sharding.PartitionSpec
+    kv = P(rows or None, tensor) if j is None else P(None, rows or None, tensor)
+    return jax.shard_map(run, mesh=mesh, in_specs=(P(rows or None, None, tensor), kv, kv, P(rows or None), P()),
+                         out_specs=P(rows or None, None, tensor), check_vma=False)(
+        q_BLHD, k, v, attend_BLS, jnp.int32(0) if j is None else j)
 
 
 def forward_attention(model: Model, q_BLHD, k_BSKD, v_BSKD, attend_BLS) -> jax.Array:

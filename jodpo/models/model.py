@@ -228,6 +228,10 @@ class Model:
     # bf16/fp16 compute). The decode steps' attention over the cache is always jodpo's own (bandwidth-bound). cuDNN
     # cannot soft-cap: a model with attn_softcap runs jodpo's own attention whatever this says (attention_note).
     attention: str = "xla"
+    # Attention of the decode steps over the cache (one new token a row): "xla" (jodpo's einsum attention over the
+    # whole slab, any backend) or "pallas" (jodpo.models.decode_attention: a kernel that reads only the cache blocks
+    # holding a slot the row attends to; Mosaic on TPUs, Pallas' interpret mode where lowered for another platform)
+    decode_attention: str = "xla"
     # LoRA (jodpo.models.lora): adapters in params["layers"]["lora"], when there, add lora_alpha / lora_rank * a.b to
     # their weights (PEFT's scaling); params without them (the reference: the adapters off) run the base model.
     lora_rank: int = 0
@@ -256,6 +260,8 @@ class Model:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}") from None
         if self.attention not in ATTENTIONS:
             raise ValueError(f"attention must be one of {ATTENTIONS}, got {self.attention!r}")
+        if self.decode_attention not in DECODE_ATTENTIONS:
+            raise ValueError(f"decode_attention must be one of {DECODE_ATTENTIONS}, got {self.decode_attention!r}")
         if self.layer_kinds and (len(self.layer_kinds) != self.num_layers or set(self.layer_kinds) - set(KINDS)):
             raise ValueError(f"layer_kinds must name one of {KINDS} for each of the {self.num_layers} layers, got "
                              f"{self.layer_kinds}")
@@ -349,6 +355,7 @@ def attention_note(model: Model) -> str | None:
 # 3 bf16 passes on TPUs), "default" = "bfloat16" = "fastest" (TF32 on GPUs, 1 bf16 pass on TPUs).
 PRECISIONS = ("highest", "high", "default", "float32", "tensorfloat32", "bfloat16", "fastest")
 ATTENTIONS = ("xla", "cudnn")
+DECODE_ATTENTIONS = ("xla", "pallas")
 
 
 def einsum(model: Model, spec: str, *operands: jax.Array, **kwargs) -> jax.Array:

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from jodpo.models import attention_mixer
 from jodpo.models.attention_mixer import _output, _queries, _within
-from jodpo.models.layers import Context, Site, attention, forward_attention, keys_values, layer_rope
+from jodpo.models.layers import Context, Site, attention, cache_attention, forward_attention, keys_values, layer_rope
 from jodpo.models.model import READS, Model, Params
 
 KIND = "sliding_attention"
@@ -130,7 +130,7 @@ def cached(model: Model, p: Params, x, state: dict, j, ctx: Context, site: Site,
 
             state = {"k": write(state["k"], k), "v": write(state["v"], v)}
         attend = _real(ctx, _held(ctx.start, size))[:, None, :]
-        a = attention(model, q, mine(state["k"]), mine(state["v"]), attend)
+        a = cache_attention(model, q, state["k"], state["v"], attend, j)
         return _output(model, p, a, gate, x.dtype), state
     if reads:
         k, v = mine(state["new_k"]), mine(state["new_v"])

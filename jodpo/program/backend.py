@@ -228,6 +228,16 @@ def attention_kernel(cfg, model) -> str:
     return "cudnn" if fits and cfg.bf16 and not cfg.deterministic else "xla"
 
 
+def decode_attention_kernel(cfg) -> str:
+    """The attention of a run's decode steps: ``cfg.decode_attn_implementation``, with ``"auto"`` resolved to the
+    Pallas kernel that reads only the filled cache blocks (``jodpo.models.decode_attention``) on TPUs, where it
+    compiles with Mosaic, and jodpo's XLA attention elsewhere (on other backends the kernel runs only in Pallas'
+    interpret mode: the tests')."""
+    if cfg.decode_attn_implementation != "auto":
+        return cfg.decode_attn_implementation
+    return "pallas" if jax.default_backend() == "tpu" else "xla"
+
+
 def configure(cfg) -> None:
     """Everything a ``TrainConfig`` sets in XLA itself; call it before any device work."""
     if cfg.deterministic:

@@ -187,6 +187,10 @@ class _Fields:
     attn_implementation: str = _f("auto", "attention of the forwards and the prefill: auto (cudnn where it runs and "
                                           "pays: an NVIDIA GPU, bf16, not deterministic; else xla) | xla (any backend) "
                                           "| cudnn (cuDNN flash attention: an NVIDIA GPU and bf16 compute)")
+    decode_attn_implementation: str = _f("auto", "attention of the sampler's decode steps over the KV cache: auto "
+                                                 "(pallas on TPUs, else xla) | xla (any backend: the whole cache slab "
+                                                 "every step) | pallas (a Pallas kernel reading only the cache blocks "
+                                                 "that hold tokens: TPUs)")
     # --- jodpo's own
     remat: str = _f("auto", "auto (from gradient_checkpointing) | none | full | dots; in every mode the backward "
                             "recomputes the norms and the MLP's activation from their inputs rather than keep float32 "
