@@ -61,6 +61,9 @@ def check(c) -> None:
     if c.attn_implementation == "cudnn" and not c.bf16:
         raise ConfigError("attn_implementation='cudnn' needs bf16=True (cuDNN's flash attention has no float32 "
                           "kernel); use 'xla' for float32 compute")
+    if c.attn_implementation == "splash" and not c.bf16:
+        raise ConfigError("attn_implementation='splash' needs bf16=True (jodpo runs splash attention on bf16 compute "
+                          "only: float32 keeps the XLA attention's explicit precision); use 'xla' for float32 compute")
     if c.dataset_mixer is not None and c.dataset_name:
         raise ConfigError("dataset_mixer and dataset_name are both set: the mixer replaces dataset_name; unset one")
     if c.stop_token not in (None, "eos", "period"):

@@ -151,6 +151,9 @@ def build(cfg: TrainConfig, given: Given = Given()) -> Run:
     if cfg.attn_implementation == "cudnn" and jax.default_backend() != "gpu":
         raise ConfigError(f"attn_implementation='cudnn' needs an NVIDIA GPU, and jax's backend is "
                           f"{jax.default_backend()}: use 'xla'")
+    if cfg.attn_implementation == "splash" and jax.default_backend() not in ("tpu", "cpu"):
+        raise ConfigError(f"attn_implementation='splash' compiles for TPUs (on a CPU it runs interpreted, for tests), "
+                          f"and jax's backend is {jax.default_backend()}: use 'xla', 'cudnn' or 'auto'")
     if cfg.decode_attn_implementation == "pallas" and jax.default_backend() not in ("tpu", "cpu"):
         raise ConfigError(f"decode_attn_implementation='pallas' compiles for TPUs (on a CPU it runs interpreted, for "
                           f"tests), and jax's backend is {jax.default_backend()}: use 'xla' or 'auto'")
