@@ -129,12 +129,25 @@ assert "shard_map" in str(jax.make_jaxpr(run)(*args))
 got, want = np.asarray(run(*args)), np.asarray(layers.attention(model, q, k, v, attend))
 np.testing.assert_allclose(got[:3], want[:3], atol=2e-6)
 assert np.all(got[3] == 0)
+# splash attention (the forwards'), token-major, bf16, a window of 3, the first row's first two keys padding
+model = model.replace(attention="splash", dtype="bfloat16")
+q = jnp.asarray(rng.normal(size=(4, 6, 4, 8)), jnp.bfloat16)
+k, v = (x[:, :, :6].astype(jnp.bfloat16).transpose(0, 2, 1, 3) for x in (k, v))  # [B, S, K, Dh]
+keys = jnp.ones((4, 6), bool).at[0, :2].set(False)
+args = on(q, "data", None, "tensor"), on(k, "data", None, "tensor"), on(v, "data", None, "tensor"), on(keys, "data")
+run = jax.jit(lambda *a: layers.causal_attention(model, *a, 0, 3))
+assert "shard_map" in str(jax.make_jaxpr(run)(*args))
+got = np.asarray(run(*args), np.float32)
+want = np.asarray(layers.causal_attention(model.replace(attention="xla"), q, k, v, keys, 0, 3), np.float32)
+np.testing.assert_allclose(got[0, 2:], want[0, 2:], atol=2e-2)  # the queries that see a key
+np.testing.assert_allclose(got[1:], want[1:], atol=2e-2)
 """
 
 
-def test_on_a_mesh_the_kernel_runs_per_device_as_xla_does():
-    """On 4 CPU devices (rows split over data, kv heads over tensor) the kernel runs in a shard_map, each device its
-    rows and heads (XLA cannot partition it), and gives what the XLA attention gives."""
+def test_on_a_mesh_the_kernels_run_per_device_as_xla_does():
+    """On 4 CPU devices (rows split over data, kv heads over tensor) the decode kernel and splash attention
+    (jodpo.models.splash) run in a shard_map, each device its rows and heads (XLA cannot partition a Pallas kernel),
+    and give what the XLA attention gives."""
     import subprocess
     import sys
 
