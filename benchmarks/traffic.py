@@ -7,9 +7,9 @@ backend (the CPU here), or ahead of time for a TPU chip with libtpu (``--tpu v5e
   embedding only at the rows' tokens), each attention layer's keys and values in the filled cache slots once and
   writes the new token's, each DeltaNet layer's recurrent state and convolution window once each way. The report
   gives the ideal at a full cache (what a step reading the whole slab would need) and at the mean fill of a run's
-  decode steps (prompt + half the completion): the difference is the slab's empty slots, which the XLA attention reads
-  and the decode kernel (``--decode-attention pallas``) does not (the blocks it reads at each step's fill: the estimate's
-  "mean fill" figure; the program's text cannot say which blocks a step reads). A sliding-window
+  decode steps (prompt + half the completion): the difference is the slab's empty slots, which the XLA attention
+  reads and the decode kernel (``--decode-attention pallas``) does not (the blocks it reads at each step's fill: the
+  estimate's "mean fill" figure; the program's text cannot say which blocks a step reads). A sliding-window
   layer's cache is a ring of its window's slots, all read once the sequence is past the window. And the cache's bytes.
 - **choose** (``jodpo.sampling.choose``: the sampling filters and the draw over the vocabulary, once a step): its
   bytes in passes over the ``[rows, vocab]`` float32 logits.

@@ -42,8 +42,8 @@ def test_splash_equals_xla_attention_and_its_gradients():
     def splash(q, k, v):
         return splash_attention(model, q, k, v, keys, offset, window)
 
-    np.testing.assert_allclose(np.asarray(splash(q, k, v), np.float32)[sees], np.asarray(xla(q, k, v), np.float32)[sees],
-                               rtol=TOL, atol=TOL)
+    got, want = np.asarray(splash(q, k, v), np.float32), np.asarray(xla(q, k, v), np.float32)
+    np.testing.assert_allclose(got[sees], want[sees], rtol=TOL, atol=TOL)
     for f in (xla, splash):
         f.grads = jax.grad(lambda *a, f=f: jnp.sum(f(*a).astype(jnp.float32) * w), argnums=(0, 1, 2))(q, k, v)
     for got, want in zip(splash.grads, xla.grads):

@@ -329,9 +329,10 @@ def causal_attention(model: Model, q_BLHD, k_BSKD, v_BSKD, keys_BS, offset: int 
     ``model.attention == "splash"`` computes it with splash attention (``jodpo.models.splash``: the causal part and
     the window as its static mask, the real keys as segment ids) where the compute dtype is bfloat16."""
     if model.attention == "splash" and q_BLHD.dtype == jnp.bfloat16:
+        tokens = ("rows", None, "heads")  # [B, L, heads, Dh]
         return _sharded(functools.partial(splash.splash_attention, model, offset=offset, window=window), k_BSKD,
-                        k_BSKD.shape[2], (q_BLHD, k_BSKD, v_BSKD, keys_BS), ("rows", None, "heads"), ("rows", None, "heads"),
-                        ("rows", None, "heads"), ("rows",), out=("rows", None, "heads"))
+                        k_BSKD.shape[2], (q_BLHD, k_BSKD, v_BSKD, keys_BS), tokens, tokens, tokens, ("rows",),
+                        out=tokens)
     dist = offset + jnp.arange(q_BLHD.shape[1])[:, None] - jnp.arange(k_BSKD.shape[1])[None, :]
     return forward_attention(model, q_BLHD, k_BSKD, v_BSKD, keys_BS[:, None, :] & within(window, dist)[None])
 

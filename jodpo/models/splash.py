@@ -2,13 +2,13 @@
 on TPUs (``Model.attention="splash"``): flash attention that skips the blocks its mask rules out, so no forward or
 backward materialises a ``[L, S]`` score matrix and attention's temporaries grow with the sequence, not its square.
 
-jodpo's forwards' attention masks (``layers.causal_attention``) are all of one form: query i (at slot ``offset + i``) attends
-to key slot j where the key is a real token, j <= offset + i, and, in a windowed layer, offset + i - j < window. The
-causal part and the window are splash's static masks (``CausalMask``, ``LocalMask`` with the offset: the shared-prompt
-layout's completions sit after their prompt's P slots, offset P); which keys are real tokens is a segment id per key
-(1 real, 0 padding), every query in segment 1, so a query attends exactly to the real keys the mask allows, as in the
-XLA attention (a query that sees none, left padding's, gets some finite value there and here, never read). The
-sequences are padded to a multiple of the kernel's blocks, the padding in segment 0.
+jodpo's forwards' attention masks (``layers.causal_attention``) are all of one form: query i (at slot ``offset + i``)
+attends to key slot j where the key is a real token, j <= offset + i, and, in a windowed layer, offset + i - j <
+window. The causal part and the window are splash's static masks (``CausalMask``, ``LocalMask`` with the offset: the
+shared-prompt layout's completions sit after their prompt's P slots, offset P); which keys are real tokens is a
+segment id per key (1 real, 0 padding), every query in segment 1, so a query attends exactly to the real keys the mask
+allows, as in the XLA attention (a query that sees none, left padding's, gets some finite value there and here, never
+read). The sequences are padded to a multiple of the kernel's blocks, the padding in segment 0.
 
 The numbers: the scores in float32 from the queries times the scale (the scale folded into the queries, in the
 compute dtype), soft-capped as ``layers.attention`` does, the softmax online over the blocks; gradients by the
