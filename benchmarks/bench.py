@@ -18,7 +18,8 @@ ratios within a run, not seconds across runs). docs/performance.md has the figur
                                  [--variant-timeout 40] [--baseline DIR]
                                  (the GPU check of a short lease: device.py, scripts/device_check.sh)
   python benchmarks/bench.py traffic [--rows 32] [--prompt-len 128] [--new-tokens 128] [--dtype bfloat16|float32]
-                                  [--hf-config qwen3.5-2b] [--tpu v5e:1x1] [--no-step] [--out F.json]  (traffic.py)
+                                  [--hf-config qwen3.5-2b] [--tpu v5e:1x1] [--decode-attention xla|pallas]
+                                  [--no-step] [--out F.json]  (traffic.py)
   python benchmarks/bench.py tpu-grid [--models qwen3-0.6b ...] [--tpus v5e:1x1 v5e:2x4 ...] [--lora-ranks 0 16]
                                    [--out runs/tpu-grid] [--table-only]  (memory --tpu over a grid: tpu_grid.py)
   python benchmarks/bench.py deltanet [--lengths 512 2048] [--chunk 64] [--repeats 3] [--out F.json]

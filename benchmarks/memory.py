@@ -305,7 +305,7 @@ def add_parser(sub, defaults: dict) -> None:
     p.add_argument("--param-dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--frozen-param-dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--remat", choices=("none", "full", "dots"), default="full")
-    p.add_argument("--attention", choices=("xla", "cudnn"), default="xla")
+    p.add_argument("--attention", choices=("xla", "cudnn", "splash"), default="xla")
     p.add_argument("--loss-type", default="sigmoid", help="the step's loss_type; a reference-free one (simpo) "
                    "compiles the step without a reference model")
     p.add_argument("--tpu", metavar="TOPOLOGY", help="compile for the chips of this TPU topology with libtpu, ahead "

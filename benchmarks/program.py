@@ -80,7 +80,7 @@ def add_parser(sub, defaults: dict):
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16",
                    help="compute dtype (bf16: float32 weights, bf16 compute, both sides)")
     p.add_argument("--no-trl", action="store_true", help="jodpo only")
-    p.add_argument("--attention", choices=("xla", "cudnn"), default="xla", help="jodpo's attn_implementation")
+    p.add_argument("--attention", choices=("xla", "cudnn", "splash"), default="xla", help="jodpo's attn_implementation")
     p.add_argument("--deterministic", action="store_true",
                    help="jodpo with deterministic=True (XLA's deterministic GPU ops): run with and without to cost it")
     p.add_argument("--cache-dir", type=Path, help="XLA compilation cache of the program (default: a fresh one)")

@@ -7,7 +7,9 @@ backend (the CPU here), or ahead of time for a TPU chip with libtpu (``--tpu v5e
   embedding only at the rows' tokens), each attention layer's keys and values in the filled cache slots once and
   writes the new token's, each DeltaNet layer's recurrent state and convolution window once each way. The report
   gives the ideal at a full cache (what a step reading the whole slab would need) and at the mean fill of a run's
-  decode steps (prompt + half the completion): the difference is the slab's empty slots, read today. A sliding-window
+  decode steps (prompt + half the completion): the difference is the slab's empty slots, which the XLA attention
+  reads and the decode kernel (``--decode-attention pallas``) does not (the blocks it reads at each step's fill: the
+  estimate's "mean fill" figure; the program's text cannot say which blocks a step reads). A sliding-window
   layer's cache is a ring of its window's slots, all read once the sequence is past the window. And the cache's bytes.
 - **choose** (``jodpo.sampling.choose``: the sampling filters and the draw over the vocabulary, once a step): its
   bytes in passes over the ``[rows, vocab]`` float32 logits.
@@ -42,6 +44,8 @@ def add_parser(sub, defaults: dict) -> None:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
     p.add_argument("--tpu", metavar="TOPOLOGY", help="compile for one chip of this TPU (v5e:1x1, v5p:1x1x1, ...)")
+    p.add_argument("--decode-attention", choices=("xla", "pallas"), default="xla",
+                   help="the decode steps' attention over the cache (Model.decode_attention)")
     p.add_argument("--no-step", action="store_true", help="the decode step and choose only")
     p.add_argument("--out", type=Path)
 
@@ -147,12 +151,18 @@ _ARRAY = re.compile(r"(bf16|f32|f16|s32|u32|s8|u8|pred)\[([\d,]*)\](\{[^}]*\})?"
 _BYTES = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "pred": 1}
 
 
-def hbm_bytes(hlo: str) -> float:
+KERNEL = "jodpo_decode_attention"  # the decode kernel's custom call (jodpo.models.decode_attention)
+KERNEL_KV = (6, 7)  # its keys' and values' operands [1, B, K, S, Dh], after the five scalar tables and the queries
+
+
+def hbm_bytes(hlo: str, kernel_slots=None) -> float:
     """What the entry computation of an XLA:TPU program reads from and writes to HBM, by the memory spaces its layouts
     name (``S(1)``: on-chip VMEM): every operand and output in HBM once, an asynchronous copy or slice into VMEM its
     source once, a gather the rows it takes, an in-place dynamic-update-slice its update (XLA's ``bytes accessed``
-    counts the VMEM side of every transfer too, and whole tables for gathers). An estimate from the program's text,
-    where a profile is not to be had."""
+    counts the VMEM side of every transfer too, and whole tables for gathers). The decode kernel (``KERNEL``) reads
+    only the blocks of its keys and values that hold a filled slot, which the program's text cannot say:
+    ``kernel_slots(S)`` is how many of a slab's ``S`` slots it reads (None: all). An estimate from the program's
+    text, where a profile is not to be had."""
     def arrays(shape):
         return [(math.prod(int(d) for d in dims.split(",") if d) * _BYTES[dt],
                  int(m.group(1)) if (m := re.search(r"S\((\d+)\)", layout or "")) else 0)
@@ -170,6 +180,11 @@ def hbm_bytes(hlo: str) -> float:
         if op in ("parameter", "tuple", "get-tuple-element", "bitcast", "constant", "copy-done", "slice-done"):
             continue
         operands = [symbols.get(o, []) for o in re.findall(r"%([\w.\-]+)", rest.split("), ")[0])]
+        if name.startswith(KERNEL) and kernel_slots is not None:  # its keys and values: the blocks it reads
+            shapes = _ARRAY.findall(rest[rest.index("operand_layout_constraints="):])  # its operands', in order
+            for i in KERNEL_KV:
+                S = int(shapes[i][1].split(",")[3])
+                operands[i] = [(b * kernel_slots(S) / S, space) for b, space in operands[i]]
         reads = sum(b for arr in operands for b, space in arr if space == 0)
         writes = sum(b for b, space in outs if space == 0)
         if op in ("copy-start", "slice-start"):  # into VMEM: the source read once
@@ -190,12 +205,14 @@ def bench_traffic(a) -> dict:
     import jodpo
     from jodpo import train_step as ts
     from jodpo.models import params as params_mod
+    from jodpo.models.decode_attention import kernel_reads
     from jodpo.sampling import choose, decode_step, sampler_params
 
     device = compile_devices(a)[0]
     with tempfile.TemporaryDirectory() as tmp:
         policy, rm = hf_models(a.hf_config, None, Path(tmp)) if a.hf_config else config_models(a, Path(tmp))
-    model, rm = policy.replace(dtype=a.dtype, remat="full"), rm.replace(dtype=a.dtype)
+    model = policy.replace(dtype=a.dtype, remat="full", decode_attention=a.decode_attention)
+    rm = rm.replace(dtype=a.dtype)
     R, P, T = a.rows, a.prompt_len, a.new_tokens
     on = lambda tree: jax.tree.map(  # noqa: E731
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.sharding.SingleDeviceSharding(device)), tree)
@@ -206,22 +223,28 @@ def bench_traffic(a) -> dict:
     alive = jax.ShapeDtypeStruct((R,), bool)
     out, t0 = {}, time.perf_counter()
 
+    def mean_fill_slots(S):  # the slots of a slab of S the decode kernel reads, over the run's decode steps
+        return sum(kernel_reads(S, min(P + t, S)) for t in range(1, T + 1)) / T
+
     def cost(fn, *args, unknown_trips: int = 1, **kw):
         compiled = jax.jit(fn, **kw).lower(*args).compile()
         c = compiled.cost_analysis()
         c = c[0] if isinstance(c, (list, tuple)) else c
         text = compiled.as_text()
+        hbm = {"hbm_bytes_estimate": hbm_bytes(text), "hbm_bytes_estimate_mean_fill": hbm_bytes(text, mean_fill_slots)}
         return {"bytes_accessed": float(c.get("bytes accessed", 0.0)), "flops": float(c.get("flops", 0.0)),
                 "dot_flops_each_loop_counted": hlo_dot_flops(text, unknown_trips),
-                **({"hbm_bytes_estimate": hbm_bytes(text)} if device.platform == "tpu" else {})}
+                **(hbm if device.platform == "tpu" else {})}
 
     step = cost(lambda p, c, t, al: decode_step(model, p, c, t, al), on(sp), on(cache), on(tokens), on(alive),
                 donate_argnums=1)
     full = ideal_decode_bytes(model, sp, cache, R, P + T)
     mean = ideal_decode_bytes(model, sp, cache, R, P + T / 2)
     moved = step.get("hbm_bytes_estimate", step["bytes_accessed"])  # a TPU's HBM, else XLA's own count
+    # at the mean fill: what the decode kernel reads then (the XLA attention reads the whole slab at any fill)
+    moved_mean = step.get("hbm_bytes_estimate_mean_fill", moved)
     out["decode_step"] = {**step, "ideal_full_cache": full, "ideal_mean_fill": mean, "cache_bytes": _bytes(cache),
-                          "over_ideal_full": moved / full["total"], "over_ideal_mean_fill": moved / mean["total"],
+                          "over_ideal_full": moved / full["total"], "over_ideal_mean_fill": moved_mean / mean["total"],
                           "compared": "hbm_bytes_estimate" if "hbm_bytes_estimate" in step else "bytes_accessed",
                           "compile_s": time.perf_counter() - t0}
     logits = jax.ShapeDtypeStruct((R, model.vocab_size), jnp.float32)
@@ -251,6 +274,7 @@ def bench_traffic(a) -> dict:
     return {"benchmark": "traffic", "model": f"{policy.family}, hidden {model.hidden_size}, {model.num_layers} layers"
             f", vocab {model.vocab_size}" + (f" ({a.hf_config})" if a.hf_config else ""),
             "settings": dict(rows=R, prompt_len=P, new_tokens=T, dtype=a.dtype, tpu=a.tpu,
+                             decode_attention=a.decode_attention,
                              device=device.device_kind, platform=device.platform, jax=jax.__version__),
             **out}
 
@@ -258,9 +282,10 @@ def bench_traffic(a) -> dict:
 def print_traffic(r: dict) -> None:
     s, d = r["settings"], r["decode_step"]
     print(f"{r['model']}: {s['rows']} rows, prompt {s['prompt_len']} + {s['new_tokens']} new, {s['dtype']}, "
-          f"compiled for {s['device']} ({s['platform']})")
+          f"compiled for {s['device']} ({s['platform']}), decode attention {s['decode_attention']}")
     f, m = d["ideal_full_cache"], d["ideal_mean_fill"]
-    hbm = f" (HBM, from the memory spaces: {d['hbm_bytes_estimate'] / MiB:,.1f} MiB)" if "hbm_bytes_estimate" in d else ""
+    hbm = (f" (HBM, from the memory spaces: {d['hbm_bytes_estimate'] / MiB:,.1f} MiB; at the mean fill "
+           f"{d['hbm_bytes_estimate_mean_fill'] / MiB:,.1f} MiB)") if "hbm_bytes_estimate" in d else ""
     print(f"decode step: {d['bytes_accessed'] / MiB:,.1f} MiB accessed{hbm}; ideal {f['total'] / MiB:,.1f} MiB with a full "
           f"cache (weights {f['weights'] / MiB:,.1f}, cache read {f['cache_read'] / MiB:,.1f}, written "
           f"{f['cache_write'] / MiB:,.2f}): {d['over_ideal_full']:.2f}x; at the mean fill "

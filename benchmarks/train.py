@@ -44,7 +44,7 @@ def add_parser(sub) -> None:
                    help="parameters and compute of both sides (and of the matmul peak)")
     t.add_argument("--nominal-peak-tflops", type=float,
                    help="the device's nominal dense peak in --dtype (e.g. 989 for an H100/H200 SXM in bf16): adds MFU")
-    t.add_argument("--attention", choices=("xla", "cudnn"), default="xla",
+    t.add_argument("--attention", choices=("xla", "cudnn", "splash"), default="xla",
                    help="jodpo's attention kernel (Model.attention; cudnn: NVIDIA GPUs, bf16)")
     t.add_argument("--fixture", type=Path, help="build (or reuse) the fixture here instead of a temporary dir")
     t.add_argument("--out", type=Path)

@@ -42,9 +42,8 @@ from jodpo.program.sources import describe_split, load_split, training_prompts
 # The training config's fields that shape generation (``--FIELD VALUE`` on the command line).
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_new_tokens", "stop_token",
                    "max_prompt_length", "prompt_buckets", "seed", "per_device_eval_batch_size", "decode_chunk",
-                   "sampler_slots", "bf16",
-                   "matmul_precision", "attn_implementation", "param_dtype", "mesh_data", "mesh_fsdp", "mesh_expert",
-                   "mesh_tensor")
+                   "sampler_slots", "bf16", "matmul_precision", "attn_implementation", "decode_attn_implementation",
+                   "param_dtype", "mesh_data", "mesh_fsdp", "mesh_expert", "mesh_tensor")
 DATA_FIELDS = ("dataset_name", "dataset_config", "dataset_test_split", "chat_template_path")
 
 _jit_sample = collective_order.jit(sample, static_argnums=(0, 5, 6))
@@ -105,7 +104,8 @@ def load_policy(name: str, step: int | None = None, overrides: dict | None = Non
         params = jax.device_put(jax.tree.map(lambda x: x.astype(cfg.param_dtype), params),
                                 S.param_shardings(model, mesh))
     model = model.replace(dtype="bfloat16" if cfg.bf16 else "float32", remat="none", precision=cfg.matmul_precision,
-                          attention=backend.attention_kernel(cfg, model))
+                          attention=backend.attention_kernel(cfg, model),
+                          decode_attention=backend.decode_attention_kernel(cfg))
 
     eos = [*model.eos_token_ids, *([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []),
            *stop_token_ids(cfg, tokenizer)]

@@ -322,7 +322,7 @@ def test_a_decode_step_moves_little_more_than_its_weights_and_cache():
     traffic = helpers.benchmark("traffic")
     D, L, V, R, P, T = 256, 4, 1024, 4, 48, 16
     a = argparse.Namespace(hidden=D, layers=L, heads=4, vocab=V, hf_config=None, rows=R, prompt_len=P, new_tokens=T,
-                           dtype="float32", tpu=None, no_step=False)
+                           dtype="float32", tpu=None, no_step=False, decode_attention="xla")
     r = traffic.bench_traffic(a)
     d = r["decode_step"]
     weights = 4 * (L * (12 * D * D + 13 * D) + 2 * D + V * D + R * D)  # layers (norms too), final norm, head, R embed rows
@@ -331,6 +331,23 @@ def test_a_decode_step_moves_little_more_than_its_weights_and_cache():
     assert 1.0 <= d["over_ideal_full"] <= 1.3, d
     assert r["choose"]["passes_over_logits"] > 1  # top_p sorts the vocabulary: several passes, reported
     assert 1.0 <= r["fused_step"]["over_useful"] <= 1.6, r["fused_step"]
+
+
+def test_the_hbm_estimate_counts_the_decode_kernels_blocks_read():
+    """traffic.hbm_bytes on an XLA:TPU program's text holding the decode kernel: its keys and values counted at the
+    slots it reads (``kernel_slots``), everything else whole."""
+    traffic = helpers.benchmark("traffic")
+    kv, small = "bf16[1,4,2,64,128]", ["s32[1]", "s32[4]", "s32[4,4]", "s32[4,4]", "s32[4,4]", "bf16[4,2,2,128]"]
+    shapes = [*small, kv, kv, "s32[4,4,1,16]"]
+    names = ["layer", "count", "blocks", "rows", "fetch", "q", "k", "v", "mask"]
+    params = "\n".join(f"  %{n} = {s}{{0}} parameter({i})" for i, (n, s) in enumerate(zip(names, shapes)))
+    hlo = (f"HloModule m\n\nENTRY %main ({', '.join(f'{n}: {s}' for n, s in zip(names, shapes))}) -> bf16[4,2,2,128] "
+           f"{{\n{params}\n  ROOT %jodpo_decode_attention.1 = bf16[4,2,2,128]{{3,2,1,0}} custom-call("
+           f"{', '.join('%' + n for n in names)}), custom_call_target=\"tpu_custom_call\", operand_layout_constraints="
+           f"{{{', '.join(s + '{0}' for s in shapes)}}}, metadata={{op_name=\"x\"}}\n}}\n")
+    kv_bytes, rest = 4 * 2 * 64 * 128 * 2, (1 + 4 + 3 * 16 + 4 * 64) * 4 + 2 * 4 * 2 * 2 * 128 * 2  # + the output
+    assert traffic.hbm_bytes(hlo) == 2 * kv_bytes + rest
+    assert traffic.hbm_bytes(hlo, lambda S: S // 4) == 2 * kv_bytes / 4 + rest
 
 
 def test_the_moe_layer_benchmark_times_the_same_layer_four_ways():

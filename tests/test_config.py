@@ -40,6 +40,8 @@ def test_overrides_are_typed():
                                                ("loss_type", "dpo", "unknown loss_type"),
                                                ("per_device_train_batch_size", 0, "per_device_train_batch_size"),
                                                ("attn_implementation", "flash", "attn_implementation must be one of"),
+                                               ("decode_attn_implementation", "flash",
+                                                "decode_attn_implementation must be one of"),
                                                ("matmul_precision", "tf32", "matmul_precision must be one of"),
                                                ("total_episodes", 0, "total_episodes must be >= 1"),
                                                ("rdpo_alpha", 0.1, "rdpo_alpha is R-DPO's length term"),
@@ -78,7 +80,8 @@ def test_run_length_from_steps_episodes_or_epochs():
 
 def test_auto_attention_is_cudnn_only_where_it_runs_and_pays(monkeypatch):
     """attn_implementation="auto" (the default) is cuDNN's flash attention on an Ampere-or-later NVIDIA GPU in bf16 for
-    heads of <= 128 dims without soft-capping, unless the run must be deterministic; jodpo's XLA attention elsewhere."""
+    heads of <= 128 dims without soft-capping, unless the run must be deterministic; splash attention on TPUs in bf16;
+    jodpo's XLA attention elsewhere."""
     import types
 
     import jax
@@ -104,8 +107,26 @@ def test_auto_attention_is_cudnn_only_where_it_runs_and_pays(monkeypatch):
     assert attention_kernel(C.TrainConfig(bf16=True, attn_implementation="xla"), model) == "xla"
     monkeypatch.setattr(jax, "devices", lambda *a: [types.SimpleNamespace(compute_capability="7.0")])  # a V100
     assert attention_kernel(C.TrainConfig(bf16=True), model) == "xla"
-    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
-    assert attention_kernel(C.TrainConfig(bf16=True), model) == "xla"
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")  # splash attention, in bf16
+    assert attention_kernel(C.TrainConfig(bf16=True), model) == "splash"
+    assert attention_kernel(C.TrainConfig(bf16=False), model) == "xla"
+
+
+def test_splash_attention_needs_bf16():
+    with pytest.raises(C.ConfigError, match="attn_implementation='splash' needs bf16=True"):
+        C.TrainConfig(attn_implementation="splash", bf16=False)
+    assert C.TrainConfig(attn_implementation="splash", bf16=True).attn_implementation == "splash"
+
+
+def test_auto_decode_attention_is_the_pallas_kernel_on_tpus_only(monkeypatch):
+    import jax
+
+    from jodpo.program.backend import decode_attention_kernel
+
+    for backend, kernel in (("tpu", "pallas"), ("gpu", "xla"), ("cpu", "xla")):
+        monkeypatch.setattr(jax, "default_backend", lambda backend=backend: backend)
+        assert decode_attention_kernel(C.TrainConfig()) == kernel
+        assert decode_attention_kernel(C.TrainConfig(decode_attn_implementation="xla")) == "xla"
 
 
 def test_cudnn_attention_needs_bf16_and_a_gpu():

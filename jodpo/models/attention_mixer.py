@@ -33,7 +33,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jodpo.models.layers import Context, Site, attention, forward_attention, keys_values, layer_rope, queries
+from jodpo.models.layers import (Context, Site, cache_attention, causal_attention, keys_values, layer_rope, queries,
+                                 within)
 from jodpo.models.model import Attention, Model, Params, einsum
 
 KIND = "attention"
@@ -101,16 +102,11 @@ def _output(model: Model, p: Params, a_BLHD, gate, dtype) -> jax.Array:
     return out
 
 
-def _within(window: int, dist):
-    """Causal, and within ``window`` slots (0: no window)."""
-    return (dist >= 0) & (dist < window) if window else dist >= 0
-
-
 def _cached_keys(ctx: Context):
     """Which cache slots the new tokens attend to, ``[B, L, S]``: the real ones up to each token's own (the
     distances are per row where the cache's index is, ``decoder.hidden_states``)."""
     dist = ctx.dist[1]
-    return ctx.mask[1][:, None, :] & _within(0, dist if dist.ndim == 3 else dist[None])
+    return ctx.mask[1][:, None, :] & within(0, dist if dist.ndim == 3 else dist[None])
 
 
 def write_slot(slab, new_BKD, slot_B):
@@ -125,7 +121,7 @@ def full(model: Model, p: Params, x, ctx: Context, site: Site, kv=None, reads: b
     rope = layer_rope(attn, ctx.rope[0], site)
     q, gate = _queries(model, attn, p, x, rope)
     k, v = kv if reads else keys_values(model, attn, p, x, *rope)
-    a = forward_attention(model, q, k, v, ctx.mask[0][:, None, :] & _within(attn.window, ctx.dist[0])[None])
+    a = causal_attention(model, q, k, v, ctx.mask[0], 0, attn.window)
     return _output(model, p, a, gate, x.dtype), (kv if reads or kv is None else (k, v))
 
 
@@ -142,9 +138,9 @@ def prefixed(model: Model, p: Params, xs, ctx: Context, site: Site, kv=None, rea
     n = xs_.shape[0] // xp.shape[0]
     tile = lambda a: jnp.concatenate([a] * n, 0)  # noqa: E731
     prefix_mask, suffix_keys = ctx.mask[0], ctx.mask[1]  # [B, P]; [N, P + C] (the tiled prefix's, then its own)
-    ap = forward_attention(model, qp, kp, vp, prefix_mask[:, None, :] & _within(attn.window, ctx.dist[0])[None])
-    a_s = forward_attention(model, qs, jnp.concatenate([tile(kp), ks], 1), jnp.concatenate([tile(vp), vs], 1),
-                            suffix_keys[:, None, :] & _within(attn.window, ctx.dist[1])[None])
+    ap = causal_attention(model, qp, kp, vp, prefix_mask, 0, attn.window)
+    a_s = causal_attention(model, qs, jnp.concatenate([tile(kp), ks], 1), jnp.concatenate([tile(vp), vs], 1),
+                           suffix_keys, xp.shape[1], attn.window)  # the suffix's slots follow the prefix's P
     out = _output(model, p, ap, gp, xp.dtype), _output(model, p, a_s, gs, xs_.dtype)
     return out, (kv if reads or kv is None else ((kp, vp), (ks, vs)))
 
@@ -176,8 +172,7 @@ def cached(model: Model, p: Params, x, state: dict, j, ctx: Context, site: Site,
 
         state = {"k": write(state["k"], k), "v": write(state["v"], v)}
         if ctx.empty:
-            a = forward_attention(model, q, k, v, ctx.mask[0][:, None, :] & _within(0, ctx.dist[0])[None])
+            a = causal_attention(model, q, k, v, ctx.mask[0])
             return _output(model, p, a, gate, x.dtype), state
-    ks, vs = (state["k"], state["v"]) if j is None else (state["k"][j], state["v"][j])
-    a = attention(model, q, ks, vs, _cached_keys(ctx))
+    a = cache_attention(model, q, state["k"], state["v"], _cached_keys(ctx), j)
     return _output(model, p, a, gate, x.dtype), state

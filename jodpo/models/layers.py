@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jodpo.models import decode_attention, splash
 from jodpo.models.model import Attention, Model, Params, Rope, einsum
 
 # transformers' hidden_act names jodpo computes -> the function
@@ -285,6 +286,65 @@ def attention(model: Model, q_BLHD, k_BKSD, v_BKSD, attend_BLS) -> jax.Array:
     scores = jnp.where(attend_BLS[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(dt)
     return einsum(model, "bkgls,bksd->blkgd", probs, v_BKSD.astype(dt)).reshape(B, L, H, Dh)
+
+
+def cache_attention(model: Model, q_BLHD, k_BKSD, v_BKSD, attend_BLS, j=None) -> jax.Array:
+    """``attention`` over a cache's slots: one layer's ``[B, K, S, Dh]`` keys and values, or (``j``, an int32 index)
+    layer ``j``'s of a stack ``[N, B, K, S, Dh]``. ``model.decode_attention == "pallas"`` runs a decode step (one new
+    token a row) through ``jodpo.models.decode_attention``'s kernel, which reads only the cache blocks holding a slot
+    the row attends to, the stacked cache's layer in place; several new tokens, or ``"xla"``: ``attention`` over the
+    whole slab."""
+    if model.decode_attention == "pallas" and q_BLHD.shape[1] == 1:
+        return _pallas_decode(model, q_BLHD, k_BKSD, v_BKSD, attend_BLS, j)
+    if j is not None:
+        k_BKSD, v_BKSD = k_BKSD[j], v_BKSD[j]
+    return attention(model, q_BLHD, k_BKSD, v_BKSD, attend_BLS)
+
+
+def _pallas_decode(model: Model, q_BLHD, k, v, attend_BLS, j):
+    """The decode kernel, per device on a mesh (``_sharded``)."""
+    def run(q, k, v, attend, layer):
+        return decode_attention.decode_attention(model, q, k, v, attend, None if j is None else layer)
+
+    kv = ("rows", "heads") if j is None else (None, "rows", "heads")
+    return _sharded(run, k, k.shape[-3], (q_BLHD, k, v, attend_BLS, jnp.int32(0) if j is None else j),
+                    ("rows", None, "heads"), kv, kv, ("rows",), (), out=("rows", None, "heads"))
+
+
+def _sharded(run, kv, kv_heads: int, args, *specs, out):
+    """``run(*args)``, a Pallas kernel, on the mesh the keys and values ``kv`` sit on in a ``shard_map`` (XLA cannot
+    partition a Pallas kernel: it would gather every operand to every device): each device its rows (``"rows"`` in
+    an argument's spec: split as the batch's, ``BATCH_AXES``, where they divide it) and, where ``tensor`` divides the
+    ``kv_heads``, its kv heads with the query heads that read them (``"heads"``). As it is without a mesh."""
+    mesh = jax.typeof(kv).sharding.mesh
+    if mesh.empty or mesh.size <= 1 or jax.sharding.AxisType.Manual in mesh.axis_types:
+        return run(*args)
+    _, rows = _batch_split(args[0].shape[0], kv)
+    t = dict(mesh.shape).get("tensor", 1)
+    names = {"rows": rows or None, "heads": "tensor" if t > 1 and kv_heads % t == 0 else None, None: None}
+    P = jax.sharding.PartitionSpec
+    spec = lambda axes: P(*(names[a] for a in axes))  # noqa: E731
+    return jax.shard_map(run, mesh=mesh, in_specs=tuple(map(spec, specs)), out_specs=spec(out),
+                         check_vma=False)(*args)
+
+
+def within(window: int, dist):
+    """Causal, and within ``window`` slots (0: no window), of ``dist`` = query slot - key slot."""
+    return (dist >= 0) & (dist < window) if window else dist >= 0
+
+
+def causal_attention(model: Model, q_BLHD, k_BSKD, v_BSKD, keys_BS, offset: int = 0, window: int = 0) -> jax.Array:
+    """``forward_attention`` with the mask every cache-free forward and prefill has: query i (at slot ``offset + i``)
+    attends to the real keys (``keys_BS``) at slots j <= offset + i, within ``window`` slots (0: none).
+    ``model.attention == "splash"`` computes it with splash attention (``jodpo.models.splash``: the causal part and
+    the window as its static mask, the real keys as segment ids) where the compute dtype is bfloat16."""
+    if model.attention == "splash" and q_BLHD.dtype == jnp.bfloat16:
+        tokens = ("rows", None, "heads")  # [B, L, heads, Dh]
+        return _sharded(functools.partial(splash.splash_attention, model, offset=offset, window=window), k_BSKD,
+                        k_BSKD.shape[2], (q_BLHD, k_BSKD, v_BSKD, keys_BS), tokens, tokens, tokens, ("rows",),
+                        out=tokens)
+    dist = offset + jnp.arange(q_BLHD.shape[1])[:, None] - jnp.arange(k_BSKD.shape[1])[None, :]
+    return forward_attention(model, q_BLHD, k_BSKD, v_BSKD, keys_BS[:, None, :] & within(window, dist)[None])
 
 
 def forward_attention(model: Model, q_BLHD, k_BSKD, v_BSKD, attend_BLS) -> jax.Array:

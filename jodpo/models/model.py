@@ -224,10 +224,15 @@ class Model:
     # "high"/"default" let GPUs use TF32 and TPUs fewer bf16 passes. bfloat16 compute ignores it (see einsum).
     precision: str = "highest"
     # Attention of the cache-free forwards (training, scoring, reference) and the prefill: "xla" (jodpo's einsum
-    # attention, any backend) or "cudnn" (cuDNN flash attention through jax.nn.dot_product_attention: NVIDIA GPUs,
-    # bf16/fp16 compute). The decode steps' attention over the cache is always jodpo's own (bandwidth-bound). cuDNN
-    # cannot soft-cap: a model with attn_softcap runs jodpo's own attention whatever this says (attention_note).
+    # attention, any backend), "cudnn" (cuDNN flash attention through jax.nn.dot_product_attention: NVIDIA GPUs,
+    # bf16/fp16 compute) or "splash" (splash attention, jodpo.models.splash: TPUs, bf16 compute; float32 compute runs
+    # jodpo's own). cuDNN cannot soft-cap: a model with attn_softcap runs jodpo's own attention whatever this says
+    # (attention_note).
     attention: str = "xla"
+    # Attention of the decode steps over the cache (one new token a row): "xla" (jodpo's einsum attention over the
+    # whole slab, any backend) or "pallas" (jodpo.models.decode_attention: a kernel that reads only the cache blocks
+    # holding a slot the row attends to; Mosaic on TPUs, Pallas' interpret mode where lowered for another platform)
+    decode_attention: str = "xla"
     # LoRA (jodpo.models.lora): adapters in params["layers"]["lora"], when there, add lora_alpha / lora_rank * a.b to
     # their weights (PEFT's scaling); params without them (the reference: the adapters off) run the base model.
     lora_rank: int = 0
@@ -256,6 +261,8 @@ class Model:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}") from None
         if self.attention not in ATTENTIONS:
             raise ValueError(f"attention must be one of {ATTENTIONS}, got {self.attention!r}")
+        if self.decode_attention not in DECODE_ATTENTIONS:
+            raise ValueError(f"decode_attention must be one of {DECODE_ATTENTIONS}, got {self.decode_attention!r}")
         if self.layer_kinds and (len(self.layer_kinds) != self.num_layers or set(self.layer_kinds) - set(KINDS)):
             raise ValueError(f"layer_kinds must name one of {KINDS} for each of the {self.num_layers} layers, got "
                              f"{self.layer_kinds}")
@@ -348,7 +355,8 @@ def attention_note(model: Model) -> str | None:
 # jax's names for the precision of float32 dots; "highest" = "float32", "high" = "tensorfloat32" (TF32 on GPUs,
 # 3 bf16 passes on TPUs), "default" = "bfloat16" = "fastest" (TF32 on GPUs, 1 bf16 pass on TPUs).
 PRECISIONS = ("highest", "high", "default", "float32", "tensorfloat32", "bfloat16", "fastest")
-ATTENTIONS = ("xla", "cudnn")
+ATTENTIONS = ("xla", "cudnn", "splash")
+DECODE_ATTENTIONS = ("xla", "pallas")
 
 
 def einsum(model: Model, spec: str, *operands: jax.Array, **kwargs) -> jax.Array:

@@ -20,8 +20,9 @@ import jax
 import jax.numpy as jnp
 
 from jodpo.models import attention_mixer
-from jodpo.models.attention_mixer import _output, _queries, _within
-from jodpo.models.layers import Context, Site, attention, forward_attention, keys_values, layer_rope
+from jodpo.models.attention_mixer import _output, _queries
+from jodpo.models.layers import (Context, Site, attention, cache_attention, causal_attention, keys_values, layer_rope,
+                                 within)
 from jodpo.models.model import READS, Model, Params
 
 KIND = "sliding_attention"
@@ -137,7 +138,7 @@ def cached(model: Model, p: Params, x, state: dict, j, ctx: Context, site: Site,
 
             state = {"k": write(state["k"], k), "v": write(state["v"], v)}
         attend = _real(ctx, _held(ctx.start, size))[:, None, :]
-        a = attention(model, q, mine(state["k"]), mine(state["v"]), attend)
+        a = cache_attention(model, q, state["k"], state["v"], attend, j)
         return _output(model, p, a, gate, x.dtype), state
     if reads:
         k, v = mine(state["new_k"]), mine(state["new_v"])
@@ -147,10 +148,10 @@ def cached(model: Model, p: Params, x, state: dict, j, ctx: Context, site: Site,
             keep = (lambda room, new: new.astype(room.dtype)) if j is None else (  # noqa: E731
                 lambda room, new: jax.lax.dynamic_update_index_in_dim(room, new.astype(room.dtype), j, 0))
             state = {**state, "new_k": keep(state["new_k"], k), "new_v": keep(state["new_v"], v)}
-    among = ctx.mask[0][:, None, :] & _within(W, ctx.dist[0])[None]
     if ctx.empty:
-        a = forward_attention(model, q, k, v, among)
+        a = causal_attention(model, q, k, v, ctx.mask[0], 0, W)
     else:
+        among = ctx.mask[0][:, None, :] & within(W, ctx.dist[0])[None]
         held = _held(ctx.start - 1, size)  # the ring before these tokens
         dist = (ctx.start + jnp.arange(L, dtype=jnp.int32))[:, None] - held[None, :]
         before = _real(ctx, held)[:, None, :] & (dist < W)[None]

@@ -213,9 +213,12 @@ def attention_kernel(cfg, model) -> str:
     cuDNN's flash attention where it is known to run and to pay (measured on an H200 at a 1.76B GPT-NeoX shape in bf16:
     the update 1.45x faster than jodpo's XLA attention; docs/gpu.md): jax's backend an NVIDIA GPU of compute capability
     8.0 or more, bf16 compute, heads of at most 128 dims, no soft-capping, and ``deterministic=False`` (cuDNN's
-    backward is not among XLA's deterministic ops). Everywhere else, jodpo's own XLA attention."""
+    backward is not among XLA's deterministic ops). On TPUs in bf16, splash attention (its temporaries grow with the
+    sequence, not its square: docs/tpu.md). Everywhere else, jodpo's own XLA attention."""
     if cfg.attn_implementation != "auto":
         return cfg.attn_implementation
+    if jax.default_backend() == "tpu":  # splash attention (jodpo.models.splash), as every TPU stack's, in bf16
+        return "splash" if cfg.bf16 else "xla"
     if jax.default_backend() != "gpu":
         return "xla"
     try:
@@ -226,6 +229,16 @@ def attention_kernel(cfg, model) -> str:
     head_dim = max([model.attention_of(k).head_dim for k in dict.fromkeys(model.kinds) if k != "deltanet"] or [0])
     fits = capability >= 8.0 and head_dim <= 128 and not model.attn_softcap
     return "cudnn" if fits and cfg.bf16 and not cfg.deterministic else "xla"
+
+
+def decode_attention_kernel(cfg) -> str:
+    """The attention of a run's decode steps: ``cfg.decode_attn_implementation``, with ``"auto"`` resolved to the
+    Pallas kernel that reads only the filled cache blocks (``jodpo.models.decode_attention``) on TPUs, where it
+    compiles with Mosaic, and jodpo's XLA attention elsewhere (on other backends the kernel runs only in Pallas'
+    interpret mode: the tests')."""
+    if cfg.decode_attn_implementation != "auto":
+        return cfg.decode_attn_implementation
+    return "pallas" if jax.default_backend() == "tpu" else "xla"
 
 
 def configure(cfg) -> None:

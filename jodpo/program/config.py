@@ -185,8 +185,13 @@ class _Fields:
     matmul_precision: str = _f("highest", "float32 dots: highest (float32 on every backend, as torch) | high | default "
                                           "(TF32 on GPUs, fewer bf16 passes on TPUs: faster); bf16 compute ignores it")
     attn_implementation: str = _f("auto", "attention of the forwards and the prefill: auto (cudnn where it runs and "
-                                          "pays: an NVIDIA GPU, bf16, not deterministic; else xla) | xla (any backend) "
-                                          "| cudnn (cuDNN flash attention: an NVIDIA GPU and bf16 compute)")
+                                          "pays: an NVIDIA GPU, bf16, not deterministic; splash on TPUs in bf16; else "
+                                          "xla) | xla (any backend) | cudnn (cuDNN flash attention: an NVIDIA GPU and "
+                                          "bf16 compute) | splash (splash attention: TPUs, bf16 compute)")
+    decode_attn_implementation: str = _f("auto", "attention of the sampler's decode steps over the KV cache: auto "
+                                                 "(pallas on TPUs, else xla) | xla (any backend: the whole cache slab "
+                                                 "every step) | pallas (a Pallas kernel reading only the cache blocks "
+                                                 "that hold tokens: TPUs)")
     # --- jodpo's own
     remat: str = _f("auto", "auto (from gradient_checkpointing) | none | full | dots; in every mode the backward "
                             "recomputes the norms and the MLP's activation from their inputs rather than keep float32 "

@@ -7,7 +7,7 @@ import warnings
 from jodpo.errors import ConfigError
 from jodpo.losses import LOSSES, LossOptions, check_loss_options
 from jodpo.methods import FIXED_PAIR_SHAPE, check_method
-from jodpo.models.model import ATTENTIONS, PRECISIONS
+from jodpo.models.model import ATTENTIONS, DECODE_ATTENTIONS, PRECISIONS
 from jodpo.pairing import PAIRINGS
 from jodpo.program import schedule
 from jodpo.program.tracking import trackers
@@ -57,9 +57,15 @@ def check(c) -> None:
         raise ConfigError(f"matmul_precision must be one of {PRECISIONS}, got {c.matmul_precision!r}")
     if c.attn_implementation not in ("auto", *ATTENTIONS):
         raise ConfigError(f"attn_implementation must be one of {('auto', *ATTENTIONS)}, got {c.attn_implementation!r}")
+    if c.decode_attn_implementation not in ("auto", *DECODE_ATTENTIONS):
+        raise ConfigError(f"decode_attn_implementation must be one of {('auto', *DECODE_ATTENTIONS)}, got "
+                          f"{c.decode_attn_implementation!r}")
     if c.attn_implementation == "cudnn" and not c.bf16:
         raise ConfigError("attn_implementation='cudnn' needs bf16=True (cuDNN's flash attention has no float32 "
                           "kernel); use 'xla' for float32 compute")
+    if c.attn_implementation == "splash" and not c.bf16:
+        raise ConfigError("attn_implementation='splash' needs bf16=True (jodpo runs splash attention on bf16 compute "
+                          "only: float32 keeps the XLA attention's explicit precision); use 'xla' for float32 compute")
     if c.dataset_mixer is not None and c.dataset_name:
         raise ConfigError("dataset_mixer and dataset_name are both set: the mixer replaces dataset_name; unset one")
     if c.stop_token not in (None, "eos", "period"):

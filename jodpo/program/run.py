@@ -151,6 +151,12 @@ def build(cfg: TrainConfig, given: Given = Given()) -> Run:
     if cfg.attn_implementation == "cudnn" and jax.default_backend() != "gpu":
         raise ConfigError(f"attn_implementation='cudnn' needs an NVIDIA GPU, and jax's backend is "
                           f"{jax.default_backend()}: use 'xla'")
+    if cfg.attn_implementation == "splash" and jax.default_backend() not in ("tpu", "cpu"):
+        raise ConfigError(f"attn_implementation='splash' compiles for TPUs (on a CPU it runs interpreted, for tests), "
+                          f"and jax's backend is {jax.default_backend()}: use 'xla', 'cudnn' or 'auto'")
+    if cfg.decode_attn_implementation == "pallas" and jax.default_backend() not in ("tpu", "cpu"):
+        raise ConfigError(f"decode_attn_implementation='pallas' compiles for TPUs (on a CPU it runs interpreted, for "
+                          f"tests), and jax's backend is {jax.default_backend()}: use 'xla' or 'auto'")
     if cfg.temperature == 0 and (cfg.reward_model_path or cfg.reward_funcs or cfg.judge):  # online: it samples
         raise ConfigError("temperature=0 decodes greedily, so both completions of a prompt are the same: every pair "
                           "ties, the loss stays ln 2 and nothing is learned; use a temperature > 0 (TRL's default "
@@ -213,7 +219,8 @@ def build(cfg: TrainConfig, given: Given = Given()) -> Run:
         policy_params = None  # when the run starts from it: Run.policy()
     remat = cfg.remat if cfg.remat != "auto" else ("full" if cfg.gradient_checkpointing else "none")
     model = model.replace(dtype="bfloat16" if cfg.bf16 else "float32", remat=remat, precision=cfg.matmul_precision,
-                          attention=backend.attention_kernel(cfg, model))
+                          attention=backend.attention_kernel(cfg, model),
+                          decode_attention=backend.decode_attention_kernel(cfg))
     say_attention(model, "model_name_or_path")
     # the reference as its bf16 forwards read it (the same numbers; with LoRA the base stays as loaded, since the
     # adapters are merged into it in float32); the policy's own copy (policy_params) is untouched
