@@ -1,5 +1,7 @@
 """The decode steps' Pallas kernel (jodpo.models.decode_attention, in Pallas' interpret mode on the CPU): equal to
 jodpo's XLA attention over the slots a row attends to, wherever they sit, reading only the blocks that hold one."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -83,6 +85,12 @@ def test_sampling_with_the_kernel_equals_xla():
     b = jodpo.sample(model.replace(decode_attention="pallas"), params, ids, mask, jax.random.key(1), cfg)
     np.testing.assert_array_equal(a.tokens, b.tokens)
     np.testing.assert_allclose(a.logprobs, b.logprobs, atol=2e-5)
+    # the refill's rows (a cache index per row, rows that start again at slot P) through the kernel: the same
+    refill = dataclasses.replace(cfg, slots=1, eos_token_ids=(int(a.tokens[0, 3]),))
+    c, d = (jodpo.sample(m, params, ids, mask, jax.random.key(1), refill) for m in (model, model.replace(
+        decode_attention="pallas")))
+    np.testing.assert_array_equal(c.tokens, d.tokens)
+    np.testing.assert_allclose(c.logprobs, d.logprobs, atol=2e-5)
 
 
 def test_a_stacked_cache_decodes_with_the_kernel_as_with_xla():
