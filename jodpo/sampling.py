@@ -326,8 +326,8 @@ def sample(model: Model, params: Params, prompt_ids: jax.Array, prompt_mask: jax
         (``completion_keys``, ``token_keys``), so a result is reproducible and does not depend on ``config.slots``.
       config: a ``SamplingConfig`` (static).
       num_samples: completions per prompt (static). The prompts are run through the model once and their
-        cache copied; rows come in block layout: every prompt for sample 0, then every prompt for sample 1, ...
-        (the same as sampling ``concatenate([prompt_ids] * num_samples)``, with one prefill instead of n).
+        cache copied (one prefill instead of n); rows come in block layout: every prompt for sample 0, then every
+        prompt for sample 1, ... (row j * B + i: completion j of prompt i, drawn from its keys).
       first_prompt: the index of the first prompt in a longer queue these prompts are part of (an int or a traced
         scalar): they then draw as they would there, so a queue sampled in several calls gives what one call gives.
     Returns:

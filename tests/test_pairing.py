@@ -57,7 +57,7 @@ def test_round_robin_win_scores_and_verdicts():
 
 def test_best_of_k_step_equals_the_two_completion_step_on_the_chosen_pairs(neox):
     """k = 4, best_worst, with the EOS penalty: one decode samples the k completions (the prompt's prefill shared:
-    the same tokens as sampling the prompts repeated k times), the pair is the highest against the lowest penalised
+    test_sampling checks they are the repeated prompts' with their keys), the pair is the highest against the lowest penalised
     reward, a prompt whose rewards all tie weighs nothing; the jitted step equals TRL's two-completion step
     (``update``) on the pairs a Python loop picks, the tied prompt left out (loss, gradients, parameters)."""
     model, params = neox
@@ -67,8 +67,7 @@ def test_best_of_k_step_equals_the_two_completion_step_on_the_chosen_pairs(neox)
     state = ts.init_state(cfg, params, jax.random.key(2))
     samples = ts.jit_sample_completions(cfg, state, ids, mask)
     assert samples.tokens.shape[:2] == (1, k * B)
-    repeated = ts.jit_sample_completions(helpers.step_cfg(model), state, np.tile(ids, (1, k, 1)), np.tile(mask, (1, k, 1)), 1)
-    np.testing.assert_array_equal(np.asarray(repeated.tokens), np.asarray(samples.tokens))
+    assert len({tuple(r) for r in np.asarray(samples.tokens)[0]}) > B  # k different draws of a prompt
     rewards = np.random.default_rng(1).integers(0, 4, (1, k * B)).astype(np.float32)
     rewards[0, 1::B] = 1.0  # prompt 1: every completion scores the same
     tokens, tmask = np.asarray(samples.tokens)[0], np.asarray(samples.mask)[0]
